@@ -1,0 +1,292 @@
+"""KV-cache geometry: what an instance's and a rank's cache look like.
+
+An :class:`InstanceSpec` is what every rank of one engine deployment shares (model shape,
+parallel layout, page size); a :class:`RankGeometry` adds the rank's coordinates and its
+page count. Everything here is pure and validated at construction, so the planner and the
+daemon never see a geometry that cannot be laid out in memory.
+
+Layout is NHD: per local layer one tensor ``[num_pages, page_size, heads_per_rank,
+head_dim]`` for K and one for V (MHA), or one latent tensor (MLA, treated as a single KV
+"head" of width ``head_dim`` that every TP rank holds in full).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+from .errors import GeometryError
+
+ATTENTION_KINDS = ("mha", "mla")
+LAYOUTS = ("NHD",)
+
+#: bits per element; sub-byte types are packed, so a head slice can be non-integral bytes.
+DTYPE_BITS: dict[str, int] = {
+    "float32": 32,
+    "float16": 16,
+    "bfloat16": 16,
+    "float8_e4m3fn": 8,
+    "float8_e5m2": 8,
+    "int8": 8,
+    "uint8": 8,
+    "float4_e2m1fn_x2": 4,
+    "int4": 4,
+}
+
+#: region kinds per attention kind, in the order they travel on the wire.
+REGION_KINDS: dict[str, tuple[str, ...]] = {"mha": ("k", "v"), "mla": ("latent",)}
+
+
+def even_layer_splits(num_layers: int, pp_size: int) -> tuple[tuple[int, int], ...]:
+    """Split layers over PP ranks; the first ``num_layers % pp_size`` ranks get one more."""
+    base, extra = divmod(num_layers, pp_size)
+    splits = []
+    start = 0
+    for rank in range(pp_size):
+        end = start + base + (1 if rank < extra else 0)
+        splits.append((start, end))
+        start = end
+    return tuple(splits)
+
+
+def _require_int(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GeometryError(f"{name} must be an integer, got {value!r}", field=name,
+                            fix=f"set {name} to an integer >= {minimum}")
+    if value < minimum:
+        raise GeometryError(f"{name} must be >= {minimum}, got {value}", field=name,
+                            fix=f"set {name} to an integer >= {minimum}")
+    return value
+
+
+@dataclass(frozen=True)
+class InstanceSpec:
+    """The KV-cache layout shared by all ranks of one engine instance."""
+
+    attention: str
+    num_layers: int
+    head_dim: int
+    dtype: str
+    page_size: int
+    tp_size: int = 1
+    pp_size: int = 1
+    total_kv_heads: int | None = None
+    heads_per_rank: int | None = None
+    layer_splits: tuple[tuple[int, int], ...] | None = None
+    layout: str = "NHD"
+    model: str | None = None
+    kv_heads: int = field(init=False, repr=False)
+    splits: tuple[tuple[int, int], ...] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_KINDS:
+            raise GeometryError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}",
+                                field="attention", fix="use 'mha' (separate K and V) or 'mla' (one latent)")
+        _require_int("num_layers", self.num_layers, 1)
+        _require_int("head_dim", self.head_dim, 1)
+        _require_int("page_size", self.page_size, 1)
+        _require_int("tp_size", self.tp_size, 1)
+        _require_int("pp_size", self.pp_size, 1)
+        if self.dtype not in DTYPE_BITS:
+            raise GeometryError(f"dtype {self.dtype!r} is not supported", field="dtype",
+                                fix=f"use one of {sorted(DTYPE_BITS)}")
+        if self.layout not in LAYOUTS:
+            raise GeometryError(f"layout {self.layout!r} is not supported", field="layout",
+                                fix=f"use one of {LAYOUTS}")
+        object.__setattr__(self, "kv_heads", self._resolve_kv_heads())
+        object.__setattr__(self, "splits", self._resolve_splits())
+        # rows must be whole bytes, or no page can be addressed
+        bits = self.local_heads * self.head_dim * DTYPE_BITS[self.dtype]
+        if bits % 8:
+            raise GeometryError(
+                f"one token row of a rank is {bits} bits ({self.local_heads} heads x head_dim "
+                f"{self.head_dim} x {DTYPE_BITS[self.dtype]} bits), not whole bytes",
+                field="head_dim", fix="use an even head_dim with packed 4-bit dtypes")
+
+    # -- heads -------------------------------------------------------------------------
+    def _resolve_kv_heads(self) -> int:
+        if self.attention == "mla":
+            if self.total_kv_heads not in (None, 1):
+                raise GeometryError(f"MLA caches one latent per token, so total_kv_heads must be 1, "
+                                    f"got {self.total_kv_heads}", field="total_kv_heads",
+                                    fix="omit total_kv_heads for MLA or set it to 1")
+            return 1
+        total = self.total_kv_heads
+        if total is None:
+            if self.heads_per_rank is None:
+                raise GeometryError(
+                    "Cannot resolve total_kv_heads: neither total_kv_heads nor heads_per_rank is set",
+                    field="total_kv_heads",
+                    fix="set total_kv_heads to the model's number of KV heads (num_key_value_heads)")
+            _require_int("heads_per_rank", self.heads_per_rank, 1)
+            # heads_per_rank * tp is only the model total when no head is replicated
+            total = self.heads_per_rank * self.tp_size
+        _require_int("total_kv_heads", total, 1)
+        if self.tp_size <= total:
+            if total % self.tp_size:
+                raise GeometryError(f"total_kv_heads {total} is not divisible by tp_size {self.tp_size}",
+                                    field="tp_size", fix="use a tp_size that divides the KV head count")
+        elif self.tp_size % total:
+            raise GeometryError(f"tp_size {self.tp_size} exceeds total_kv_heads {total} but is not a "
+                                "multiple of it, so heads cannot be replicated evenly",
+                                field="tp_size", fix="use a tp_size that is a multiple of the KV head count")
+        expected = max(1, total // self.tp_size)
+        if self.heads_per_rank is not None and self.heads_per_rank != expected:
+            raise GeometryError(f"heads_per_rank {self.heads_per_rank} does not match total_kv_heads "
+                                f"{total} over tp_size {self.tp_size} (expected {expected})",
+                                field="heads_per_rank", fix=f"set heads_per_rank to {expected} or omit it")
+        return total
+
+    @property
+    def local_heads(self) -> int:
+        """KV heads each TP rank holds (1 when heads are replicated)."""
+        return max(1, self.kv_heads // self.tp_size)
+
+    @property
+    def replication(self) -> int:
+        """How many TP ranks hold each head (1 unless tp_size > kv_heads)."""
+        return max(1, self.tp_size // self.kv_heads)
+
+    def head_range(self, tp_rank: int) -> tuple[int, int]:
+        """Global ``[start, end)`` of KV heads held by ``tp_rank``."""
+        if not 0 <= tp_rank < self.tp_size:
+            raise GeometryError(f"tp_rank {tp_rank} outside [0, {self.tp_size})", field="tp_rank",
+                                fix="use a tp_rank below tp_size")
+        start = (tp_rank // self.replication) * self.local_heads
+        return start, start + self.local_heads
+
+    # -- layers ------------------------------------------------------------------------
+    def _resolve_splits(self) -> tuple[tuple[int, int], ...]:
+        if self.layer_splits is None:
+            if self.num_layers < self.pp_size:
+                raise GeometryError(f"num_layers {self.num_layers} is smaller than pp_size {self.pp_size}",
+                                    field="pp_size", fix="use a pp_size no larger than num_layers")
+            return even_layer_splits(self.num_layers, self.pp_size)
+        raw = self.layer_splits
+        if not isinstance(raw, (list, tuple)) or len(raw) != self.pp_size:
+            raise GeometryError(f"layer_splits must list one [start, end) per PP rank ({self.pp_size}), "
+                                f"got {raw!r}", field="layer_splits", fix="give pp_size ranges")
+        splits: list[tuple[int, int]] = []
+        previous_end = 0
+        for rank, item in enumerate(raw):
+            if (not isinstance(item, (list, tuple)) or len(item) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in item)):
+                raise GeometryError(f"layer_splits[{rank}] must be [start, end), got {item!r}",
+                                    field="layer_splits", fix="give integer pairs")
+            start, end = item
+            if not (previous_end <= start < end <= self.num_layers):
+                raise GeometryError(
+                    f"layer_splits[{rank}] = [{start}, {end}) must be non-empty, in order, not overlap "
+                    f"the previous range and lie within [0, {self.num_layers})",
+                    field="layer_splits", fix="list ascending, disjoint ranges inside the model")
+            splits.append((start, end))
+            previous_end = end
+        return tuple(splits)
+
+    def layer_range(self, pp_rank: int) -> tuple[int, int]:
+        if not 0 <= pp_rank < self.pp_size:
+            raise GeometryError(f"pp_rank {pp_rank} outside [0, {self.pp_size})", field="pp_rank",
+                                fix="use a pp_rank below pp_size")
+        return self.splits[pp_rank]
+
+    # -- bytes -------------------------------------------------------------------------
+    @property
+    def bits(self) -> int:
+        return DTYPE_BITS[self.dtype]
+
+    @property
+    def region_kinds(self) -> tuple[str, ...]:
+        return REGION_KINDS[self.attention]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token of one layer of one region kind on one rank."""
+        return self.local_heads * self.head_dim * self.bits // 8
+
+    @property
+    def page_bytes(self) -> int:
+        return self.page_size * self.row_bytes
+
+    # -- (de)serialisation -------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("kv_heads")
+        data.pop("splits")
+        data["total_kv_heads"] = self.kv_heads
+        data["layer_splits"] = [list(s) for s in self.splits]
+        data.pop("heads_per_rank")
+        return {k: v for k, v in data.items() if v is not None}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "InstanceSpec":
+        if not isinstance(data, Mapping):
+            raise GeometryError(f"geometry must be a mapping, got {type(data).__name__}",
+                                field="geometry", fix="send a dict of geometry fields")
+        known = {"attention", "num_layers", "head_dim", "dtype", "page_size", "tp_size", "pp_size",
+                 "total_kv_heads", "heads_per_rank", "layer_splits", "layout", "model"}
+        unknown = sorted(set(data) - known - {"tp_rank", "pp_rank", "num_pages"})
+        if unknown:
+            raise GeometryError(f"unknown geometry field(s) {unknown}", field=unknown[0],
+                                fix=f"use only {sorted(known)}")
+        missing = [k for k in ("attention", "num_layers", "head_dim", "dtype", "page_size") if k not in data]
+        if missing:
+            raise GeometryError(f"geometry is missing {missing}", field=missing[0],
+                                fix="give every required geometry field")
+        kwargs = {k: data[k] for k in known if k in data}
+        splits = kwargs.get("layer_splits")
+        if isinstance(splits, (list, tuple)):
+            kwargs["layer_splits"] = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in splits)
+        model = kwargs.get("model")
+        if model is not None and not isinstance(model, str):
+            raise GeometryError(f"model must be a string, got {model!r}", field="model", fix="name the model")
+        for name in ("attention", "dtype", "layout"):
+            if name in kwargs and not isinstance(kwargs[name], str):
+                raise GeometryError(f"{name} must be a string, got {kwargs[name]!r}", field=name,
+                                    fix=f"give {name} as a string")
+        return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class RankGeometry:
+    """One engine rank's cache: the instance spec plus where this rank sits in it."""
+
+    spec: InstanceSpec
+    tp_rank: int = 0
+    pp_rank: int = 0
+    num_pages: int = 1
+
+    def __post_init__(self) -> None:
+        _require_int("tp_rank", self.tp_rank, 0)
+        _require_int("pp_rank", self.pp_rank, 0)
+        _require_int("num_pages", self.num_pages, 1)
+        self.spec.head_range(self.tp_rank)
+        self.spec.layer_range(self.pp_rank)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        return self.spec.head_range(self.tp_rank)
+
+    @property
+    def layers(self) -> tuple[int, int]:
+        return self.spec.layer_range(self.pp_rank)
+
+    @property
+    def region_bytes(self) -> int:
+        """Size of one region (one kind of one layer) on this rank."""
+        return self.num_pages * self.spec.page_bytes
+
+    def region_names(self) -> list[tuple[int, str]]:
+        """``(global layer, kind)`` for every region this rank must register, in wire order."""
+        start, end = self.layers
+        return [(layer, kind) for layer in range(start, end) for kind in self.spec.region_kinds]
+
+    def to_dict(self) -> dict[str, Any]:
+        data = self.spec.to_dict()
+        data.update(tp_rank=self.tp_rank, pp_rank=self.pp_rank, num_pages=self.num_pages)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RankGeometry":
+        spec = InstanceSpec.from_dict(data)
+        return cls(spec=spec, tp_rank=data.get("tp_rank", 0), pp_rank=data.get("pp_rank", 0),
+                   num_pages=data.get("num_pages", 1))

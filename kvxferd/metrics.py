@@ -1,0 +1,76 @@
+"""Prometheus metrics of one daemon.
+
+Each daemon owns its own :class:`CollectorRegistry` (tests run several daemons, and the
+process-global default registry would mix them). Labels are bounded: outcome, mode,
+transport, reason code, field, endpoint, peer state, phase; never request ids.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0, 30.0)
+FRAGMENT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+SIZE_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))
+
+
+class Metrics:
+    """All metric objects of one daemon, created on one private registry."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        self.transfers = Counter(
+            "kvxferd_transfers", "Requests finished on this daemon, by side, outcome, mode and transport.",
+            ["side", "outcome", "mode", "transport"], registry=r)
+        self.failures = Counter(
+            "kvxferd_transfer_failures", "Failed requests by bounded reason code and side.",
+            ["side", "reason"], registry=r)
+        self.bytes_sent = Counter(
+            "kvxferd_sent_bytes", "KV bytes sent to destinations, by transport and mode.",
+            ["transport", "mode"], registry=r)
+        self.bytes_received = Counter(
+            "kvxferd_received_bytes", "KV bytes written into local destination pages, by transport.",
+            ["transport"], registry=r)
+        self.chunks = Counter(
+            "kvxferd_chunks", "Chunks moved (one writer to one destination), by transport and mode.",
+            ["transport", "mode"], registry=r)
+        self.latency = Histogram(
+            "kvxferd_request_duration_seconds", "Decode-side request latency, expect to done.",
+            buckets=LATENCY_BUCKETS, registry=r)
+        self.phase_latency = Histogram(
+            "kvxferd_phase_duration_seconds",
+            "Time spent per phase: bootstrap (handshake/matching), queue (chunk ready to start), "
+            "transfer (bytes on the move).", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+        self.chunk_bytes = Histogram(
+            "kvxferd_chunk_size_bytes", "Bytes per moved chunk.", buckets=SIZE_BUCKETS, registry=r)
+        self.fragments = Histogram(
+            "kvxferd_chunk_fragments", "Contiguous fragments per moved chunk (all layers and kinds).",
+            buckets=FRAGMENT_BUCKETS, registry=r)
+        self.inflight = Gauge(
+            "kvxferd_inflight_requests", "Requests not yet terminal, by side and state.",
+            ["side", "state"], registry=r)
+        self.ranks = Gauge(
+            "kvxferd_registered_ranks", "Engine ranks registered with this daemon, by role.",
+            ["role"], registry=r)
+        self.peers = Gauge(
+            "kvxferd_peers", "Peer daemons known to this daemon, by state.", ["state"], registry=r)
+        self.handshakes = Counter(
+            "kvxferd_handshakes", "Handshakes with peer daemons, by result.", ["result"], registry=r)
+        self.refusals = Counter(
+            "kvxferd_compat_refusals", "Incompatible instance pairs refused, by geometry field.",
+            ["field"], registry=r)
+        self.heartbeat_misses = Counter(
+            "kvxferd_heartbeat_misses", "Peers declared unresponsive after missing heartbeats.",
+            registry=r)
+        self.invalid_messages = Counter(
+            "kvxferd_invalid_messages", "Messages rejected by validation, by endpoint.",
+            ["endpoint"], registry=r)
+        self.staging_slots = Gauge(
+            "kvxferd_staging_slots_in_use", "Staging (bounce) slots currently held.", registry=r)
+        self.staging_bytes = Gauge(
+            "kvxferd_staging_bytes_in_use", "Bytes of staging (bounce) memory currently held.",
+            registry=r)
+        self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
+        self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
+                                registry=r)

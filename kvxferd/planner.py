@@ -1,0 +1,231 @@
+"""Pairing two instance geometries: who writes which heads and layers of whom.
+
+``make_plan`` is a pure function of the prefill and decode :class:`InstanceSpec`. Both
+daemons of a pair compute it independently from the handshake and must agree, so it is
+deterministic and depends on nothing but the two specs and the requested mode.
+
+Rules (see DESIGN.md):
+- every destination (head, layer) cell has exactly one writer;
+- replicated prefill heads (tp > kv heads) are spread over replicas by destination rank;
+- the writer set per destination is the smallest possible: one per overlapping
+  (prefill head group, prefill layer range);
+- page sizes may differ, the segment generator works in token runs.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import PlanRefusal
+from .geometry import InstanceSpec
+
+MODES = ("auto", "direct", "staged")
+
+#: auto picks staged when one token row is cut into slices of at most this many bytes
+STAGED_SLICE_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Writer:
+    """One prefill rank writing one rectangle (heads x layers) of one decode rank."""
+
+    tp_rank: int
+    pp_rank: int
+    heads: tuple[int, int]
+    layers: tuple[int, int]
+    src_head_offset: int  # first head of the slice, counted inside the source rank
+    dst_head_offset: int  # ... and inside the destination rank
+    slice_bytes: int      # bytes of the slice per token per layer per kind
+    src_row_bytes: int
+    dst_row_bytes: int
+
+    @property
+    def src(self) -> tuple[int, int]:
+        return (self.tp_rank, self.pp_rank)
+
+    @property
+    def whole_rows(self) -> bool:
+        return self.slice_bytes == self.src_row_bytes == self.dst_row_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "heads": list(self.heads),
+                "layers": list(self.layers), "src_head_offset": self.src_head_offset,
+                "dst_head_offset": self.dst_head_offset, "slice_bytes": self.slice_bytes}
+
+
+@dataclass(frozen=True)
+class Destination:
+    tp_rank: int
+    pp_rank: int
+    heads: tuple[int, int]
+    layers: tuple[int, int]
+    writers: tuple[Writer, ...]
+
+    @property
+    def rank(self) -> tuple[int, int]:
+        return (self.tp_rank, self.pp_rank)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "heads": list(self.heads),
+                "layers": list(self.layers), "writers": [w.to_dict() for w in self.writers]}
+
+
+@dataclass(frozen=True)
+class Plan:
+    prefill: InstanceSpec
+    decode: InstanceSpec
+    destinations: tuple[Destination, ...]
+    mode: str  # "direct" or "staged": the resolved mode
+
+    def destination(self, tp_rank: int, pp_rank: int) -> Destination:
+        return self.destinations[pp_rank * self.decode.tp_size + tp_rank]
+
+    def targets_of(self, tp_rank: int, pp_rank: int) -> list[tuple[Destination, Writer]]:
+        """Every (destination, writer) a prefill rank is responsible for."""
+        return [(d, w) for d in self.destinations for w in d.writers if w.src == (tp_rank, pp_rank)]
+
+    @property
+    def sliced(self) -> bool:
+        """True when some token rows travel as head slices (TP mismatch on MHA)."""
+        return any(not w.whole_rows for d in self.destinations for w in d.writers)
+
+    def fragments_per_page(self) -> int:
+        """Most contiguous pieces one destination page (of one layer and kind) is written in.
+
+        Counted for requests that start at token 0 on both sides with scattered pages: a
+        whole-row writer contributes one piece per source page the destination page
+        overlaps, a head-slice writer one piece per token.
+        """
+        ps_d, ps_p = self.decode.page_size, self.prefill.page_size
+        period = ps_p // math.gcd(ps_p, ps_d)
+        whole = max(len({t // ps_p for t in range(k * ps_d, (k + 1) * ps_d)}) for k in range(period))
+        worst = 1
+        for dest in self.destinations:
+            per_layer: dict[int, int] = {}
+            for w in dest.writers:
+                pieces = whole if w.whole_rows else ps_d
+                per_layer[w.layers[0]] = per_layer.get(w.layers[0], 0) + pieces
+            worst = max([worst, *per_layer.values()])
+        return worst
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"compatible": True, "mode": self.mode, "sliced": self.sliced,
+                "fragments_per_page": self.fragments_per_page(),
+                "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
+                "destinations": [d.to_dict() for d in self.destinations]}
+
+
+def _check_equal(field: str, prefill: Any, decode: Any, fix: str) -> None:
+    if prefill != decode:
+        raise PlanRefusal(f"{field} differs: prefill has {prefill!r}, decode has {decode!r}",
+                          field=field, prefill=prefill, decode=decode, fix=fix)
+
+
+def check_compatible(prefill: InstanceSpec, decode: InstanceSpec, *,
+                     require_same_page_size: bool = False) -> None:
+    """Raise :class:`PlanRefusal` for the first field that makes the pair unusable."""
+    _check_equal("attention", prefill.attention, decode.attention,
+                 "run both instances with the same model and attention backend")
+    if prefill.model and decode.model:
+        _check_equal("model", prefill.model, decode.model, "pair instances that serve the same model")
+    _check_equal("num_layers", prefill.num_layers, decode.num_layers,
+                 "pair instances of the same model (same layer count)")
+    _check_equal("total_kv_heads", prefill.kv_heads, decode.kv_heads,
+                 "pair instances of the same model, or fix total_kv_heads on the wrong side")
+    _check_equal("head_dim", prefill.head_dim, decode.head_dim,
+                 "pair instances of the same model (same head_dim / latent width)")
+    _check_equal("dtype", prefill.dtype, decode.dtype,
+                 "use the same kv-cache dtype on both sides; kvxferd does not convert dtypes")
+    _check_equal("layout", prefill.layout, decode.layout, "use the same KV layout on both sides")
+    if require_same_page_size:
+        _check_equal("page_size", prefill.page_size, decode.page_size,
+                     "use equal page sizes or allow page-size mismatch")
+    p_cover = _coverage(prefill)
+    d_cover = _coverage(decode)
+    if p_cover != d_cover:
+        raise PlanRefusal(
+            "Destination KV descriptors do not match prefill pp configuration: prefill layer_splits "
+            f"{[list(s) for s in prefill.splits]} cover layers {p_cover}, decode layer_splits "
+            f"{[list(s) for s in decode.splits]} cover {d_cover}",
+            field="layer_splits", prefill=[list(s) for s in prefill.splits],
+            decode=[list(s) for s in decode.splits],
+            fix="make both instances' PP layer splits cover the same layers")
+
+
+def _coverage(spec: InstanceSpec) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for start, end in spec.splits:
+        if merged and merged[-1][1] == start:
+            merged[-1][1] = end
+        else:
+            merged.append([start, end])
+    return merged
+
+
+def _slice_bytes(heads: int, spec: InstanceSpec, prefill: InstanceSpec, decode: InstanceSpec) -> int:
+    bits = heads * spec.head_dim * spec.bits
+    if bits < 8 or bits % 8:
+        what = "zero" if bits < 8 else "a non-integral number of bytes"
+        raise PlanRefusal(
+            f"Head slice size evaluates to {what}: {heads} head(s) x head_dim {spec.head_dim} x "
+            f"{spec.bits} bits = {bits} bits (prefill tp_size {prefill.tp_size}, decode tp_size "
+            f"{decode.tp_size})", field="head_dim", prefill=prefill.tp_size, decode=decode.tp_size,
+            fix="use tp sizes whose head slices are whole bytes, or a wider kv-cache dtype")
+    return bits // 8
+
+
+def make_plan(prefill: InstanceSpec, decode: InstanceSpec, *, mode: str = "auto",
+              prefill_tensors: bool = True, decode_tensors: bool = True,
+              require_same_page_size: bool = False) -> Plan:
+    """Match a prefill instance to a decode instance, or raise :class:`PlanRefusal`.
+
+    ``prefill_tensors``/``decode_tensors`` say whether the daemon holds a mapped tensor
+    view of that side's KV buffers; staging gathers and scatters through them.
+    """
+    if mode not in MODES:
+        raise PlanRefusal(f"mode must be one of {MODES}, got {mode!r}", field="mode",
+                          prefill=mode, decode=mode, fix="use auto, direct or staged")
+    check_compatible(prefill, decode, require_same_page_size=require_same_page_size)
+
+    destinations = []
+    for d_pp in range(decode.pp_size):
+        d_layers = decode.layer_range(d_pp)
+        for d_tp in range(decode.tp_size):
+            d_heads = decode.head_range(d_tp)
+            writers = []
+            for p_pp in range(prefill.pp_size):
+                p_layers = prefill.layer_range(p_pp)
+                layers = (max(p_layers[0], d_layers[0]), min(p_layers[1], d_layers[1]))
+                if layers[0] >= layers[1]:
+                    continue
+                for group_start in range(0, prefill.tp_size, prefill.replication):
+                    p_heads = prefill.head_range(group_start)
+                    heads = (max(p_heads[0], d_heads[0]), min(p_heads[1], d_heads[1]))
+                    if heads[0] >= heads[1]:
+                        continue
+                    # spread destinations over the replicas of this head group
+                    p_tp = group_start + d_tp % prefill.replication
+                    writers.append(Writer(
+                        tp_rank=p_tp, pp_rank=p_pp, heads=heads, layers=layers,
+                        src_head_offset=heads[0] - p_heads[0], dst_head_offset=heads[0] - d_heads[0],
+                        slice_bytes=_slice_bytes(heads[1] - heads[0], prefill, prefill, decode),
+                        src_row_bytes=prefill.row_bytes, dst_row_bytes=decode.row_bytes))
+            destinations.append(Destination(d_tp, d_pp, d_heads, d_layers, tuple(writers)))
+
+    sliced = any(not w.whole_rows for d in destinations for w in d.writers)
+    if mode == "auto":
+        small = any(not w.whole_rows and w.slice_bytes <= STAGED_SLICE_BYTES
+                    for d in destinations for w in d.writers)
+        resolved = "staged" if sliced and small and prefill_tensors and decode_tensors else "direct"
+    else:
+        resolved = mode
+    if resolved == "staged" and not (prefill_tensors and decode_tensors):
+        side = "prefill" if not prefill_tensors else "decode"
+        raise PlanRefusal(
+            f"kv_buffer_tensors is None on the {side} side: staged mode gathers and scatters "
+            "through the daemon's mapped view of the KV buffers, and this side registered none",
+            field="kv_buffer_tensors", prefill=prefill_tensors, decode=decode_tensors,
+            fix="register the ranks' KV buffers as shared memory or CUDA IPC regions, or use mode=direct")
+    return Plan(prefill=prefill, decode=decode, destinations=tuple(destinations), mode=resolved)
