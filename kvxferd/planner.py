@@ -165,13 +165,23 @@ def _coverage(spec: InstanceSpec) -> list[list[int]]:
 
 
 def _slice_bytes(heads: int, spec: InstanceSpec, prefill: InstanceSpec, decode: InstanceSpec) -> int:
-    bits = heads * spec.head_dim * spec.bits
-    if bits < 8 or bits % 8:
-        what = "zero" if bits < 8 else "a non-integral number of bytes"
+    """Bytes per token of a ``heads``-wide slice.
+
+    A slice narrower than a row on either side is cut at head boundaries, and the segment
+    generator places it at ``head offset x bytes per head``, so one head must be whole
+    bytes (DESIGN: page bytes / page_size / heads_per_rank), not only the slice.
+    """
+    head_bits = spec.head_dim * spec.bits
+    bits = heads * head_bits
+    sliced = heads != prefill.local_heads or heads != decode.local_heads
+    unit = head_bits if sliced else bits
+    if unit < 8 or unit % 8:
+        what = "zero" if unit < 8 else "a non-integral number of bytes"
         raise PlanRefusal(
-            f"Head slice size evaluates to {what}: {heads} head(s) x head_dim {spec.head_dim} x "
-            f"{spec.bits} bits = {bits} bits (prefill tp_size {prefill.tp_size}, decode tp_size "
-            f"{decode.tp_size})", field="head_dim", prefill=prefill.tp_size, decode=decode.tp_size,
+            f"Head slice size evaluates to {what}: one head is head_dim {spec.head_dim} x "
+            f"{spec.bits} bits = {head_bits} bits, and rows are cut into {heads}-head slices "
+            f"(prefill tp_size {prefill.tp_size}, decode tp_size {decode.tp_size})",
+            field="head_dim", prefill=prefill.tp_size, decode=decode.tp_size,
             fix="use tp sizes whose head slices are whole bytes, or a wider kv-cache dtype")
     return bits // 8
 
@@ -222,10 +232,12 @@ def make_plan(prefill: InstanceSpec, decode: InstanceSpec, *, mode: str = "auto"
     else:
         resolved = mode
     if resolved == "staged" and not (prefill_tensors and decode_tensors):
-        side = "prefill" if not prefill_tensors else "decode"
+        missing = [name for name, held in (("prefill", prefill_tensors), ("decode", decode_tensors))
+                   if not held]
+        side = " and ".join(missing) + (" sides" if len(missing) > 1 else " side")
         raise PlanRefusal(
-            f"kv_buffer_tensors is None on the {side} side: staged mode gathers and scatters "
-            "through the daemon's mapped view of the KV buffers, and this side registered none",
+            f"kv_buffer_tensors is None on the {side}: staged mode gathers and scatters "
+            "through the daemon's mapped view of the KV buffers, and none was registered there",
             field="kv_buffer_tensors", prefill=prefill_tensors, decode=decode_tensors,
             fix="register the ranks' KV buffers as shared memory or CUDA IPC regions, or use mode=direct")
     return Plan(prefill=prefill, decode=decode, destinations=tuple(destinations), mode=resolved)

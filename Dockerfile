@@ -1,0 +1,57 @@
+# kvxferd container image. CPU torch: enough for shared-memory regions and the
+# tcp transport; mapping CUDA IPC regions needs an image built on a CUDA torch.
+#
+#   docker build -t kvxferd .
+#   docker run --rm -v /run/kvxferd:/run/kvxferd -v /dev/shm:/dev/shm \
+#     -p 5557:5557 -p 5558:5558 -p 9400:9400 \
+#     -v /etc/kvxferd:/etc/kvxferd:ro kvxferd serve --config /etc/kvxferd/kvxferd.toml
+FROM python:3.11-slim
+
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# CPU torch first, from the PyTorch CPU index, so the dependency range in
+# pyproject.toml is already satisfied and never pulls a CUDA build.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY kvxferd ./kvxferd
+RUN pip install . \
+ && rm -rf /src
+
+# example instance geometries for `kvxferd plan`
+COPY configs /usr/share/kvxferd/configs
+
+RUN groupadd --system --gid 10001 kvxferd \
+ && useradd --system --uid 10001 --gid kvxferd --no-create-home \
+      --home-dir /nonexistent --shell /usr/sbin/nologin kvxferd \
+ && install -d -o kvxferd -g kvxferd -m 0750 /run/kvxferd
+
+# The engine IPC socket lives here; share this directory with the engines.
+# KVXFERD_<SECTION>_<KEY> variables override the config file: the socket path
+# is pinned so that it does not depend on XDG_RUNTIME_DIR, and the peer and
+# metrics endpoints listen on all interfaces so the published ports answer.
+ENV XDG_RUNTIME_DIR=/run/kvxferd \
+    KVXFERD_ENGINE_SOCKET_PATH=/run/kvxferd/engine.sock \
+    KVXFERD_PEER_BIND_HOST=0.0.0.0 \
+    KVXFERD_METRICS_BIND=0.0.0.0:9400 \
+    KVXFERD_LOG_FORMAT=logfmt
+VOLUME ["/run/kvxferd"]
+
+# 5557: peer control (ZeroMQ tcp), 5558: tcp data transport, 9400: Prometheus metrics + health
+EXPOSE 5557 5558 9400
+
+USER 10001:10001
+WORKDIR /run/kvxferd
+
+HEALTHCHECK --interval=15s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:9400/healthz', timeout=4)"]
+
+# SIGTERM drains in-flight transfers (up to timeouts.drain_grace_s); give
+# `docker stop` a longer grace period, e.g. `docker stop -t 40`.
+STOPSIGNAL SIGTERM
+ENTRYPOINT ["kvxferd"]
+CMD ["serve"]

@@ -1,0 +1,282 @@
+"""Engine-side client: what a prefill or decode rank uses to talk to its local daemon.
+
+Sync::
+
+    from kvxferd.client import EngineClient
+    from kvxferd.memory import allocate_cpu
+
+    cache = allocate_cpu(geometry)                      # tensors the engine computes into
+    with EngineClient() as kv:                          # default socket, like `kvxferd serve`
+        rank = kv.register("decode-a", "decode", geometry, cache.descriptors())
+        kv.expect(rank, "req-1", source_instance="prefill-a", source_address="10.0.0.1:5557",
+                  pages=[3, 9, 4])
+        result = kv.wait(rank, "req-1", timeout=30)     # {"state": "done", "aux": b"..."}
+
+The daemon pushes an ``event`` when a request becomes ``done`` or ``failed``, so ``wait``
+blocks on the socket instead of polling. :class:`AsyncEngineClient` is the same API for
+asyncio engines. One client is not thread-safe; use one per thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from typing import Any, Iterable, Sequence
+
+import zmq
+import zmq.asyncio
+
+from . import protocol
+from .config import default_socket_path
+from .errors import KvxferError, RequestError, TransferError
+from .geometry import RankGeometry
+
+TERMINAL = ("done", "failed")
+MAX_REPLY = 64 * 1024 * 1024
+
+
+class DaemonError(KvxferError):
+    """The daemon answered with an error; ``code`` and ``field`` are the daemon's."""
+
+    def __init__(self, error: dict[str, Any]) -> None:
+        super().__init__(str(error.get("message", "error")), field=error.get("field"),
+                         code=str(error.get("code", "error")))
+        self.error = error
+
+
+def _pages(pages: Iterable[int]) -> list[int]:
+    return [int(p) for p in pages]
+
+
+class _Base:
+    def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
+        self.socket_path = socket_path or default_socket_path()
+        self.timeout = timeout
+        self._seq = itertools.count(1)
+        self.events: dict[tuple[str, str], dict[str, Any]] = {}
+
+    def _msg(self, op: str, **fields: Any) -> dict[str, Any]:
+        msg = {"op": op, "seq": next(self._seq)}
+        msg.update({k: v for k, v in fields.items() if v is not None})
+        return msg
+
+    def _take(self, msg: dict[str, Any]) -> None:
+        if msg.get("op") == "event":
+            self.events[(msg["rank_id"], msg["request_id"])] = msg
+
+    @staticmethod
+    def _check(reply: dict[str, Any]) -> dict[str, Any]:
+        if not reply.get("ok"):
+            raise DaemonError(reply.get("error") or {})
+        return reply
+
+    @staticmethod
+    def _register_msg(instance: str, role: str, geometry: RankGeometry | dict[str, Any],
+                      regions: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        geo = geometry.to_dict() if isinstance(geometry, RankGeometry) else dict(geometry)
+        return {"instance": instance, "role": role, "geometry": geo, "regions": list(regions)}
+
+
+class EngineClient(_Base):
+    """Blocking client over a ZeroMQ DEALER on the daemon's ``ipc://`` socket."""
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
+        super().__init__(socket_path, timeout)
+        self.ctx = zmq.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{self.socket_path}")
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+    def __enter__(self) -> "EngineClient":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _recv(self, timeout: float) -> dict[str, Any] | None:
+        if not self.sock.poll(max(0, int(timeout * 1000))):
+            return None
+        return protocol.decode(self.sock.recv(), MAX_REPLY)
+
+    def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        msg = self._msg(op, **fields)
+        self.sock.send(protocol.encode(msg))
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reply = self._recv(deadline - time.monotonic())
+            if reply is None:
+                raise TransferError(f"daemon at {self.socket_path} did not answer {op!r} within {self.timeout}s",
+                                    field="socket_path", fix="check `kvxferd status` and the socket path")
+            if reply.get("seq") == msg["seq"]:
+                return self._check(reply)
+            self._take(reply)
+
+    def send_raw(self, payload: bytes) -> dict[str, Any] | None:
+        """Send arbitrary bytes (for tests of the daemon's validation); return the reply."""
+        self.sock.send(payload)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            reply = self._recv(deadline - time.monotonic())
+            if reply is None or reply.get("op") != "event":
+                return reply
+            self._take(reply)
+
+    # -- the API -----------------------------------------------------------------------
+    def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
+                 regions: Sequence[dict[str, Any]]) -> str:
+        return self.call("register", **self._register_msg(instance, role, geometry, regions))["rank_id"]
+
+    def unregister(self, rank_id: str) -> None:
+        self.call("unregister", rank_id=rank_id)
+
+    def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
+               source_address: str | None = None, num_tokens: int | None = None) -> str:
+        return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
+                         source_address=source_address, pages=_pages(pages), num_tokens=num_tokens)["state"]
+
+    def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
+             last: bool = True, aux: bytes | None = None) -> str:
+        return self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages), start=start,
+                         end=end, last=last, aux=aux)["state"]
+
+    def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
+        event = self.events.get((rank_id, request_id))
+        if event is not None:
+            return event
+        return self.call("poll", rank_id=rank_id, request_id=request_id)
+
+    def abort(self, rank_id: str, request_id: str, reason: str | None = None) -> str:
+        return self.call("abort", rank_id=rank_id, request_id=request_id, reason=reason)["state"]
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")["status"]
+
+    def wait(self, rank_id: str, request_id: str, timeout: float | None = None) -> dict[str, Any]:
+        """Block until the request is terminal; returns the final event (state, aux, reason)."""
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        key = (rank_id, request_id)
+        state = self.poll(rank_id, request_id)
+        if state.get("state") in TERMINAL:
+            self.events.pop(key, None)
+            return state
+        while key not in self.events:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RequestError(f"request {request_id!r} not finished within the wait timeout",
+                                   field="timeout", code="wait_timeout", fix="wait longer or poll")
+            reply = self._recv(min(left, 1.0))
+            if reply is not None:
+                self._take(reply)
+        return self.events.pop(key)
+
+    def wait_any(self, timeout: float) -> dict[str, Any] | None:
+        """Return the next completion event, or None after ``timeout`` seconds."""
+        if self.events:
+            key = next(iter(self.events))
+            return self.events.pop(key)
+        deadline = time.monotonic() + timeout
+        while True:
+            reply = self._recv(deadline - time.monotonic())
+            if reply is None:
+                return None
+            if reply.get("op") == "event":
+                return reply
+
+
+class AsyncEngineClient(_Base):
+    """The same API for engines that run an asyncio loop."""
+
+    def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
+        super().__init__(socket_path, timeout)
+        self.ctx = zmq.asyncio.Context.instance()
+        self.sock = self.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(f"ipc://{self.socket_path}")
+        self._waiters: dict[Any, asyncio.Future[dict[str, Any]]] = {}
+        self._reader: asyncio.Task[None] | None = None
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None:
+            self._reader = asyncio.ensure_future(self._read())
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                reply = protocol.decode(await self.sock.recv(), MAX_REPLY)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            if reply.get("op") == "event":
+                key = (reply["rank_id"], reply["request_id"])
+                fut = self._waiters.pop(key, None)
+                if fut is not None and not fut.done():
+                    fut.set_result(reply)
+                else:
+                    self.events[key] = reply
+                continue
+            fut = self._waiters.pop(reply.get("seq"), None)
+            if fut is not None and not fut.done():
+                fut.set_result(reply)
+
+    async def call(self, op: str, **fields: Any) -> dict[str, Any]:
+        self._ensure_reader()
+        msg = self._msg(op, **fields)
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiters[msg["seq"]] = fut
+        await self.sock.send(protocol.encode(msg))
+        try:
+            return self._check(await asyncio.wait_for(fut, self.timeout))
+        except asyncio.TimeoutError:
+            raise TransferError(f"daemon at {self.socket_path} did not answer {op!r} within {self.timeout}s",
+                                field="socket_path", fix="check `kvxferd status`") from None
+        finally:
+            self._waiters.pop(msg["seq"], None)
+
+    async def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
+                       regions: Sequence[dict[str, Any]]) -> str:
+        return (await self.call("register", **self._register_msg(instance, role, geometry, regions)))["rank_id"]
+
+    async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
+                     source_address: str | None = None, num_tokens: int | None = None) -> str:
+        return (await self.call("expect", rank_id=rank_id, request_id=request_id,
+                                source_instance=source_instance, source_address=source_address,
+                                pages=_pages(pages), num_tokens=num_tokens))["state"]
+
+    async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
+                   last: bool = True, aux: bytes | None = None) -> str:
+        return (await self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages),
+                                start=start, end=end, last=last, aux=aux))["state"]
+
+    async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
+        event = self.events.get((rank_id, request_id))
+        return event if event is not None else await self.call("poll", rank_id=rank_id, request_id=request_id)
+
+    async def abort(self, rank_id: str, request_id: str, reason: str | None = None) -> str:
+        return (await self.call("abort", rank_id=rank_id, request_id=request_id, reason=reason))["state"]
+
+    async def status(self) -> dict[str, Any]:
+        return (await self.call("status"))["status"]
+
+    async def wait(self, rank_id: str, request_id: str, timeout: float | None = None) -> dict[str, Any]:
+        key = (rank_id, request_id)
+        self._ensure_reader()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self._waiters[key] = fut
+        try:
+            state = await self.poll(rank_id, request_id)
+            if state.get("state") in TERMINAL:
+                self.events.pop(key, None)
+                return state
+            if key in self.events:
+                return self.events.pop(key)
+            return await asyncio.wait_for(fut, self.timeout if timeout is None else timeout)
+        finally:
+            self._waiters.pop(key, None)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.sock.close(0)

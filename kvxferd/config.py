@@ -1,0 +1,273 @@
+"""Daemon configuration: embedded defaults, a TOML file, ``KVXFERD_*`` environment overrides.
+
+Precedence: defaults < file < environment. Environment keys are
+``KVXFERD_<SECTION>_<KEY>`` in upper case (``KVXFERD_PEER_CONTROL_PORT=6000``). Every value
+is type-checked on load and a bad one names its key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - 3.10 fallback
+    import tomli as tomllib  # type: ignore[no-redef]
+
+ENV_PREFIX = "KVXFERD_"
+
+
+def default_runtime_dir() -> Path:
+    """Where the engine socket lives when no path is configured.
+
+    ``$XDG_RUNTIME_DIR/kvxferd`` when set (per-user sessions, systemd user units), else
+    ``/run/kvxferd`` for root (systemd ``RuntimeDirectory=``), else a per-user temp dir.
+    """
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg:
+        return Path(xdg) / "kvxferd"
+    if os.geteuid() == 0:
+        return Path("/run/kvxferd")
+    return Path(f"/tmp/kvxferd-{os.getuid()}")
+
+
+def default_socket_path() -> str:
+    return str(default_runtime_dir() / "engine.sock")
+
+
+@dataclass
+class DaemonSection:
+    instance_name: str = ""
+    log_level: str = "info"
+    log_format: str = "logfmt"  # or "json"
+    data_threads: int = 2
+
+
+@dataclass
+class EngineSection:
+    socket_path: str = ""  # empty: default_socket_path()
+    socket_mode: str = "0660"
+    socket_group: str = ""
+    shm_dirs: list[str] = field(default_factory=lambda: ["/dev/shm"])
+
+
+@dataclass
+class PeerSection:
+    bind_host: str = "127.0.0.1"
+    advertise_host: str = ""
+    control_port: int = 5557
+    data_port: int = 5558
+    heartbeat_interval_s: float = 1.0
+    peer_timeout_s: float = 5.0
+    data_connections: int = 2
+    transport: str = "tcp"
+    mode: str = "auto"
+    require_same_page_size: bool = False
+
+
+@dataclass
+class MetricsSection:
+    bind: str = "127.0.0.1:9400"  # empty disables the HTTP server
+
+
+@dataclass
+class LimitsSection:
+    max_message_bytes: int = 16 * 1024 * 1024
+    max_inflight_requests: int = 4096
+    max_pending_chunks: int = 65536
+    max_ranks: int = 256
+    max_pages_per_request: int = 1 << 20
+    bounce_buffer_bytes: int = 64 * 1024 * 1024
+    recent_failures: int = 32
+
+
+@dataclass
+class TimeoutsSection:
+    bootstrap_s: float = 30.0
+    waiting_for_input_s: float = 60.0
+    transfer_s: float = 60.0
+    drain_grace_s: float = 30.0
+    handshake_retry_s: float = 0.5
+
+
+@dataclass
+class AuthSection:
+    enabled: bool = False
+    secret_key_file: str = ""
+    allowed_keys: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Config:
+    daemon: DaemonSection = field(default_factory=DaemonSection)
+    engine: EngineSection = field(default_factory=EngineSection)
+    peer: PeerSection = field(default_factory=PeerSection)
+    metrics: MetricsSection = field(default_factory=MetricsSection)
+    limits: LimitsSection = field(default_factory=LimitsSection)
+    timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+
+    @property
+    def socket_path(self) -> str:
+        return self.engine.socket_path or default_socket_path()
+
+    @property
+    def advertise_host(self) -> str:
+        if self.peer.advertise_host:
+            return self.peer.advertise_host
+        if self.peer.bind_host in ("0.0.0.0", "::", "*"):
+            import socket
+            return socket.gethostname()
+        return self.peer.bind_host
+
+    @property
+    def peer_address(self) -> str:
+        """What other daemons and engines name this daemon by: ``host:control_port``."""
+        return f"{self.advertise_host}:{self.peer.control_port}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _coerce(key: str, value: Any, default: Any) -> Any:
+    kind = type(default)
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+    elif kind is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if isinstance(value, str):
+            try:
+                return int(value, 0)
+            except ValueError:
+                pass
+    elif kind is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+    elif kind is str:
+        if isinstance(value, str):
+            return value
+    elif kind is list:
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return value
+        if isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    raise ConfigError(f"{key} must be a {kind.__name__}, got {value!r}", field=key,
+                      fix=f"set {key} to a {kind.__name__} (default {default!r})")
+
+
+def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
+    for section_name, values in data.items():
+        if not hasattr(cfg, section_name) or section_name.startswith("_"):
+            raise ConfigError(f"unknown section [{section_name}] in {origin}", field=section_name,
+                              fix=f"use one of {[f.name for f in dataclasses.fields(cfg)]}")
+        section = getattr(cfg, section_name)
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{section_name}] in {origin} must be a table", field=section_name,
+                              fix="write it as a TOML table")
+        names = {f.name for f in dataclasses.fields(section)}
+        for key, value in values.items():
+            full = f"{section_name}.{key}"
+            if key not in names:
+                raise ConfigError(f"unknown key {full} in {origin}", field=full,
+                                  fix=f"use one of {sorted(names)}")
+            setattr(section, key, _coerce(full, value, getattr(section, key)))
+
+
+def _env_overrides(environ: Mapping[str, str], cfg: Config) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {}
+    sections = {f.name: {g.name for g in dataclasses.fields(getattr(cfg, f.name))}
+                for f in dataclasses.fields(cfg)}
+    for name, value in environ.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        for section, keys in sections.items():
+            if rest.startswith(section + "_") and rest[len(section) + 1:] in keys:
+                out.setdefault(section, {})[rest[len(section) + 1:]] = value
+                break
+    return out
+
+
+def validate(cfg: Config) -> Config:
+    def positive(key: str, value: float) -> None:
+        if value <= 0:
+            raise ConfigError(f"{key} must be > 0, got {value}", field=key, fix=f"set {key} to a positive value")
+
+    for key in ("control_port", "data_port"):
+        port = getattr(cfg.peer, key)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"peer.{key} must be in [0, 65535], got {port}", field=f"peer.{key}",
+                              fix="pick a free TCP port (0 lets the OS choose)")
+    for section in ("timeouts", "limits"):
+        for f in dataclasses.fields(getattr(cfg, section)):
+            positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
+    positive("peer.heartbeat_interval_s", cfg.peer.heartbeat_interval_s)
+    positive("peer.peer_timeout_s", cfg.peer.peer_timeout_s)
+    positive("peer.data_connections", cfg.peer.data_connections)
+    positive("daemon.data_threads", cfg.daemon.data_threads)
+    if cfg.peer.peer_timeout_s <= cfg.peer.heartbeat_interval_s:
+        raise ConfigError(
+            f"peer.peer_timeout_s ({cfg.peer.peer_timeout_s}) must exceed peer.heartbeat_interval_s "
+            f"({cfg.peer.heartbeat_interval_s})", field="peer.peer_timeout_s",
+            fix="allow at least two heartbeats before a peer is declared dead")
+    if cfg.peer.transport not in ("tcp",):
+        raise ConfigError(f"peer.transport {cfg.peer.transport!r} is not available", field="peer.transport",
+                          fix="use 'tcp'")
+    if cfg.peer.mode not in ("auto", "direct", "staged"):
+        raise ConfigError(f"peer.mode {cfg.peer.mode!r} is not one of auto, direct, staged",
+                          field="peer.mode", fix="use auto, direct or staged")
+    if cfg.daemon.log_format not in ("logfmt", "json"):
+        raise ConfigError(f"daemon.log_format {cfg.daemon.log_format!r} is not logfmt or json",
+                          field="daemon.log_format", fix="use logfmt or json")
+    if cfg.daemon.log_level.lower() not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"daemon.log_level {cfg.daemon.log_level!r} is not a level",
+                          field="daemon.log_level", fix="use debug, info, warning or error")
+    try:
+        mode = int(cfg.engine.socket_mode, 8)
+    except ValueError:
+        raise ConfigError(f"engine.socket_mode {cfg.engine.socket_mode!r} is not octal",
+                          field="engine.socket_mode", fix="write it like \"0660\"") from None
+    if mode & 0o007:
+        raise ConfigError(f"engine.socket_mode {cfg.engine.socket_mode} lets every local user in",
+                          field="engine.socket_mode", fix="use owner/group-only modes such as 0600 or 0660")
+    if cfg.metrics.bind and ":" not in cfg.metrics.bind:
+        raise ConfigError(f"metrics.bind {cfg.metrics.bind!r} is not host:port", field="metrics.bind",
+                          fix="write it like 127.0.0.1:9400, or empty to disable")
+    if cfg.auth.enabled and not cfg.auth.secret_key_file:
+        raise ConfigError("auth.enabled needs auth.secret_key_file", field="auth.secret_key_file",
+                          fix="generate one with `kvxferd keygen` and point secret_key_file at it")
+    return cfg
+
+
+def load(path: str | os.PathLike[str] | None = None,
+         environ: Mapping[str, str] | None = None) -> Config:
+    cfg = Config()
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror}", field="config",
+                              fix="pass an existing, readable TOML file") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config {path} is not valid TOML: {exc}", field="config",
+                              fix="fix the TOML syntax") from None
+        _apply(cfg, data, str(path))
+    _apply(cfg, _env_overrides(os.environ if environ is None else environ, cfg), "environment")
+    return validate(cfg)

@@ -1,0 +1,1056 @@
+"""The daemon: endpoints, request lifecycle, peers and data threads wired together.
+
+Control runs on one asyncio loop (uvloop when installed); every byte of KV data moves on
+data-plane threads (:mod:`kvxferd.transport`), which report back with
+``loop.call_soon_threadsafe``. State is only mutated on the loop, except the inbox, which
+data threads share under its own lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from . import PROTOCOL_VERSION, __version__, protocol, sdnotify
+from .config import Config
+from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
+from .geometry import InstanceSpec, RankGeometry
+from .httpserver import OpsServer
+from .inbox import DestEntry, Inbox, Sink
+from .logutil import q
+from .memory import MemoryMapper
+from .metrics import Metrics
+from .outbox import Chunk, Route, SrcEntry, Target
+from .planner import Plan, make_plan
+from .registry import Rank, Registry, rank_id
+from .segments import as_pages, slots
+from .transport.base import ChunkJob, Moved
+from .transport.local import LocalTransport
+from .transport.tcp import Bounce, TcpDataServer, TcpTransport
+
+log = logging.getLogger("kvxferd.daemon")
+
+TERMINAL = ("done", "failed")
+STATES = ("bootstrapping", "waiting_for_input", "transferring")
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RequestError(f"address {address!r} is not host:port", field="source_address",
+                           fix="give the peer daemon as host:control_port")
+    return host.strip("[]"), int(port)
+
+
+class PeerLink:
+    """This daemon's connection to a peer daemon that hosts prefill instances."""
+
+    def __init__(self, daemon: "Daemon", address: str) -> None:
+        self.daemon = daemon
+        self.address = address
+        self.sock = daemon.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.setsockopt(zmq.RCVHWM, 10000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, daemon.cfg.limits.max_message_bytes)
+        host, port = split_address(address)
+        self.sock.connect(f"tcp://{host}:{port}")
+        self.state = "connecting"
+        self.last_seen = time.monotonic()
+        self.seq = 0
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        self.plans: dict[tuple[str, str], asyncio.Future[Plan]] = {}
+        self.reader = asyncio.ensure_future(self._read())
+
+    def send(self, message: dict[str, Any]) -> None:
+        fut = self.sock.send(protocol.encode(message))
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_ignore)
+
+    async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+        self.seq += 1
+        seq = message["seq"] = self.seq
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[seq] = fut
+        try:
+            self.send(message)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.waiting.pop(seq, None)
+
+    async def _read(self) -> None:
+        while True:
+            try:
+                data = await self.sock.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = protocol.decode(data, self.daemon.cfg.limits.max_message_bytes)
+            except ProtocolError:
+                self.daemon.metrics.invalid_messages.labels("peer").inc()
+                continue
+            self.daemon.peer_seen(self)
+            fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+                continue
+            self.daemon.handle_upstream(self, msg)
+
+    def close(self) -> None:
+        self.reader.cancel()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.cancel()
+        self.sock.close(0)
+
+
+def _ignore(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+class DownstreamPeer:
+    """A decode daemon that handshook with this daemon (known by its routing id)."""
+
+    def __init__(self, identity: bytes, daemon: str) -> None:
+        self.identity = identity
+        self.daemon = daemon
+        self.last_seen = time.monotonic()
+
+
+class Daemon:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.registry = Registry(cfg.limits.max_ranks)
+        self.mapper = MemoryMapper(cfg.engine.shm_dirs)
+        self.inbox = Inbox(self._inbox_changed)
+        self.sources: dict[tuple[str, str], SrcEntry] = {}
+        self.src_plans: dict[tuple[str, str], tuple[Plan, Route]] = {}
+        self.links: dict[str, PeerLink] = {}
+        self.downstream: dict[bytes, DownstreamPeer] = {}
+        self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        self.recent_failures: list[dict[str, Any]] = []
+        self.started = time.time()
+        self.ready = False
+        self.draining = False
+        self._stop: asyncio.Event | None = None  # created in run(), on the daemon's loop
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.ctx = zmq.asyncio.Context()
+        self.executor = ThreadPoolExecutor(cfg.daemon.data_threads, thread_name_prefix="kvxferd-data")
+        self.bounce = Bounce(4 * 1024 * 1024, self.metrics.staging_bytes.set)
+        self.local = LocalTransport(self.inbox)
+        self.tcp = TcpTransport(timeout_s=cfg.timeouts.transfer_s, max_reply_bytes=1 << 16,
+                                bounce=self.bounce, connections_per_peer=cfg.peer.data_connections)
+        self.data_server: TcpDataServer | None = None
+        self.ops: OpsServer | None = None
+        self.engine_sock: zmq.asyncio.Socket | None = None
+        self.peer_sock: zmq.asyncio.Socket | None = None
+        self.control_port = cfg.peer.control_port
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.metrics.start_time.set(self.started)
+
+    # -- lifecycle -------------------------------------------------------------------
+    @property
+    def address(self) -> str:
+        return f"{self.cfg.advertise_host}:{self.control_port}"
+
+    @property
+    def data_address(self) -> str:
+        port = self.data_server.port if self.data_server else self.cfg.peer.data_port
+        return f"{self.cfg.advertise_host}:{port}"
+
+    def _bind_engine(self) -> None:
+        path = Path(self.cfg.socket_path)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o750)
+        if path.exists() or path.is_symlink():
+            st = os.lstat(path)
+            if not stat.S_ISSOCK(st.st_mode):
+                raise RegistrationError(f"{path} exists and is not a socket", field="engine.socket_path",
+                                        fix="point engine.socket_path at a free path")
+            with socket.socket(socket.AF_UNIX) as probe:
+                try:
+                    probe.connect(str(path))
+                    raise RegistrationError(f"another daemon listens on {path}", field="engine.socket_path",
+                                            fix="stop it or use another socket path")
+                except (ConnectionRefusedError, FileNotFoundError):
+                    path.unlink()  # stale socket from a crashed daemon
+        self.engine_sock = self.ctx.socket(zmq.ROUTER)
+        self.engine_sock.setsockopt(zmq.LINGER, 0)
+        self.engine_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
+        old = os.umask(0o077)
+        try:
+            self.engine_sock.bind(f"ipc://{path}")
+        finally:
+            os.umask(old)
+        os.chmod(path, int(self.cfg.engine.socket_mode, 8))
+        if self.cfg.engine.socket_group:
+            import grp
+            os.chown(path, -1, grp.getgrnam(self.cfg.engine.socket_group).gr_gid)
+
+    def _bind_peer(self) -> None:
+        self.peer_sock = self.ctx.socket(zmq.ROUTER)
+        self.peer_sock.setsockopt(zmq.LINGER, 0)
+        self.peer_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
+        host = self.cfg.peer.bind_host
+        if self.cfg.peer.control_port == 0:
+            self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
+        else:
+            self.peer_sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
+        self.data_server = TcpDataServer(
+            host, self.cfg.peer.data_port, self.inbox,
+            max_header_bytes=self.cfg.limits.max_message_bytes, timeout_s=self.cfg.timeouts.transfer_s,
+            bounce=self.bounce, on_received=self._on_received_threadsafe,
+            on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
+
+    async def run(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self._stop = asyncio.Event()
+        self._bind_engine()
+        self._bind_peer()
+        if self.cfg.metrics.bind:
+            self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            try:
+                self.loop.add_signal_handler(sig, self.request_stop)
+            except (NotImplementedError, RuntimeError):
+                pass
+        self.tasks = [asyncio.ensure_future(c) for c in
+                      (self._engine_loop(), self._peer_loop(), self._sweeper(), self._heartbeats())]
+        self.ready = True
+        self.metrics.up.set(1)
+        metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
+        log.info("event=listening engine=%s peer=%s data=%s metrics=%s version=%s", q(self.cfg.socket_path),
+                 self.address, self.data_address, q(metrics_url), __version__)
+        sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.address}")
+        await self._stop.wait()
+        await self._drain()
+
+    def request_stop(self) -> None:
+        if self._stop is not None and not self._stop.is_set():
+            log.info("event=stopping reason=signal")
+            self._stop.set()
+
+    async def _drain(self) -> None:
+        self.draining = True
+        self.ready = False
+        sdnotify.notify("STOPPING=1")
+        deadline = time.monotonic() + self.cfg.timeouts.drain_grace_s
+        while (self._active_count() and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+        left = self._active_count()
+        for entry in self.inbox.all():
+            self._fail_dest(entry, "shutdown", "daemon shut down before the transfer finished")
+        for entry in list(self.sources.values()):
+            self._fail_src(entry, "shutdown", "daemon shut down before the transfer finished")
+        await asyncio.sleep(0.05)
+        log.info("event=stopped drained=%s failed_on_exit=%d", left == 0, left)
+        await self.close()
+
+    async def close(self) -> None:
+        self.metrics.up.set(0)
+        for t in self.tasks:
+            t.cancel()
+        for link in self.links.values():
+            link.close()
+        if self.data_server:
+            self.data_server.close()
+        self.tcp.close()
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.ops:
+            self.ops.close()
+        for sock in (self.engine_sock, self.peer_sock):
+            if sock is not None:
+                sock.close(0)
+        try:
+            os.unlink(self.cfg.socket_path)
+        except OSError:
+            pass
+        self.ctx.term()
+
+    def _active_count(self) -> int:
+        return len(self.inbox) + sum(1 for e in self.sources.values() if e.state not in TERMINAL)
+
+    # -- engine endpoint -------------------------------------------------------------
+    async def _engine_loop(self) -> None:
+        assert self.engine_sock is not None
+        while True:
+            frames = await self.engine_sock.recv_multipart(copy=True)
+            identity, payload = frames[0], frames[-1]
+            seq = None
+            try:
+                msg = protocol.check_engine(protocol.decode(payload, self.cfg.limits.max_message_bytes))
+                seq = msg.get("seq")
+                reply = self._engine_op(identity, msg)
+            except KvxferError as exc:
+                if isinstance(exc, ProtocolError):
+                    self.metrics.invalid_messages.labels("engine").inc()
+                log.info("event=engine_error code=%s field=%s msg=%s", exc.code, exc.field, q(str(exc)[:300]))
+                reply = {"ok": False, "error": exc.to_wire()}
+            except Exception as exc:  # noqa: BLE001 - a bug in one handler must not stop the daemon
+                log.exception("event=engine_handler_crash")
+                reply = {"ok": False, "error": {"code": "internal", "field": None, "message": repr(exc)[:300]}}
+            if seq is not None:
+                reply["seq"] = seq
+            reply.setdefault("op", "reply")
+            self._send_engine(identity, reply)
+
+    def _send_engine(self, identity: bytes, message: dict[str, Any]) -> None:
+        assert self.engine_sock is not None
+        fut = self.engine_sock.send_multipart([identity, protocol.encode(message)])
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_ignore)
+
+    def _owned(self, identity: bytes, rid: str, role: str) -> Rank:
+        rank = self.registry.get(rid)
+        if rank is None or rank.identity != identity:
+            raise RequestError(f"rank {rid!r} is not registered on this connection", field="rank_id",
+                               fix="register the rank first and use the rank_id it returned")
+        if rank.role != role:
+            raise RequestError(f"rank {rid} is a {rank.role} rank; this call is for {role} ranks",
+                               field="rank_id", fix=f"call it from a {role} rank")
+        return rank
+
+    def _engine_op(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        op = msg["op"]
+        if op == "ping":
+            return {"ok": True}
+        if op == "status":
+            return {"ok": True, "status": self.status()}
+        if op == "register":
+            return self._register(identity, msg)
+        if op == "unregister":
+            rank = self.registry.get(msg["rank_id"])
+            if rank is None or rank.identity != identity:
+                raise RequestError(f"rank {msg['rank_id']!r} is not registered on this connection",
+                                   field="rank_id", fix="unregister only ranks this connection registered")
+            self._drop_rank(rank, "engine unregistered the rank")
+            return {"ok": True}
+        if op in ("poll", "abort"):
+            rid = msg["rank_id"]
+            rank = self.registry.get(rid)
+            if rank is None or rank.identity != identity:
+                raise RequestError(f"rank {rid!r} is not registered on this connection", field="rank_id",
+                                   fix="use the rank_id register returned")
+            if op == "abort":
+                return self._abort_from_engine(rank, msg["request_id"], msg.get("reason") or "aborted by engine")
+            return {"ok": True, **self._poll(rank, msg["request_id"])}
+        if self.draining:
+            raise RequestError("daemon is draining and takes no new work", field="op", code="draining",
+                               fix="retry on the restarted daemon")
+        if op == "expect":
+            return self._expect(self._owned(identity, msg["rank_id"], "decode"), msg)
+        if op == "send":
+            return self._send(self._owned(identity, msg["rank_id"], "prefill"), msg)
+        raise ProtocolError(f"unhandled op {op!r}", field="op", fix="use a documented op")
+
+    def _register(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        geometry = RankGeometry.from_dict(msg["geometry"])
+        self.registry.check_new(msg["instance"], msg["role"], geometry)
+        regions = self.mapper.map_regions(geometry, msg["regions"])
+        rank = Rank(msg["instance"], msg["role"], geometry, regions, identity)
+        old = self.registry.get(rank.id)
+        if old is not None:
+            self._drop_rank(old, "rank re-registered (engine restarted)")
+        self.registry.add(rank)
+        self._update_rank_metrics()
+        log.info("event=rank_registered rank=%s role=%s tp=%d/%d pp=%d/%d pages=%d", rank.id, rank.role,
+                 geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size,
+                 geometry.num_pages)
+        return {"ok": True, "rank_id": rank.id, "daemon": self.address}
+
+    def _drop_rank(self, rank: Rank, reason: str) -> None:
+        for entry in self.inbox.all():
+            if entry.rank is rank:
+                self._fail_dest(entry, "rank_gone", reason)
+        for entry in list(self.sources.values()):
+            if entry.rid == rank.id and entry.state not in TERMINAL:
+                self._fail_src(entry, "rank_gone", reason)
+        if self.registry.get(rank.id) is rank:
+            self.registry.remove(rank.id)
+        self._update_rank_metrics()
+        log.info("event=rank_unregistered rank=%s reason=%s", rank.id, q(reason))
+
+    def _update_rank_metrics(self) -> None:
+        for role, n in self.registry.count_by_role().items():
+            self.metrics.ranks.labels(role).set(n)
+
+    def _check_capacity(self) -> None:
+        if self._active_count() >= self.cfg.limits.max_inflight_requests:
+            raise RequestError(f"{self.cfg.limits.max_inflight_requests} requests are in flight",
+                               field="request_id", code="busy",
+                               fix="retry later, or raise limits.max_inflight_requests")
+
+    # -- decode side -----------------------------------------------------------------
+    def _expect(self, rank: Rank, msg: dict[str, Any]) -> dict[str, Any]:
+        self._check_capacity()
+        if len(msg["pages"]) > self.cfg.limits.max_pages_per_request:
+            raise RequestError(f"{len(msg['pages'])} pages exceed limits.max_pages_per_request",
+                               field="pages", fix="split the request or raise the limit")
+        pages = as_pages(msg["pages"], rank.geometry.num_pages, "pages")
+        num_tokens = msg.get("num_tokens")
+        capacity = pages.size * rank.geometry.spec.page_size
+        if num_tokens is not None and num_tokens > capacity:
+            raise RequestError(f"num_tokens {num_tokens} exceeds the {capacity} tokens of {pages.size} pages",
+                               field="num_tokens", fix="allocate enough pages for the request")
+        key = (msg["request_id"], rank.id)
+        if key in self.finished:
+            raise RequestError(f"request {msg['request_id']!r} already finished at {rank.id}",
+                               field="request_id", fix="use a new request id per request")
+        source_address = msg.get("source_address") or ""
+        if source_address == self.address:
+            source_address = ""
+        if source_address:
+            split_address(source_address)
+        entry = DestEntry(msg["request_id"], rank, msg["source_instance"], pages, num_tokens)
+        entry.transport = "tcp" if source_address else "local"
+        entry.source_address = source_address
+        self.inbox.add(entry)
+        self._count_states()
+        asyncio.ensure_future(self._bootstrap(entry, source_address))
+        return {"ok": True, "state": entry.state}
+
+    async def _bootstrap(self, entry: DestEntry, source_address: str) -> None:
+        started = time.monotonic()
+        deadline = entry.created + self.cfg.timeouts.bootstrap_s
+        decode_spec = entry.rank.geometry.spec
+        try:
+            if source_address:
+                link = self._link(source_address)
+                plan = await self._remote_plan(link, entry.source_instance, entry.rank.instance,
+                                               decode_spec, deadline)
+            else:
+                link = None
+                plan = await self._local_plan(entry.source_instance, entry.rank.instance, decode_spec, deadline)
+        except PlanRefusal as refusal:
+            self.metrics.refusals.labels(refusal.field or "unknown").inc()
+            self._fail_dest(entry, "incompatible", str(refusal), propagate=False)
+            return
+        except (asyncio.TimeoutError, TimeoutError):
+            self._fail_dest(entry, "bootstrap_timeout",
+                            f"no plan with source instance {entry.source_instance!r} within "
+                            f"{self.cfg.timeouts.bootstrap_s}s (source daemon unreachable or instance not registered)",
+                            propagate=False)
+            return
+        except KvxferError as exc:
+            self._fail_dest(entry, exc.code, str(exc), propagate=False)
+            return
+        if entry.closed:
+            return
+        entry.bind(plan)
+        entry.state = "waiting_for_input"
+        entry.phase_since = time.monotonic()
+        self.metrics.phase_latency.labels("bootstrap").observe(time.monotonic() - started)
+        self._count_states()
+        num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
+        if link is None:
+            plan_route = self.src_plans[(entry.source_instance, entry.rank.instance)]
+            self._on_expect(entry.request_id, entry.source_instance, entry.rank.instance, entry.rank.coords,
+                            plan_route[0], plan_route[1])
+        else:
+            link.send({"op": "expect", "request_id": entry.request_id,
+                       "prefill_instance": entry.source_instance, "decode_instance": entry.rank.instance,
+                       "dst": list(entry.rank.coords), "num_tokens": num_tokens})
+
+    async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
+        while True:
+            cached = self.src_plans.get((prefill, decode))
+            if cached is not None and cached[1].kind == "local":
+                return cached[0]
+            prefill_spec = self.registry.spec(prefill, "prefill")
+            if prefill_spec is not None:
+                plan = make_plan(prefill_spec, spec, mode=self.cfg.peer.mode,
+                                 require_same_page_size=self.cfg.peer.require_same_page_size)
+                self.src_plans[(prefill, decode)] = (plan, Route("local", daemon=self.address))
+                self.metrics.handshakes.labels("ok").inc()
+                return plan
+            if time.monotonic() >= deadline:
+                raise asyncio.TimeoutError
+            await asyncio.sleep(self.cfg.timeouts.handshake_retry_s)
+
+    def _link(self, address: str) -> PeerLink:
+        link = self.links.get(address)
+        if link is None:
+            link = self.links[address] = PeerLink(self, address)
+            self._count_peers()
+        return link
+
+    async def _remote_plan(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                           deadline: float) -> Plan:
+        key = (prefill, decode)
+        fut = link.plans.get(key)
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = link.plans[key] = asyncio.ensure_future(self._handshake(link, prefill, decode, spec, deadline))
+        return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
+
+    async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                         deadline: float) -> Plan:
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.metrics.handshakes.labels("timeout").inc()
+                raise asyncio.TimeoutError
+            try:
+                reply = await link.request({
+                    "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
+                    "data_address": self.data_address, "prefill_instance": prefill,
+                    "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
+                    "transports": ["tcp"]}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
+            except asyncio.TimeoutError:
+                continue
+            op = reply.get("op")
+            if op == "handshake_ok":
+                try:
+                    prefill_spec = InstanceSpec.from_dict(reply.get("prefill_spec"))
+                    mode = reply.get("mode")
+                    plan = make_plan(prefill_spec, spec, mode=mode if mode in ("direct", "staged") else "auto",
+                                     require_same_page_size=self.cfg.peer.require_same_page_size)
+                except KvxferError as exc:
+                    self.metrics.handshakes.labels("refused").inc()
+                    raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
+                self.metrics.handshakes.labels("ok").inc()
+                log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s", link.address, prefill,
+                         decode, plan.mode)
+                return plan
+            if op == "handshake_refused":
+                err = reply.get("error") or {}
+                self.metrics.handshakes.labels("refused").inc()
+                log.warning("event=handshake_refused peer=%s field=%s msg=%s", link.address, err.get("field"),
+                            q(str(err.get("message"))[:300]))
+                raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
+                                  prefill=err.get("prefill"), decode=err.get("decode"))
+            await asyncio.sleep(self.cfg.timeouts.handshake_retry_s)
+
+    def handle_upstream(self, link: PeerLink, msg: dict[str, Any]) -> None:
+        """Unsolicited messages from a prefill daemon: aborts and errors about requests."""
+        op = msg.get("op")
+        try:
+            if op == "abort":
+                m = protocol.check_peer(msg)
+                self._abort_local(m["request_id"], m.get("code") or "peer_aborted", m["reason"])
+            elif op == "error" and isinstance(msg.get("request_id"), str):
+                rid = msg["request_id"]
+                err = msg.get("error") or {}
+                if err.get("code") == "no_handshake":
+                    link.plans.clear()
+                for entry in self.inbox.for_request(rid):
+                    self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
+                                    f"source daemon {link.address}: {err.get('message')}", propagate=False)
+            elif op == "pong":
+                pass
+        except KvxferError:
+            self.metrics.invalid_messages.labels("peer").inc()
+
+    def _inbox_changed(self, entry: DestEntry) -> None:
+        if self.loop is not None:
+            self.loop.call_soon_threadsafe(self._dest_changed, entry)
+
+    def _dest_changed(self, entry: DestEntry) -> None:
+        if entry.failure is not None:
+            if entry.inflight == 0 and entry.state != "failed":
+                self._finalize_dest(entry, "failed")
+            return
+        if entry.state in TERMINAL:
+            return
+        if entry.complete():
+            entry.closed = True
+            self._finalize_dest(entry, "done")
+
+    def _fail_dest(self, entry: DestEntry, code: str, message: str, propagate: bool = True) -> None:
+        if entry.state in TERMINAL or entry.failure is not None:
+            return
+        entry.closed = True
+        entry.failure = (code, message)
+        if propagate:
+            self._propagate_abort_upstream(entry, code, message)
+        self._dest_changed(entry)
+
+    def _finalize_dest(self, entry: DestEntry, state: str) -> None:
+        entry.state = state
+        self.inbox.remove(entry)
+        mode = entry.plan.mode if entry.plan else "none"
+        self.metrics.transfers.labels("decode", state, mode, entry.transport).inc()
+        record = {"state": state, "bytes": entry.bytes_received}
+        if state == "done":
+            self.metrics.latency.observe(time.monotonic() - entry.created)
+            self.metrics.phase_latency.labels("transfer").observe(time.monotonic() - entry.phase_since)
+            if entry.aux is not None:
+                record["aux"] = entry.aux
+        else:
+            code, message = entry.failure or ("unknown", "")
+            record.update(code=code, reason=message)
+            self._record_failure("decode", entry.request_id, entry.rank.id, code, message)
+        self._remember(entry.request_id, entry.rank.id, record)
+        self._count_states()
+        self._send_engine(entry.rank.identity, {"op": "event", "rank_id": entry.rank.id,
+                                                "request_id": entry.request_id, **record})
+
+    def _propagate_abort_upstream(self, entry: DestEntry, code: str, message: str) -> None:
+        if entry.transport == "local":
+            self._abort_sources(entry.request_id, code, message)
+        else:
+            link = self.links.get(entry.source_address)
+            if link is not None:
+                link.send({"op": "abort", "request_id": entry.request_id, "reason": message[:500],
+                           "code": code[:64]})
+
+    # -- prefill side ----------------------------------------------------------------
+    def _send(self, rank: Rank, msg: dict[str, Any]) -> dict[str, Any]:
+        start, end = msg["start"], msg["end"]
+        if end < start:
+            raise RequestError(f"end {end} is before start {start}", field="end", fix="send start <= end")
+        if len(msg["pages"]) > self.cfg.limits.max_pages_per_request:
+            raise RequestError(f"{len(msg['pages'])} pages exceed limits.max_pages_per_request",
+                               field="pages", fix="split the request or raise the limit")
+        pages = as_pages(msg["pages"], rank.geometry.num_pages, "pages")
+        chunk_slots = slots(pages, rank.geometry.spec.page_size, start, end, start)
+        key = (msg["request_id"], rank.id)
+        if key in self.finished:
+            raise RequestError(f"request {msg['request_id']!r} already finished at {rank.id}",
+                               field="request_id", fix="use a new request id per request")
+        entry = self.sources.get(key)
+        if entry is None:
+            self._check_capacity()
+            if sum(len(e.chunks) for e in self.sources.values()) >= self.cfg.limits.max_pending_chunks:
+                raise RequestError("too many chunks are held", field="request_id", code="busy",
+                                   fix="retry later, or raise limits.max_pending_chunks")
+            entry = self.sources[key] = SrcEntry(msg["request_id"], rank.id, rank.coords)
+            route = self._routes_for(msg["request_id"], rank.instance)
+            if route is not None:
+                entry.bind(*route)
+        elif entry.closed:
+            raise RequestError(f"request {msg['request_id']!r} is {entry.state}", field="request_id",
+                               fix="start a new request")
+        entry.add_chunk(Chunk(start, end, msg["last"], chunk_slots, msg.get("aux")))
+        self._pump(entry)
+        self._check_src(entry)
+        self._count_states()
+        return {"ok": True, "state": entry.state}
+
+    def _routes_for(self, request_id: str, instance: str) -> tuple[Plan, str, Route] | None:
+        """A plan already learnt for this request from any expect (other ranks' included)."""
+        for (rid_req, _rid), other in self.sources.items():
+            if rid_req == request_id and other.plan is not None and other.rid.startswith(instance + "/"):
+                assert other.decode_instance is not None and other.route is not None
+                return other.plan, other.decode_instance, other.route
+        return None
+
+    def _on_expect(self, request_id: str, prefill: str, decode: str, dst: tuple[int, int], plan: Plan,
+                   route: Route) -> None:
+        dest = plan.destination(*dst)
+        for w in dest.writers:
+            rid = rank_id(prefill, *w.src)
+            key = (request_id, rid)
+            entry = self.sources.get(key)
+            if entry is None:
+                if key in self.finished:
+                    continue
+                entry = self.sources[key] = SrcEntry(request_id, rid, w.src)
+            if entry.closed:
+                continue
+            entry.bind(plan, decode, route)
+            entry.targets.setdefault(dst, Target(dst, w))
+            self._pump(entry)
+        # ranks that write nothing of this request learn the plan too, so they can finish
+        for (req, rid), entry in list(self.sources.items()):
+            if req == request_id and entry.plan is None and rid.startswith(prefill + "/"):
+                entry.bind(plan, decode, route)
+                self._pump(entry)
+            if req == request_id:
+                self._check_src(entry)
+        self._count_states()
+
+    def _pump(self, entry: SrcEntry) -> None:
+        if entry.closed or entry.plan is None or entry.route is None:
+            return
+        rank = self.registry.get(entry.rid)
+        if rank is None:
+            return
+        for target in entry.targets.values():
+            for idx, chunk in enumerate(entry.chunks):
+                if idx in target.scheduled:
+                    continue
+                target.scheduled.add(idx)
+                job = ChunkJob(entry.request_id, entry.decode_instance or "", target.dst, rank, target.writer,
+                               chunk.start, chunk.end, chunk.last, chunk.aux, chunk.slots, entry.plan.mode,
+                               entry.route.data_address)
+                transport = self.local if entry.route.kind == "local" else self.tcp
+                entry.inflight += 1
+                if entry.state == "waiting_for_input":
+                    entry.state = "transferring"
+                    entry.phase_since = time.monotonic()
+                queued = time.monotonic()
+                fut = self.executor.submit(self._run_job, transport, job, queued)
+                fut.add_done_callback(lambda f, e=entry, t=target, i=idx, tr=transport.name:
+                                      self._job_finished_threadsafe(e, t, i, tr, f))
+
+    def _run_job(self, transport: Any, job: ChunkJob, queued: float) -> tuple[Moved, float]:
+        started = time.monotonic()
+        self.metrics.phase_latency.labels("queue").observe(started - queued)
+        moved = transport.send(job)
+        return moved, time.monotonic() - started
+
+    def _job_finished_threadsafe(self, entry: SrcEntry, target: Target, idx: int, transport: str, fut: Any) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._job_finished, entry, target, idx, transport, fut)
+
+    def _job_finished(self, entry: SrcEntry, target: Target, idx: int, transport: str, fut: Any) -> None:
+        entry.inflight -= 1
+        exc = fut.exception() if not fut.cancelled() else TransferError("job cancelled at shutdown")
+        if exc is None:
+            moved, seconds = fut.result()
+            target.acked.add(idx)
+            entry.bytes_sent += moved.nbytes
+            self.metrics.bytes_sent.labels(transport, moved.mode).inc(moved.nbytes)
+            self.metrics.chunks.labels(transport, moved.mode).inc()
+            self.metrics.chunk_bytes.observe(moved.nbytes)
+            self.metrics.fragments.observe(moved.fragments)
+            if transport == "local":
+                self.metrics.bytes_received.labels("local").inc(moved.nbytes)
+        elif entry.failure is None:
+            code = exc.code if isinstance(exc, KvxferError) else "transfer"
+            log.warning("event=chunk_failed request=%s rank=%s dst=%s code=%s msg=%s", q(entry.request_id),
+                        entry.rid, list(target.dst), code, q(str(exc)[:300]))
+            self._fail_src(entry, code, f"chunk [{entry.chunks[idx].start}, {entry.chunks[idx].end}) to "
+                                        f"{list(target.dst)} failed: {exc}")
+        self._check_src(entry)
+
+    def _check_src(self, entry: SrcEntry) -> None:
+        if entry.failure is not None:
+            if entry.inflight == 0 and entry.state != "failed":
+                self._finalize_src(entry, "failed")
+            return
+        if entry.state not in TERMINAL and entry.complete():
+            entry.closed = True
+            self._finalize_src(entry, "done")
+
+    def _fail_src(self, entry: SrcEntry, code: str, message: str, propagate: bool = True) -> None:
+        if entry.state in TERMINAL or entry.failure is not None:
+            return
+        entry.closed = True
+        entry.failure = (code, message)
+        if propagate and entry.route is not None:
+            self._propagate_abort_downstream(entry.request_id, entry.route, code, message)
+        self._check_src(entry)
+
+    def _finalize_src(self, entry: SrcEntry, state: str) -> None:
+        entry.state = state
+        self.sources.pop((entry.request_id, entry.rid), None)
+        mode = entry.plan.mode if entry.plan else "none"
+        transport = entry.route.kind if entry.route else "none"
+        self.metrics.transfers.labels("prefill", state, mode, transport).inc()
+        record: dict[str, Any] = {"state": state, "bytes": entry.bytes_sent}
+        if state == "failed":
+            code, message = entry.failure or ("unknown", "")
+            record.update(code=code, reason=message)
+            self._record_failure("prefill", entry.request_id, entry.rid, code, message)
+        self._remember(entry.request_id, entry.rid, record)
+        self._count_states()
+        rank = self.registry.get(entry.rid)
+        if rank is not None:
+            self._send_engine(rank.identity, {"op": "event", "rank_id": entry.rid,
+                                              "request_id": entry.request_id, **record})
+
+    def _propagate_abort_downstream(self, request_id: str, route: Route, code: str, message: str) -> None:
+        if route.kind == "local":
+            for entry in self.inbox.for_request(request_id):
+                self._fail_dest(entry, code, message, propagate=False)
+        elif route.identity is not None and self.peer_sock is not None:
+            self._send_peer(route.identity, {"op": "abort", "request_id": request_id,
+                                             "reason": message[:500], "code": code[:64]})
+
+    def _abort_sources(self, request_id: str, code: str, message: str) -> None:
+        for (req, _rid), entry in list(self.sources.items()):
+            if req == request_id:
+                self._fail_src(entry, code, message, propagate=False)
+
+    def _abort_local(self, request_id: str, code: str, message: str) -> None:
+        for entry in self.inbox.for_request(request_id):
+            self._fail_dest(entry, code, message, propagate=False)
+        self._abort_sources(request_id, code, message)
+
+    def _abort_from_engine(self, rank: Rank, request_id: str, reason: str) -> dict[str, Any]:
+        if rank.role == "decode":
+            entry = self.inbox.get(request_id, rank.id)
+            if entry is not None:
+                self._fail_dest(entry, "aborted", reason)
+                return {"ok": True, "state": "failed"}
+        else:
+            src = self.sources.get((request_id, rank.id))
+            if src is not None:
+                self._fail_src(src, "aborted", reason)
+                return {"ok": True, "state": "failed"}
+        done = self.finished.get((request_id, rank.id))
+        if done is not None:
+            return {"ok": True, "state": done["state"]}
+        raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
+                           fix="abort a request this rank expected or sent")
+
+    # -- peer endpoint (this daemon as the prefill side) --------------------------------
+    async def _peer_loop(self) -> None:
+        assert self.peer_sock is not None
+        while True:
+            frames = await self.peer_sock.recv_multipart(copy=True)
+            identity, payload = frames[0], frames[-1]
+            seq = None
+            try:
+                raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
+                seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
+                msg = protocol.check_peer(raw)
+                reply = self._peer_op(identity, msg)
+            except PlanRefusal as refusal:
+                self.metrics.refusals.labels(refusal.field or "unknown").inc()
+                self.metrics.handshakes.labels("refused").inc()
+                log.warning("event=handshake_refused field=%s msg=%s", refusal.field, q(str(refusal)[:300]))
+                reply = {"op": "handshake_refused", "error": refusal.to_wire()}
+            except KvxferError as exc:
+                self.metrics.invalid_messages.labels("peer").inc()
+                reply = {"op": "error", "error": exc.to_wire()}
+            except Exception as exc:  # noqa: BLE001
+                log.exception("event=peer_handler_crash")
+                reply = {"op": "error", "error": {"code": "internal", "message": repr(exc)[:300]}}
+            if reply is not None:
+                if seq is not None:
+                    reply["seq"] = seq
+                self._send_peer(identity, reply)
+
+    def _send_peer(self, identity: bytes, message: dict[str, Any]) -> None:
+        assert self.peer_sock is not None
+        fut = self.peer_sock.send_multipart([identity, protocol.encode(message)])
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(_ignore)
+
+    def _peer_op(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
+        op = msg["op"]
+        peer = self.downstream.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if op == "ping":
+            if peer is None:
+                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+                self._count_peers()
+            return {"op": "pong", "daemon": self.address}
+        if op == "handshake":
+            return self._peer_handshake(identity, msg)
+        if op == "expect":
+            found = self.src_plans.get((msg["prefill_instance"], msg["decode_instance"]))
+            if found is None or found[1].identity != identity:
+                return {"op": "error", "request_id": msg["request_id"],
+                        "error": {"code": "no_handshake", "message": "no handshake for this instance pair; "
+                                  "handshake again"}}
+            plan, route = found
+            dst = msg["dst"]
+            if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
+                raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
+                                    field="dst", fix="send a rank of the decode instance")
+            if self.draining:
+                return {"op": "error", "request_id": msg["request_id"],
+                        "error": {"code": "draining", "message": "source daemon is draining"}}
+            self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route)
+            return None
+        if op == "abort":
+            self._abort_local(msg["request_id"], msg.get("code") or "peer_aborted", msg["reason"])
+            return None
+        return None
+
+    def _peer_handshake(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
+        protocol.check_version(msg["v"])
+        prefill = msg["prefill_instance"]
+        spec = self.registry.spec(prefill, "prefill")
+        if spec is None:
+            return {"op": "handshake_retry", "reason": f"instance {prefill!r} has no registered prefill rank"}
+        try:
+            decode_spec = InstanceSpec.from_dict(msg["decode_spec"])
+        except KvxferError as exc:
+            raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
+        plan = make_plan(spec, decode_spec, mode=msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode,
+                         decode_tensors=msg.get("decode_tensors", True),
+                         require_same_page_size=self.cfg.peer.require_same_page_size)
+        host, port = split_address(msg["data_address"])
+        route = Route("tcp", (host, port), identity, msg["daemon"])
+        self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
+        if identity not in self.downstream:
+            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+            self._count_peers()
+        self.metrics.handshakes.labels("ok").inc()
+        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s", msg["daemon"], prefill,
+                 msg["decode_instance"], plan.mode)
+        return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode}
+
+    def peer_seen(self, link: PeerLink) -> None:
+        link.last_seen = time.monotonic()
+        if link.state != "up":
+            if link.state == "down":
+                log.info("event=peer_back peer=%s", link.address)
+            link.state = "up"
+            self._count_peers()
+
+    def _on_received_threadsafe(self, sink: Sink, moved: Moved) -> None:
+        self.metrics.bytes_received.labels("tcp").inc(moved.nbytes)
+
+    # -- timers ----------------------------------------------------------------------
+    async def _heartbeats(self) -> None:
+        interval = self.cfg.peer.heartbeat_interval_s
+        timeout = self.cfg.peer.peer_timeout_s
+        watchdog = sdnotify.watchdog_interval()
+        last_watchdog = 0.0
+        while True:
+            now = time.monotonic()
+            for link in list(self.links.values()):
+                link.send({"op": "ping", "daemon": self.address})
+                if link.state == "up" and now - link.last_seen > timeout:
+                    self._link_down(link, now - link.last_seen)
+                elif link.state == "connecting" and now - link.last_seen > timeout:
+                    link.state = "down"
+                    self._count_peers()
+            for identity, peer in list(self.downstream.items()):
+                if now - peer.last_seen > timeout:
+                    self._downstream_down(peer, now - peer.last_seen)
+            if watchdog and now - last_watchdog >= watchdog:
+                sdnotify.notify("WATCHDOG=1")
+                last_watchdog = now
+            await asyncio.sleep(interval)
+
+    def _link_down(self, link: PeerLink, silent_for: float) -> None:
+        link.state = "down"
+        link.plans.clear()
+        self.metrics.heartbeat_misses.inc()
+        self._count_peers()
+        log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
+        for entry in self.inbox.all():
+            if entry.transport == "tcp" and entry.state not in TERMINAL:
+                if entry.source_address == link.address:
+                    self._fail_dest(entry, "peer_dead",
+                                    f"source daemon {link.address} unresponsive for {silent_for:.1f}s",
+                                    propagate=False)
+
+    def _downstream_down(self, peer: DownstreamPeer, silent_for: float) -> None:
+        del self.downstream[peer.identity]
+        self.metrics.heartbeat_misses.inc()
+        self._count_peers()
+        log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
+        for key, (plan, route) in list(self.src_plans.items()):
+            if route.identity == peer.identity:
+                del self.src_plans[key]
+        for entry in list(self.sources.values()):
+            if entry.route is not None and entry.route.identity == peer.identity:
+                self._fail_src(entry, "peer_dead", f"decode daemon {peer.daemon} unresponsive for "
+                                                   f"{silent_for:.1f}s", propagate=False)
+
+    async def _sweeper(self) -> None:
+        t = self.cfg.timeouts
+        limits = {"bootstrapping": t.bootstrap_s, "waiting_for_input": t.waiting_for_input_s,
+                  "transferring": t.transfer_s}
+        while True:
+            await asyncio.sleep(0.1)
+            now = time.monotonic()
+            for entry in self.inbox.all():
+                limit = limits.get(entry.state)
+                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                    self._fail_dest(entry, f"{entry.state}_timeout",
+                                    f"request spent more than {limit}s in state {entry.state}")
+            for entry in list(self.sources.values()):
+                limit = limits.get(entry.state)
+                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                    self._fail_src(entry, f"{entry.state}_timeout",
+                                   f"request spent more than {limit}s in state {entry.state}")
+
+    # -- bookkeeping -----------------------------------------------------------------
+    def _remember(self, request_id: str, rid: str, record: dict[str, Any]) -> None:
+        self.finished[(request_id, rid)] = record
+        while len(self.finished) > self.cfg.limits.max_inflight_requests:
+            self.finished.popitem(last=False)
+
+    def _record_failure(self, side: str, request_id: str, rid: str, code: str, message: str) -> None:
+        self.metrics.failures.labels(side, code[:48]).inc()
+        log.info("event=request_failed side=%s request=%s rank=%s code=%s reason=%s", side, q(request_id), rid,
+                 code, q(message[:300]))
+        self.recent_failures.append({"time": time.time(), "side": side, "request_id": request_id,
+                                     "rank_id": rid, "code": code, "reason": message[:500]})
+        del self.recent_failures[:-self.cfg.limits.recent_failures]
+
+    def _poll(self, rank: Rank, request_id: str) -> dict[str, Any]:
+        if rank.role == "decode":
+            entry = self.inbox.get(request_id, rank.id)
+            if entry is not None:
+                return {"state": entry.state}
+        else:
+            src = self.sources.get((request_id, rank.id))
+            if src is not None:
+                return {"state": src.state}
+        done = self.finished.get((request_id, rank.id))
+        if done is not None:
+            return dict(done)
+        raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
+                           fix="poll a request this rank expected or sent")
+
+    def _count_states(self) -> None:
+        counts = {("decode", s): 0 for s in STATES} | {("prefill", s): 0 for s in STATES}
+        for entry in self.inbox.all():
+            if entry.state in STATES:
+                counts[("decode", entry.state)] += 1
+        for src in self.sources.values():
+            if src.state in STATES:
+                counts[("prefill", src.state)] += 1
+        for (side, state), n in counts.items():
+            self.metrics.inflight.labels(side, state).set(n)
+
+    def _count_peers(self) -> None:
+        counts = {"up": 0, "down": 0, "connecting": 0}
+        for link in self.links.values():
+            counts[link.state] = counts.get(link.state, 0) + 1
+        counts["up"] += len(self.downstream)
+        for state, n in counts.items():
+            self.metrics.peers.labels(state).set(n)
+
+    def status(self) -> dict[str, Any]:
+        by_state: dict[str, int] = {}
+        for entry in self.inbox.all():
+            by_state[f"decode:{entry.state}"] = by_state.get(f"decode:{entry.state}", 0) + 1
+        for src in self.sources.values():
+            by_state[f"prefill:{src.state}"] = by_state.get(f"prefill:{src.state}", 0) + 1
+        metrics_url = ""
+        if self.ops is not None:
+            host = self.cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
+            metrics_url = f"http://{host}:{self.ops.port}/metrics"
+        return {
+            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+            "uptime_s": round(time.time() - self.started, 3), "ready": self.ready, "draining": self.draining,
+            "engine_endpoint": f"ipc://{self.cfg.socket_path}", "peer_endpoint": f"tcp://{self.address}",
+            "data_endpoint": self.data_address, "metrics_url": metrics_url,
+            "ranks": [r.describe() for r in self.registry],
+            "peers": [{"address": l.address, "state": l.state, "side": "prefill",
+                       "last_seen_s": round(time.monotonic() - l.last_seen, 3),
+                       "plans": sorted(f"{p}->{d}" for p, d in l.plans)} for l in self.links.values()]
+                     + [{"address": p.daemon, "state": "up", "side": "decode",
+                         "last_seen_s": round(time.monotonic() - p.last_seen, 3)} for p in self.downstream.values()],
+            "requests": by_state,
+            "recent_failures": list(self.recent_failures),
+        }
+
+
+def run(cfg: Config) -> int:
+    try:
+        import uvloop
+        runner = uvloop.run
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        runner = asyncio.run
+
+    async def main() -> None:
+        daemon = Daemon(cfg)
+        await daemon.run()
+
+    runner(main())
+    return 0

@@ -1,0 +1,216 @@
+"""Decode side: the destinations this daemon expects bytes for, shared with data threads.
+
+A peer's data header names only (request, destination rank, writer, token range). The
+inbox checks it against what the local decode engine asked for and computes every write
+offset from the engine's own page table, so no peer-supplied offset ever reaches memory.
+A chunk is accepted at most once per (writer, token): overlapping or replayed ranges are
+refused before a byte is written.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import RequestError
+from .planner import Destination, Plan, Writer
+from .registry import Rank
+from .segments import chunk_bytes, head_offset_bytes, slots
+
+
+@dataclass
+class DestEntry:
+    """One request at one decode rank."""
+
+    request_id: str
+    rank: Rank
+    source_instance: str
+    pages: np.ndarray
+    num_tokens: int | None
+    created: float = field(default_factory=time.monotonic)
+    state: str = "bootstrapping"
+    phase_since: float = field(default_factory=time.monotonic)
+    plan: Plan | None = None
+    dest: Destination | None = None
+    writers: dict[tuple[int, int], Writer] = field(default_factory=dict)
+    received: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
+    pending: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
+    last_end: dict[tuple[int, int], int] = field(default_factory=dict)
+    inflight: int = 0
+    closed: bool = False
+    aux: bytes | None = None
+    bytes_received: int = 0
+    failure: tuple[str, str] | None = None
+    transport: str = ""
+    source_address: str = ""  # empty: the source instance is on this daemon
+
+    @property
+    def capacity(self) -> int:
+        return int(self.pages.size) * self.rank.geometry.spec.page_size
+
+    def bind(self, plan: Plan) -> None:
+        self.plan = plan
+        self.dest = plan.destination(*self.rank.coords)
+        self.writers = {w.src: w for w in self.dest.writers}
+        self.received = {src: [] for src in self.writers}
+        self.pending = {src: [] for src in self.writers}
+
+    def complete(self) -> bool:
+        if not self.writers or self.inflight:
+            return False
+        ends = set()
+        for src in self.writers:
+            end = self.last_end.get(src)
+            if end is None or _covered(self.received[src]) != end:
+                return False
+            ends.add(end)
+        return len(ends) == 1
+
+
+def _covered(ranges: list[tuple[int, int]]) -> int:
+    """Length of the gap-free prefix [0, n) covered by ``ranges``."""
+    reach = 0
+    for start, end in sorted(ranges):
+        if start > reach:
+            break
+        reach = max(reach, end)
+    return reach
+
+
+def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
+    return any(s < end and start < e for s, e in ranges)
+
+
+@dataclass
+class Sink:
+    """A validated, reserved chunk: everything a data thread needs to write it."""
+
+    entry: DestEntry
+    writer: Writer
+    start: int
+    end: int
+    last: bool
+    nbytes: int
+    dst_slots: np.ndarray
+    head_offset: int
+    aux: bytes | None
+
+    def regions(self) -> list[Any]:
+        rank = self.entry.rank
+        kinds = rank.geometry.spec.region_kinds
+        return [rank.region(layer, kind) for layer in range(*self.writer.layers) for kind in kinds]
+
+
+class Inbox:
+    """Thread-safe table of destinations; data threads call begin/finish."""
+
+    def __init__(self, on_change: Callable[[DestEntry], None]) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str], DestEntry] = {}
+        self._by_request: dict[str, list[DestEntry]] = {}
+        self._on_change = on_change  # called from any thread; must be thread-safe
+
+    def add(self, entry: DestEntry) -> None:
+        key = (entry.request_id, entry.rank.id)
+        with self._lock:
+            if key in self._entries:
+                raise RequestError(f"request {entry.request_id!r} is already expected at rank {entry.rank.id}",
+                                   field="request_id", fix="use a new request id per request")
+            self._entries[key] = entry
+            self._by_request.setdefault(entry.request_id, []).append(entry)
+
+    def get(self, request_id: str, rid: str) -> DestEntry | None:
+        with self._lock:
+            return self._entries.get((request_id, rid))
+
+    def for_request(self, request_id: str) -> list[DestEntry]:
+        with self._lock:
+            return list(self._by_request.get(request_id, ()))
+
+    def all(self) -> list[DestEntry]:
+        with self._lock:
+            return list(self._entries.values())
+
+    def remove(self, entry: DestEntry) -> None:
+        with self._lock:
+            self._entries.pop((entry.request_id, entry.rank.id), None)
+            lst = self._by_request.get(entry.request_id)
+            if lst is not None:
+                if entry in lst:
+                    lst.remove(entry)
+                if not lst:
+                    del self._by_request[entry.request_id]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def begin(self, header: dict[str, Any], rid: str) -> Sink:
+        """Validate a chunk header and reserve its token range; raise RequestError if bad."""
+        src = tuple(header["src"])
+        start, end = header["start"], header["end"]
+        with self._lock:
+            entry = self._entries.get((header["request_id"], rid))
+            if entry is None or entry.closed:
+                raise RequestError(f"request {header['request_id']!r} is not expected at rank {rid}",
+                                   field="request_id", fix="send only requests the decode side expects")
+            if entry.plan is None:
+                raise RequestError("destination is not bound to a plan yet", field="request_id",
+                                   fix="wait for the expect message before sending")
+            writer = entry.writers.get(src)
+            if writer is None:
+                raise RequestError(f"rank {list(src)} is not a writer of {rid}; the plan names "
+                                   f"{[list(s) for s in entry.writers]}", field="src",
+                                   fix="send from the prefill ranks the plan assigns")
+            if not 0 <= start <= end or end > entry.capacity:
+                raise RequestError(f"token range [{start}, {end}) exceeds the {entry.capacity} tokens of "
+                                   f"the destination pages", field="end",
+                                   fix="send only tokens the decode side allocated pages for")
+            if entry.num_tokens is not None and end > entry.num_tokens:
+                raise RequestError(f"token range ends at {end}, request has {entry.num_tokens} tokens",
+                                   field="end", fix="send only the request's tokens")
+            final = entry.last_end.get(src)
+            if final is not None and end > final:
+                raise RequestError(f"chunk [{start}, {end}) after the last chunk ending at {final}",
+                                   field="end", fix="send the last chunk last")
+            if _overlaps(entry.received[src], start, end) or _overlaps(entry.pending[src], start, end):
+                raise RequestError(f"token range [{start}, {end}) from {list(src)} was already received",
+                                   field="start", fix="send each token range once")
+            kinds = len(entry.rank.geometry.spec.region_kinds)
+            expected = chunk_bytes(writer, kinds, end - start)
+            if header["nbytes"] != expected:
+                raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
+                                   field="nbytes", fix="check both sides use the same geometry")
+            if header["last"] and entry.num_tokens is not None and end != entry.num_tokens:
+                raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
+                                   field="end", fix="end the last chunk at the request's length")
+            spec = entry.rank.geometry.spec
+            dst_slots = slots(entry.pages, spec.page_size, start, end, 0)
+            entry.pending[src].append((start, end))
+            entry.inflight += 1
+            if header["last"]:
+                entry.last_end[src] = end
+            if entry.state in ("bootstrapping", "waiting_for_input"):
+                entry.state = "transferring"
+                entry.phase_since = time.monotonic()
+        return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
+                    head_offset_bytes(writer, "dst"), header.get("aux"))
+
+    def finish(self, sink: Sink, ok: bool) -> None:
+        entry = sink.entry
+        src = sink.writer.src
+        with self._lock:
+            entry.inflight -= 1
+            entry.pending[src].remove((sink.start, sink.end))
+            if ok:
+                entry.received[src].append((sink.start, sink.end))
+                entry.bytes_received += sink.nbytes
+                if sink.aux:
+                    entry.aux = sink.aux
+            elif sink.last:
+                entry.last_end.pop(src, None)
+        self._on_change(entry)

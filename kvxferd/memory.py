@@ -1,0 +1,287 @@
+"""KV memory both an engine and the daemon can touch.
+
+CPU: one shared-memory file per rank (under ``/dev/shm``) holds every region; the engine
+sees torch tensors over it, the daemon maps the same file. GPU: the engine hands over a
+CUDA IPC handle per region and the daemon opens it (same node, same device visibility).
+
+The daemon only maps files inside its configured shared-memory directories, opened with
+``O_NOFOLLOW``, and checks every region's bounds against the file before it is used.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+import torch
+
+from .errors import RegistrationError
+from .geometry import RankGeometry
+
+ALIGN = 4096
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        TORCH_DTYPES[_name] = getattr(torch, _name)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The element type engines see; packed 4-bit types are handed out as raw bytes."""
+    return TORCH_DTYPES.get(name, torch.uint8)
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def region_shape(geometry: RankGeometry) -> tuple[int, ...]:
+    spec = geometry.spec
+    if spec.dtype in TORCH_DTYPES:
+        return (geometry.num_pages, spec.page_size, spec.local_heads, spec.head_dim)
+    return (geometry.num_pages, spec.page_size, spec.row_bytes)
+
+
+# -- engine side -------------------------------------------------------------------------
+
+@dataclass
+class KVCache:
+    """An engine rank's KV cache in daemon-mappable memory.
+
+    ``tensors[(layer, kind)]`` is the NHD tensor of one region; ``descriptors()`` is what
+    ``register`` sends. Call :meth:`close` (or use as a context manager) to unlink.
+    """
+
+    geometry: RankGeometry
+    tensors: dict[tuple[int, str], torch.Tensor]
+    path: str | None
+    _descriptors: list[dict[str, Any]]
+    _mmap: Any = field(default=None, repr=False)
+
+    def descriptors(self) -> list[dict[str, Any]]:
+        return [dict(d) for d in self._descriptors]
+
+    def k(self, layer: int) -> torch.Tensor:
+        return self.tensors[(layer, "k")]
+
+    def v(self, layer: int) -> torch.Tensor:
+        return self.tensors[(layer, "v")]
+
+    def latent(self, layer: int) -> torch.Tensor:
+        return self.tensors[(layer, "latent")]
+
+    def close(self) -> None:
+        self.tensors.clear()
+        if self.path:
+            try:
+                os.unlink(self.path)
+            except FileNotFoundError:
+                pass
+            self.path = None
+
+    def __enter__(self) -> "KVCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str = "/dev/shm",
+                 fill: int | None = 0) -> KVCache:
+    """Allocate every region of a rank in one shared-memory file."""
+    names = geometry.region_names()
+    nbytes = geometry.region_bytes
+    stride = _align(nbytes)
+    total = stride * len(names)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
+    path = os.path.join(shm_dir, f"kvxferd-{safe}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        os.ftruncate(fd, total)
+        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)
+    base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
+    if fill is not None:
+        base.fill_(fill)
+    dtype = torch_dtype(geometry.spec.dtype)
+    shape = region_shape(geometry)
+    tensors: dict[tuple[int, str], torch.Tensor] = {}
+    descriptors = []
+    for i, (layer, kind) in enumerate(names):
+        offset = i * stride
+        tensors[(layer, kind)] = base[offset:offset + nbytes].view(dtype).view(shape)
+        descriptors.append({"layer": layer, "kind": kind, "mem": "shm", "path": path,
+                            "offset": offset, "nbytes": nbytes})
+    return KVCache(geometry, tensors, path, descriptors, mm)
+
+
+def allocate_cuda(geometry: RankGeometry, *, device: int | str = 0) -> KVCache:
+    """Allocate regions on a GPU and describe them by CUDA IPC handles."""
+    if not torch.cuda.is_available():
+        raise RegistrationError("CUDA is not available in this process", field="mem",
+                                fix="allocate with allocate_cpu, or run on a GPU node")
+    dtype = torch_dtype(geometry.spec.dtype)
+    shape = region_shape(geometry)
+    tensors = {}
+    descriptors = []
+    for layer, kind in geometry.region_names():
+        t = torch.zeros(shape, dtype=dtype, device=device)
+        tensors[(layer, kind)] = t
+        descriptors.append({"layer": layer, "kind": kind, "mem": "cuda_ipc",
+                            "nbytes": t.numel() * t.element_size(), "offset": 0,
+                            "handle": cuda_ipc_handle(t)})
+    return KVCache(geometry, tensors, None, descriptors)
+
+
+def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
+    """The parts of ``storage._share_cuda_()`` another process needs to open the memory."""
+    storage = tensor.untyped_storage()
+    (device, handle, size, offset, ref_handle, ref_offset, event_handle,
+     event_sync) = storage._share_cuda_()
+    return {"device": int(device), "handle": bytes(handle), "size": int(size),
+            "storage_offset": int(offset) + tensor.storage_offset() * tensor.element_size(),
+            "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
+            "event_handle": bytes(event_handle) if event_handle else b"",
+            "event_sync": bool(event_sync)}
+
+
+# -- daemon side -------------------------------------------------------------------------
+
+@dataclass
+class MappedRegion:
+    """One region as the daemon sees it: a flat byte tensor on its device."""
+
+    layer: int
+    kind: str
+    flat: torch.Tensor  # uint8, 1-D, exactly the region's bytes
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.flat.numel())
+
+    @property
+    def is_cpu(self) -> bool:
+        return self.flat.device.type == "cpu"
+
+    @property
+    def view(self) -> memoryview:
+        """Writable byte view of a CPU region, for zero-copy socket I/O."""
+        mv = self.__dict__.get("_mv")
+        if mv is None:
+            mv = self.__dict__["_mv"] = memoryview(self.flat.numpy()).cast("B")
+        return mv
+
+
+class MemoryMapper:
+    """Maps engine-described regions into the daemon, sharing one mapping per file."""
+
+    def __init__(self, shm_dirs: Iterable[str]) -> None:
+        self.shm_dirs = [os.path.realpath(d) for d in shm_dirs]
+        self._files: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+
+    def map_regions(self, geometry: RankGeometry, regions: list[dict[str, Any]]) -> dict[tuple[int, str], MappedRegion]:
+        expected = geometry.region_names()
+        got = sorted((r["layer"], r["kind"]) for r in regions)
+        if got != sorted(expected):
+            missing = sorted(set(expected) - set(got))
+            extra = sorted(set(got) - set(expected))
+            dup = len(got) != len(set(got))
+            raise RegistrationError(
+                f"regions do not match the geometry's layers {list(geometry.layers)} and kinds "
+                f"{list(geometry.spec.region_kinds)}: missing {missing[:4]}, unexpected {extra[:4]}"
+                + (", duplicates present" if dup else ""),
+                field="regions", fix="register exactly one region per local layer and kind")
+        need = geometry.region_bytes
+        out: dict[tuple[int, str], MappedRegion] = {}
+        for r in regions:
+            if r["nbytes"] != need:
+                raise RegistrationError(
+                    f"region layer {r['layer']} kind {r['kind']} has {r['nbytes']} bytes, geometry needs "
+                    f"{need} ({geometry.num_pages} pages x {geometry.spec.page_bytes} bytes)",
+                    field="regions.nbytes", fix="allocate regions from the same geometry you register")
+            flat = self._map_one(r)
+            out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat)
+        return out
+
+    def _map_one(self, r: dict[str, Any]) -> torch.Tensor:
+        if r["mem"] == "shm":
+            return self._map_shm(r)
+        return self._open_cuda(r)
+
+    def _map_shm(self, r: dict[str, Any]) -> torch.Tensor:
+        path = r.get("path")
+        if not path:
+            raise RegistrationError("shm region without a path", field="regions.path",
+                                    fix="send the shared-memory file path")
+        real = os.path.realpath(path)
+        if not any(real.startswith(d + os.sep) for d in self.shm_dirs):
+            raise RegistrationError(f"region file {path} is outside the allowed directories {self.shm_dirs}",
+                                    field="regions.path", fix="allocate KV memory under engine.shm_dirs")
+        entry = self._files.get(real)
+        if entry is None:
+            try:
+                fd = os.open(real, os.O_RDWR | os.O_NOFOLLOW)
+            except OSError as exc:
+                raise RegistrationError(f"cannot open region file {path}: {exc.strerror}",
+                                        field="regions.path", fix="check the file exists and is readable") from None
+            try:
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+                    raise RegistrationError(f"region file {path} is not a non-empty regular file",
+                                            field="regions.path", fix="use the file allocate_cpu made")
+                mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            finally:
+                os.close(fd)
+            entry = (mm, torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)))
+            self._files[real] = entry
+        base = entry[1]
+        offset = r.get("offset", 0)
+        if offset + r["nbytes"] > base.numel():
+            raise RegistrationError(
+                f"region [{offset}, {offset + r['nbytes']}) exceeds file {path} of {base.numel()} bytes",
+                field="regions.offset", fix="describe regions inside the shared-memory file")
+        return base[offset:offset + r["nbytes"]]
+
+    def _open_cuda(self, r: dict[str, Any]) -> torch.Tensor:  # pragma: no cover - needs a GPU
+        if not torch.cuda.is_available():
+            raise RegistrationError("region is CUDA IPC but this daemon has no CUDA", field="regions.mem",
+                                    fix="run the daemon with access to the engine's GPUs")
+        h = r.get("handle")
+        try:
+            storage = torch.UntypedStorage._new_shared_cuda(
+                h["device"], h["handle"], h["size"], 0, h["ref_handle"], h["ref_offset"],
+                h["event_handle"] or None, h["event_sync"])
+        except Exception as exc:
+            raise RegistrationError(f"cannot open CUDA IPC handle: {exc}", field="regions.handle",
+                                    fix="send the handle from cuda_ipc_handle() of a live tensor") from None
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}")
+        flat.set_(storage, 0, (storage.nbytes(),))
+        offset = int(h["storage_offset"]) + int(r.get("offset", 0))
+        if offset + r["nbytes"] > flat.numel():
+            raise RegistrationError("CUDA region exceeds its storage", field="regions.nbytes",
+                                    fix="describe the region inside its tensor's storage")
+        return flat[offset:offset + r["nbytes"]]
+
+    def release_unused(self, in_use: Iterable[torch.Tensor]) -> None:
+        """Forget file mappings no registered region uses any more."""
+        used = {t.untyped_storage().data_ptr() for t in in_use if t.device.type == "cpu"}
+        for real, (mm, base) in list(self._files.items()):
+            if base.untyped_storage().data_ptr() not in used:
+                del self._files[real]
+
+
+def shm_dir_usable(path: str = "/dev/shm") -> bool:
+    return Path(path).is_dir() and os.access(path, os.W_OK)

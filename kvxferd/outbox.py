@@ -1,0 +1,111 @@
+"""Prefill side: what each source rank has handed over and where it must go.
+
+Pure bookkeeping, touched only on the daemon's event loop. A :class:`SrcEntry` is one
+request at one prefill rank: the chunks the engine sent, the destinations the plan gives
+this rank (known as decode daemons' ``expect`` messages arrive), and which chunk has been
+confirmed by which destination. Source pages are free only when every chunk has been
+confirmed by every destination, or, after a failure, when no copy reads them any more.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .errors import RequestError
+from .planner import Plan, Writer
+
+
+@dataclass(frozen=True)
+class Route:
+    """How to reach the decode daemon of a (prefill, decode) instance pair."""
+
+    kind: str  # "local" or "tcp"
+    data_address: tuple[str, int] | None = None
+    identity: bytes | None = None  # routing id of the decode daemon's peer link
+    daemon: str = ""
+
+
+@dataclass
+class Chunk:
+    start: int
+    end: int
+    last: bool
+    slots: np.ndarray
+    aux: bytes | None
+
+
+@dataclass
+class Target:
+    dst: tuple[int, int]
+    writer: Writer
+    scheduled: set[int] = field(default_factory=set)
+    acked: set[int] = field(default_factory=set)
+
+
+@dataclass
+class SrcEntry:
+    request_id: str
+    rid: str  # the prefill rank's id (the rank may register after a peer's expect)
+    coords: tuple[int, int]
+    created: float = field(default_factory=time.monotonic)
+    state: str = "bootstrapping"
+    phase_since: float = field(default_factory=time.monotonic)
+    chunks: list[Chunk] = field(default_factory=list)
+    last_end: int | None = None
+    plan: Plan | None = None
+    decode_instance: str | None = None
+    route: Route | None = None
+    targets: dict[tuple[int, int], Target] = field(default_factory=dict)
+    inflight: int = 0
+    closed: bool = False
+    failure: tuple[str, str] | None = None
+    bytes_sent: int = 0
+    sent_any: bool = False
+
+    def add_chunk(self, chunk: Chunk) -> None:
+        if self.last_end is not None:
+            raise RequestError(f"request {self.request_id!r} already got its last chunk (ending at "
+                               f"{self.last_end})", field="last", fix="send nothing after last=true")
+        for other in self.chunks:
+            if other.start < chunk.end and chunk.start < other.end:
+                raise RequestError(f"chunk [{chunk.start}, {chunk.end}) overlaps chunk "
+                                   f"[{other.start}, {other.end}) already sent", field="start",
+                                   fix="send each token range once")
+        if chunk.last:
+            reach = max([c.end for c in self.chunks] + [chunk.end])
+            covered = sorted((c.start, c.end) for c in [*self.chunks, chunk])
+            pos = 0
+            for s, e in covered:
+                if s != pos:
+                    raise RequestError(f"last chunk leaves tokens [{pos}, {s}) unsent", field="start",
+                                       fix="send every token range of the request before the last chunk")
+                pos = e
+            if reach != chunk.end:
+                raise RequestError(f"last chunk ends at {chunk.end} but an earlier chunk reaches {reach}",
+                                   field="end", fix="end the request with the chunk holding its last token")
+            self.last_end = chunk.end
+        self.chunks.append(chunk)
+
+    def bind(self, plan: Plan, decode_instance: str, route: Route) -> None:
+        if self.plan is None:
+            self.plan = plan
+            self.decode_instance = decode_instance
+            self.route = route
+            if self.state == "bootstrapping":
+                self.state = "waiting_for_input"
+                self.phase_since = time.monotonic()
+
+    def expected_targets(self) -> set[tuple[int, int]]:
+        assert self.plan is not None
+        return {d.rank for d, _ in self.plan.targets_of(*self.coords)}
+
+    def complete(self) -> bool:
+        if self.plan is None or self.last_end is None or self.inflight:
+            return False
+        if set(self.targets) != self.expected_targets():
+            return False
+        n = len(self.chunks)
+        return all(len(t.acked) == n for t in self.targets.values())

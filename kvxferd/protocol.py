@@ -1,0 +1,270 @@
+"""Wire messages: msgpack maps with an ``op`` field, validated against small schemas.
+
+Nothing from a socket is trusted: size is checked before decoding, the decoder is bounded,
+and every field is type- and range-checked before any handler sees it. A bad message
+raises :class:`ProtocolError` naming the field, which endpoints turn into an error reply.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import msgpack
+
+from . import PROTOCOL_VERSION
+from .errors import ProtocolError
+
+MAX_ID_LEN = 256
+MAX_NAME_LEN = 128
+MAX_AUX_BYTES = 1 << 20
+MAX_LIST = 1 << 22
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """Decode one message; refuse oversize input before msgpack does any work."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}",
+                            field="message", fix="send smaller messages or raise limits.max_message_bytes")
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True,
+                                max_bin_len=max_bytes, max_str_len=max_bytes,
+                                max_array_len=MAX_LIST, max_map_len=4096, max_ext_len=0)
+    except Exception as exc:  # msgpack raises many types for malformed input
+        raise ProtocolError(f"message is not valid msgpack ({type(exc).__name__}: {exc})"[:300],
+                            field="message", fix="send one msgpack-encoded map per frame") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"message must be a map, got {type(value).__name__}", field="message",
+                            fix="send a msgpack map with an 'op' field")
+    op = value.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("message has no string 'op' field", field="op", fix="set op")
+    return value
+
+
+# -- field checkers ----------------------------------------------------------------------
+
+Checker = Callable[[str, Any], Any]
+
+
+def integer(minimum: int = 0, maximum: int = 2**62) -> Checker:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{name} must be an integer, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as an integer")
+        if not minimum <= value <= maximum:
+            raise ProtocolError(f"{name} = {value} is outside [{minimum}, {maximum}]", field=name,
+                                fix=f"send {name} within [{minimum}, {maximum}]")
+        return value
+    return check
+
+
+def number(minimum: float = 0.0, maximum: float = 1e9) -> Checker:
+    def check(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= maximum:
+            raise ProtocolError(f"{name} must be a number in [{minimum}, {maximum}], got {value!r}"[:200],
+                                field=name, fix=f"send {name} as a number")
+        return float(value)
+    return check
+
+
+def text(max_len: int = MAX_NAME_LEN, choices: tuple[str, ...] | None = None) -> Checker:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{name} must be a string, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as a string")
+        if not value or len(value) > max_len:
+            raise ProtocolError(f"{name} must have 1..{max_len} characters, got {len(value)}", field=name,
+                                fix=f"send a shorter, non-empty {name}")
+        if choices is not None and value not in choices:
+            raise ProtocolError(f"{name} = {value!r} is not one of {choices}", field=name,
+                                fix=f"use one of {choices}")
+        return value
+    return check
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name} must be a boolean, got {type(value).__name__}", field=name,
+                            fix=f"send {name} as true or false")
+    return value
+
+
+def blob(max_len: int = MAX_AUX_BYTES) -> Checker:
+    def check(name: str, value: Any) -> bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ProtocolError(f"{name} must be bytes, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as binary")
+        if len(value) > max_len:
+            raise ProtocolError(f"{name} has {len(value)} bytes, limit {max_len}", field=name,
+                                fix=f"keep {name} under {max_len} bytes")
+        return bytes(value)
+    return check
+
+
+def int_list(max_len: int = MAX_LIST) -> Checker:
+    def check(name: str, value: Any) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{name} must be a list of integers, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as a list")
+        if len(value) > max_len:
+            raise ProtocolError(f"{name} has {len(value)} entries, limit {max_len}", field=name,
+                                fix=f"send at most {max_len} entries")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise ProtocolError(f"{name} must hold only integers, found {type(item).__name__}",
+                                    field=name, fix=f"send {name} as integers")
+        return list(value)
+    return check
+
+
+def mapping(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{name} must be a map, got {type(value).__name__}", field=name,
+                            fix=f"send {name} as a map")
+    return value
+
+
+def pair(name: str, value: Any) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 for v in value)):
+        raise ProtocolError(f"{name} must be [tp_rank, pp_rank], got {value!r}"[:200], field=name,
+                            fix="send two small non-negative integers")
+    return (value[0], value[1])
+
+
+def list_of(item: Checker, max_len: int) -> Checker:
+    def check(name: str, value: Any) -> list[Any]:
+        if not isinstance(value, (list, tuple)) or len(value) > max_len:
+            raise ProtocolError(f"{name} must be a list of at most {max_len} entries", field=name,
+                                fix=f"send {name} as a list")
+        return [item(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return check
+
+
+@dataclass(frozen=True)
+class Schema:
+    required: Mapping[str, Checker]
+    optional: Mapping[str, Checker]
+
+    def check(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        allowed = set(self.required) | set(self.optional) | {"op", "seq", "v"}
+        extra = sorted(k for k in message if k not in allowed)
+        if extra:
+            raise ProtocolError(f"unknown field {extra[0]!r} in {message.get('op')!r}", field=str(extra[0])[:64],
+                                fix=f"send only {sorted(allowed)}")
+        out: dict[str, Any] = {"op": message["op"]}
+        for name, checker in self.required.items():
+            if name not in message:
+                raise ProtocolError(f"{message['op']!r} is missing field {name!r}", field=name,
+                                    fix=f"send {name}")
+            out[name] = checker(name, message[name])
+        for name, checker in self.optional.items():
+            if message.get(name) is not None:
+                out[name] = checker(name, message[name])
+        return out
+
+
+REQUEST_ID = text(MAX_ID_LEN)
+NAME = text(MAX_NAME_LEN)
+ADDRESS = text(300)
+
+REGION = Schema(
+    required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent")),
+              "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
+    optional={"path": text(4096), "offset": integer(0, 1 << 48), "handle": mapping},
+)
+
+
+def region(name: str, value: Any) -> dict[str, Any]:
+    return REGION.check({"op": "region", **mapping(name, value)})
+
+
+ENGINE_SCHEMAS: dict[str, Schema] = {
+    "register": Schema(
+        required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
+                  "regions": list_of(region, 1 << 16)},
+        optional={}),
+    "unregister": Schema(required={"rank_id": NAME}, optional={}),
+    "expect": Schema(
+        required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
+                  "pages": int_list()},
+        optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
+                  "timeout_s": number(0.001, 86400)}),
+    "send": Schema(
+        required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
+                  "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
+        optional={"aux": blob()}),
+    "poll": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID}, optional={}),
+    "abort": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID},
+                    optional={"reason": text(512)}),
+    "status": Schema(required={}, optional={}),
+    "ping": Schema(required={}, optional={}),
+}
+
+PEER_SCHEMAS: dict[str, Schema] = {
+    "handshake": Schema(
+        required={"v": integer(0, 1 << 16), "daemon": ADDRESS, "data_address": ADDRESS,
+                  "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
+                  "mode": text(16, ("auto", "direct", "staged")),
+                  "transports": list_of(text(32), 16)},
+        optional={"decode_tensors": boolean}),
+    "expect": Schema(
+        required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
+                  "dst": pair, "num_tokens": integer(0, 1 << 40)},
+        optional={}),
+    "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
+                    optional={"code": text(64)}),
+    "ping": Schema(required={"daemon": ADDRESS}, optional={}),
+    "pong": Schema(required={"daemon": ADDRESS}, optional={}),
+}
+
+PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong")
+
+DATA_HEADER = Schema(
+    required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,
+              "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
+              "nbytes": integer(0, 1 << 48)},
+    optional={"aux": blob()},
+)
+
+
+def check_engine(message: Mapping[str, Any]) -> dict[str, Any]:
+    return _check(ENGINE_SCHEMAS, message, "engine")
+
+
+def check_peer(message: Mapping[str, Any]) -> dict[str, Any]:
+    return _check(PEER_SCHEMAS, message, "peer")
+
+
+def _check(schemas: Mapping[str, Schema], message: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+    op = message["op"]
+    schema = schemas.get(op)
+    if schema is None:
+        raise ProtocolError(f"unknown {endpoint} op {op[:64]!r}", field="op",
+                            fix=f"use one of {sorted(schemas)}")
+    checked = schema.check(message)
+    if "seq" in message:
+        checked["seq"] = integer(0, 2**63)("seq", message["seq"])
+    return checked
+
+
+def check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks protocol v{version}, this daemon v{PROTOCOL_VERSION}",
+                            field="v", fix="run the same kvxferd protocol version on both daemons")
+
+
+# -- length-prefixed frames for the data connection --------------------------------------
+
+FRAME_LEN = struct.Struct("!I")
+
+
+def frame(message: Mapping[str, Any]) -> bytes:
+    body = encode(message)
+    return FRAME_LEN.pack(len(body)) + body

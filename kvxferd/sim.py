@@ -1,0 +1,363 @@
+"""Simulated engine ranks and a loopback cluster, for the demo, the tests and the benchmark.
+
+The oracle: every request has a *logical* KV cache ``[layers, kinds, tokens, heads,
+head_bytes]`` derived from its id alone. A prefill rank writes its own slice of it (its
+heads, its layers) into its pages; a decode rank checks that its pages hold exactly its
+own slice of the same logical cache. Neither side uses the planner to decide what it
+should hold, so a planner or transport bug shows up as a byte mismatch.
+
+A worker is a real process: ``python -m kvxferd.sim worker ...`` reads JSON commands on
+stdin and prints JSON results on stdout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .geometry import InstanceSpec, RankGeometry
+
+CANARY = 0xA5
+
+
+def head_bytes(spec: InstanceSpec) -> int:
+    return spec.head_dim * spec.bits // 8
+
+
+def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
+    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range.
+
+    Generated per layer from a seed of (request, layer), so any rank can rebuild exactly
+    the layers it holds.
+    """
+    kinds = len(spec.region_kinds)
+    out = torch.empty((layers[1] - layers[0], kinds, n_tokens, spec.kv_heads, head_bytes(spec)), dtype=torch.uint8)
+    for i, layer in enumerate(range(*layers)):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
+        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
+    return out
+
+
+def _token_rows(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
+    t = np.arange(start, end)
+    return torch.from_numpy(np.asarray(pages, dtype=np.int64)[t // page_size] * page_size + t % page_size)
+
+
+def fill_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> None:
+    spec = geometry.spec
+    h0, h1 = geometry.heads
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    rows = _token_rows(pages, spec.page_size, 0, n_tokens)
+    for i, layer in enumerate(range(*geometry.layers)):
+        for k, kind in enumerate(spec.region_kinds):
+            table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
+            table.index_copy_(0, rows, logical[i, k, :, h0:h1].reshape(n_tokens, -1))
+
+
+def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> int:
+    """Number of mismatching bytes between this rank's pages and its logical slice."""
+    spec = geometry.spec
+    h0, h1 = geometry.heads
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    rows = _token_rows(pages, spec.page_size, 0, n_tokens)
+    bad = 0
+    for i, layer in enumerate(range(*geometry.layers)):
+        for k, kind in enumerate(spec.region_kinds):
+            table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
+            got = table.index_select(0, rows)
+            bad += int((got != logical[i, k, :, h0:h1].reshape(n_tokens, -1)).sum())
+    return bad
+
+
+def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
+    """Bytes that differ from the canary in the given (never allocated) pages."""
+    bad = 0
+    idx = torch.as_tensor(pages, dtype=torch.int64)
+    for tensor in cache.tensors.values():
+        flat = tensor.view(torch.uint8).reshape(geometry.num_pages, -1)
+        bad += int((flat.index_select(0, idx) != CANARY).sum())
+    return bad
+
+
+# -- the worker process -------------------------------------------------------------------
+
+def worker_main(argv: list[str]) -> int:
+    import argparse
+
+    from .client import EngineClient
+    from .memory import allocate_cpu
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--socket", required=True)
+    ap.add_argument("--instance", required=True)
+    ap.add_argument("--role", required=True)
+    ap.add_argument("--geometry", required=True, help="rank geometry JSON")
+    args = ap.parse_args(argv)
+    geometry = RankGeometry.from_dict(json.loads(args.geometry))
+    cache = allocate_cpu(geometry, name=f"{args.instance}-{geometry.tp_rank}-{geometry.pp_rank}", fill=CANARY)
+    client = EngineClient(args.socket, timeout=30)
+    out_lock = threading.Lock()
+
+    def emit(obj: dict[str, Any]) -> None:
+        with out_lock:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    try:
+        rid = client.register(args.instance, args.role, geometry, cache.descriptors())
+    except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
+        emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
+        cache.close()
+        return 1
+    emit({"event": "registered", "rank_id": rid})
+    commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
+
+    def read_stdin() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                commands.put(json.loads(line))
+        commands.put(None)
+
+    threading.Thread(target=read_stdin, daemon=True).start()
+    pending: dict[str, dict[str, Any]] = {}
+    running = True
+    while running or pending:
+        try:
+            while True:
+                cmd = commands.get_nowait()
+                if cmd is None:
+                    running = False
+                    break
+                _worker_command(client, rid, cache, geometry, cmd, pending, emit)
+        except queue.Empty:
+            pass
+        if not running and not pending:
+            break
+        event = client.wait_any(0.02)
+        if event is not None and event.get("request_id") in pending:
+            info = pending.pop(event["request_id"])
+            result = {"event": "finished", "request_id": event["request_id"], "state": event["state"],
+                      "code": event.get("code"), "reason": event.get("reason"), "t": time.time()}
+            if args.role == "decode" and event["state"] == "done":
+                result["mismatched_bytes"] = check_rank(cache, geometry, event["request_id"], info["pages"],
+                                                        info["n"])
+                aux = event.get("aux")
+                result["aux"] = aux.hex() if isinstance(aux, bytes) else None
+            emit(result)
+    client.close()
+    cache.close()
+    return 0
+
+
+def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, cmd: dict[str, Any],
+                    pending: dict[str, dict[str, Any]], emit: Any) -> None:
+    op = cmd["cmd"]
+    try:
+        if op == "expect":
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
+                          source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"])
+        elif op == "send":
+            fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            ps = geometry.spec.page_size
+            chunks = cmd.get("chunks") or [[0, cmd["n"]]]
+            for i, (start, end) in enumerate(chunks):
+                last = i == len(chunks) - 1
+                client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
+                            end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
+        elif op == "abort":
+            client.abort(rid, cmd["request_id"], cmd.get("reason"))
+        elif op == "untouched":
+            emit({"event": "untouched", "bad_bytes": untouched(cache, geometry, cmd["pages"])})
+        elif op == "status":
+            emit({"event": "status", "status": client.status()})
+    except Exception as exc:  # noqa: BLE001 - the orchestrator asserts on it
+        pending.pop(cmd.get("request_id", ""), None)
+        emit({"event": "error", "cmd": op, "request_id": cmd.get("request_id"), "error": str(exc),
+              "code": getattr(exc, "code", ""), "field": getattr(exc, "field", None)})
+
+
+# -- orchestration ------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class DaemonProc:
+    name: str
+    workdir: Path
+    socket_path: str
+    control_port: int
+    data_port: int
+    metrics_port: int
+    config_path: Path
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.control_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def start(self, env: dict[str, str] | None = None) -> None:
+        self.log_path = self.workdir / f"{self.name}.log"
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
+        deadline = time.monotonic() + 60
+        from .client import EngineClient
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"daemon {self.name} exited: {self.log()}")
+            if os.path.exists(self.socket_path):
+                c = EngineClient(self.socket_path, timeout=1)
+                try:
+                    c.call("ping")
+                    return
+                except Exception:  # noqa: BLE001 - not up yet
+                    pass
+                finally:
+                    c.close()
+            time.sleep(0.05)
+        raise RuntimeError(f"daemon {self.name} did not start: {self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text() if self.log_path and self.log_path.exists() else ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc and self.proc.poll() is None:
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout: float = 20) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+class Worker:
+    """A simulated engine rank process."""
+
+    def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry) -> None:
+        self.instance = instance
+        self.role = role
+        self.geometry = geometry
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvxferd.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
+             "--role", role, "--geometry", json.dumps(geometry.to_dict())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        first = self.next_event(60)
+        if first.get("event") != "registered":
+            raise RuntimeError(f"worker {instance} tp{geometry.tp_rank} pp{geometry.pp_rank}: {first}")
+        self.rank_id = first["rank_id"]
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            try:
+                self.events.put(json.loads(line))
+            except json.JSONDecodeError:
+                pass
+        self.events.put({"event": "exit"})
+
+    def command(self, **cmd: Any) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(cmd) + "\n")
+        self.proc.stdin.flush()
+
+    def next_event(self, timeout: float) -> dict[str, Any]:
+        return self.events.get(timeout=timeout)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@dataclass
+class Cluster:
+    """Daemons in one temp dir, with configs for loopback."""
+
+    root: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvxferd-")))
+    daemons: dict[str, DaemonProc] = field(default_factory=dict)
+    workers: list[Worker] = field(default_factory=list)
+
+    def daemon(self, name: str, extra_toml: str = "", start: bool = True,
+               env: dict[str, str] | None = None) -> DaemonProc:
+        d = DaemonProc(name, self.root, str(self.root / f"{name}.sock"), free_port(), free_port(), free_port(),
+                       self.root / f"{name}.toml")
+        d.config_path.write_text(
+            f'[daemon]\ninstance_name = "{name}"\nlog_level = "info"\n'
+            f'[engine]\nsocket_path = "{d.socket_path}"\nsocket_mode = "0600"\n'
+            f'[peer]\nbind_host = "127.0.0.1"\ncontrol_port = {d.control_port}\ndata_port = {d.data_port}\n'
+            f'heartbeat_interval_s = 0.25\npeer_timeout_s = 1.5\n'
+            f'[metrics]\nbind = "127.0.0.1:{d.metrics_port}"\n' + extra_toml)
+        self.daemons[name] = d
+        if start:
+            d.start(env)
+        return d
+
+    def instance(self, daemon: DaemonProc, name: str, role: str, spec: InstanceSpec, num_pages: int) -> list[Worker]:
+        workers = []
+        for pp in range(spec.pp_size):
+            for tp in range(spec.tp_size):
+                workers.append(Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages)))
+        self.workers.extend(workers)
+        return workers
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.close()
+        for d in self.daemons.values():
+            d.stop()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "worker":
+        sys.exit(worker_main(sys.argv[2:]))
+    print("usage: python -m kvxferd.sim worker ...", file=sys.stderr)
+    sys.exit(1)

@@ -1,0 +1,79 @@
+"""The transport interface and the unit of work it moves.
+
+A :class:`ChunkJob` is one chunk of one request from one prefill rank (writer) to one
+decode rank. Transports are blocking and run on data-plane threads; they raise
+:class:`~kvxferd.errors.TransferError` (or a subclass of KvxferError) when bytes did not
+all land, and return only once the destination has confirmed them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+
+from ..memory import MappedRegion
+from ..planner import Writer
+from ..registry import Rank
+from ..segments import chunk_bytes, head_offset_bytes
+
+
+@dataclass
+class ChunkJob:
+    request_id: str
+    decode_instance: str
+    dst: tuple[int, int]
+    rank: Rank  # the source (prefill) rank
+    writer: Writer
+    start: int
+    end: int
+    last: bool
+    aux: bytes | None
+    src_slots: np.ndarray
+    mode: str  # "direct" or "staged"
+    data_address: tuple[str, int] | None  # None: destination is on this daemon
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.rank.geometry.spec.region_kinds
+
+    @property
+    def nbytes(self) -> int:
+        return chunk_bytes(self.writer, len(self.kinds), self.end - self.start)
+
+    @property
+    def head_offset(self) -> int:
+        return head_offset_bytes(self.writer, "src")
+
+    def regions(self) -> Iterator[MappedRegion]:
+        """Source regions in wire order: layers ascending, then kinds."""
+        for layer in range(*self.writer.layers):
+            for kind in self.kinds:
+                yield self.rank.region(layer, kind)
+
+    def header(self) -> dict[str, Any]:
+        head: dict[str, Any] = {
+            "op": "data", "request_id": self.request_id, "decode_instance": self.decode_instance,
+            "dst": list(self.dst), "src": list(self.writer.src), "start": self.start,
+            "end": self.end, "last": self.last, "nbytes": self.nbytes}
+        if self.aux:
+            head["aux"] = self.aux
+        return head
+
+
+@dataclass
+class Moved:
+    """What a transport reports back for metrics."""
+
+    nbytes: int
+    fragments: int
+    mode: str
+
+
+class Transport(Protocol):
+    name: str
+
+    def send(self, job: ChunkJob) -> Moved: ...
+
+    def close(self) -> None: ...

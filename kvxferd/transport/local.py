@@ -1,0 +1,48 @@
+"""Same-daemon transport: source and destination regions are both mapped here.
+
+The destination goes through the same :class:`~kvxferd.inbox.Inbox` checks as a remote
+chunk, then the bytes move region to region with no socket and no staging.
+"""
+
+from __future__ import annotations
+
+from ..copier import FEW_RUNS, copy_runs, copy_slots
+from ..errors import KvxferError, TransferError
+from ..inbox import Inbox
+from ..registry import rank_id
+from ..segments import paired_segments
+from .base import ChunkJob, Moved
+
+
+class LocalTransport:
+    name = "local"
+
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+
+    def send(self, job: ChunkJob) -> Moved:
+        sink = self.inbox.begin(job.header(), rank_id(job.decode_instance, *job.dst))
+        ok = False
+        try:
+            segs = paired_segments(job.src_slots, sink.dst_slots, job.writer)
+            fragments = 0
+            for src, dst in zip(job.regions(), sink.regions()):
+                if len(segs) <= FEW_RUNS:
+                    copy_runs(src.flat, dst.flat, segs.src, segs.dst, segs.lengths)
+                else:
+                    w = job.writer
+                    copy_slots(src.flat, job.src_slots, w.src_row_bytes, job.head_offset,
+                               dst.flat, sink.dst_slots, w.dst_row_bytes, sink.head_offset,
+                               w.slice_bytes)
+                fragments += len(segs)
+            ok = True
+            return Moved(job.nbytes, fragments, "direct")
+        except KvxferError:
+            raise
+        except Exception as exc:  # a torch or memory error must fail the request, not the thread
+            raise TransferError(f"local copy failed: {exc}", field="transport") from exc
+        finally:
+            self.inbox.finish(sink, ok)
+
+    def close(self) -> None:
+        pass

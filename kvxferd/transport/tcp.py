@@ -1,0 +1,321 @@
+"""The built-in network transport: plain TCP data connections between daemons.
+
+One frame per chunk: a length-prefixed msgpack header, the payload in wire order, then a
+length-prefixed reply from the receiver once every byte is in place. Large contiguous runs
+go straight between KV pages and the socket (``sendmsg`` of page views, ``recv_into`` page
+views); small fragments (head slices, tiny pages) are gathered into a bounce buffer with
+one index kernel per layer and kind, so the number of syscalls stays small.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from .. import protocol
+from ..copier import gather, scatter
+from ..errors import KvxferError, ProtocolError, RequestError, TransferError
+from ..inbox import Inbox, Sink
+from ..registry import rank_id
+from ..segments import Runs, side_runs
+from .base import ChunkJob, Moved
+
+log = logging.getLogger("kvxferd.tcp")
+
+IOV_BATCH = 512
+SMALL_RUN = 8192  # average run below this goes through the bounce buffer
+
+
+class Bounce:
+    """Per-thread bounce buffers, bounded by ``slot_bytes`` each; reports bytes held."""
+
+    def __init__(self, slot_bytes: int, on_change: Callable[[int], None] | None = None) -> None:
+        self.slot_bytes = slot_bytes
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self.held = 0
+        self._on_change = on_change
+
+    def get(self) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
+            self._local.buf = buf
+            with self._lock:
+                self.held += self.slot_bytes
+                if self._on_change:
+                    self._on_change(self.held)
+        return buf
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    n = len(view)
+    while got < n:
+        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
+        if k == 0:
+            raise ConnectionError("peer closed the data connection mid-chunk")
+        got += k
+
+
+def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
+    i = 0
+    while i < len(buffers):
+        batch = buffers[i:i + IOV_BATCH]
+        sent = sock.sendmsg(batch)
+        while i < len(buffers) and sent >= len(buffers[i]):
+            sent -= len(buffers[i])
+            i += 1
+        if sent:
+            buffers[i] = buffers[i][sent:]
+
+
+def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any]:
+    head = bytearray(protocol.FRAME_LEN.size)
+    _recv_exact(sock, memoryview(head))
+    (length,) = protocol.FRAME_LEN.unpack(head)
+    if length > max_bytes:
+        raise ProtocolError(f"frame of {length} bytes exceeds {max_bytes}", field="frame",
+                            fix="keep data headers small")
+    body = bytearray(length)
+    _recv_exact(sock, memoryview(body))
+    return protocol.decode(bytes(body), max_bytes)
+
+
+def _runs_for(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Runs:
+    return side_runs(slots, row, head, slice_bytes)
+
+
+def _use_bounce(runs: Runs, cpu: bool) -> bool:
+    return not cpu or (len(runs) > 0 and runs.nbytes // len(runs) < SMALL_RUN)
+
+
+class TcpDataServer:
+    """Accepts data connections from peer daemons and writes chunks via the inbox."""
+
+    def __init__(self, host: str, port: int, inbox: Inbox, *, max_header_bytes: int,
+                 timeout_s: float, bounce: Bounce, max_connections: int = 64,
+                 on_received: Callable[[Sink, Moved], None] | None = None,
+                 on_invalid: Callable[[str], None] | None = None) -> None:
+        self.inbox = inbox
+        self.max_header_bytes = max_header_bytes
+        self.timeout_s = timeout_s
+        self.bounce = bounce
+        self.on_received = on_received
+        self.on_invalid = on_invalid
+        self._sem = threading.BoundedSemaphore(max_connections)
+        self._sock = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.port = self._sock.getsockname()[1]
+        self._closed = threading.Event()
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._accept_loop, name="kvxferd-data-accept", daemon=True)
+        self._thread.start()
+
+    def _accept_loop(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, addr = self._sock.accept()
+            except OSError:
+                return
+            if not self._sem.acquire(blocking=False):
+                log.warning("event=data_conn_refused reason=too_many_connections peer=%s:%s", *addr[:2])
+                conn.close()
+                continue
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self.timeout_s)
+            with self._lock:
+                self._conns.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="kvxferd-data-recv", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        try:
+            while not self._closed.is_set():
+                try:
+                    header = read_frame(conn, self.max_header_bytes)
+                except (ConnectionError, OSError):
+                    return  # peer closed between chunks, or timed out idle
+                try:
+                    header = protocol.DATA_HEADER.check(header)
+                    sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
+                except KvxferError as exc:
+                    log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field,
+                                json.dumps(str(exc)[:300]))
+                    if self.on_invalid:
+                        self.on_invalid(exc.code)
+                    self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
+                    return  # the payload cannot be trusted: drop the connection
+                ok = False
+                try:
+                    moved = self._receive(conn, sink)
+                    ok = True
+                finally:
+                    self.inbox.finish(sink, ok)
+                if self.on_received:
+                    self.on_received(sink, moved)
+                self._reply(conn, {"op": "ack", "ok": True})
+        except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
+            log.info("event=data_conn_closed reason=%s", type(exc).__name__)
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+            self._sem.release()
+
+    def _receive(self, conn: socket.socket, sink: Sink) -> Moved:
+        w = sink.writer
+        regions = sink.regions()
+        runs = _runs_for(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
+        cpu = all(r.is_cpu for r in regions)
+        if not _use_bounce(runs, cpu):
+            offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
+            for region in regions:
+                view = region.view
+                for off, n in zip(offsets, lengths):
+                    _recv_exact(conn, view[off:off + n])
+            return Moved(sink.nbytes, len(runs) * len(regions), "direct")
+        buf = self.bounce.get()
+        per_piece = max(1, self.bounce.slot_bytes // w.slice_bytes)
+        bview = memoryview(buf.numpy())
+        n_tokens = sink.dst_slots.size
+        for region in regions:
+            for lo in range(0, n_tokens, per_piece):
+                part = sink.dst_slots[lo:lo + per_piece]
+                nbytes = part.size * w.slice_bytes
+                _recv_exact(conn, bview[:nbytes])
+                scatter(region.flat, part, w.dst_row_bytes, sink.head_offset, w.slice_bytes, buf[:nbytes])
+        return Moved(sink.nbytes, len(regions) * -(-n_tokens // per_piece), "staged")
+
+    @staticmethod
+    def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
+        try:
+            conn.sendall(protocol.frame(message))
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        with self._lock:
+            conns = list(self._conns)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class TcpTransport:
+    """Sends chunks to peer daemons' data servers over pooled connections."""
+
+    name = "tcp"
+
+    def __init__(self, *, timeout_s: float, max_reply_bytes: int, bounce: Bounce,
+                 connections_per_peer: int = 2) -> None:
+        self.timeout_s = timeout_s
+        self.max_reply_bytes = max_reply_bytes
+        self.bounce = bounce
+        self.connections_per_peer = connections_per_peer
+        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        self._lock = threading.Lock()
+
+    def _borrow(self, address: tuple[str, int]) -> socket.socket:
+        with self._lock:
+            idle = self._idle.get(address)
+            if idle:
+                return idle.pop()
+        try:
+            sock = socket.create_connection(address, timeout=self.timeout_s)
+        except OSError as exc:
+            raise TransferError(f"cannot connect to data endpoint {address[0]}:{address[1]}: "
+                                f"{exc.strerror or exc}", field="data_address",
+                                fix="check the peer daemon is up and its data port reachable") from None
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return sock
+
+    def _give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
+        with self._lock:
+            idle = self._idle.setdefault(address, [])
+            if len(idle) < self.connections_per_peer:
+                idle.append(sock)
+                return
+        sock.close()
+
+    def send(self, job: ChunkJob) -> Moved:
+        assert job.data_address is not None
+        sock = self._borrow(job.data_address)
+        try:
+            sock.sendall(protocol.frame(job.header()))
+            moved = self._send_payload(sock, job)
+            reply = read_frame(sock, self.max_reply_bytes)
+        except (OSError, ConnectionError) as exc:
+            refusal = self._refusal(sock)
+            sock.close()
+            if refusal is not None:
+                raise refusal from None
+            raise TransferError(f"data connection to {job.data_address[0]}:{job.data_address[1]} "
+                                f"failed: {exc}", field="transport",
+                                fix="check the peer daemon; the request can be retried") from None
+        except BaseException:
+            sock.close()
+            raise
+        if not reply.get("ok"):
+            sock.close()
+            raise self._refused(reply)
+        self._give_back(job.data_address, sock)
+        return moved
+
+    @staticmethod
+    def _refused(reply: dict[str, Any]) -> RequestError:
+        err = reply.get("error") or {}
+        return RequestError(f"destination refused chunk: {err.get('message', 'no reason given')}",
+                            field=str(err.get("field") or "chunk"), code="peer_refused")
+
+    def _refusal(self, sock: socket.socket) -> RequestError | None:
+        """After a failed send, the receiver may have said why before closing: read it."""
+        try:
+            sock.settimeout(0.5)
+            reply = read_frame(sock, self.max_reply_bytes)
+        except (OSError, ConnectionError, KvxferError):
+            return None
+        return None if reply.get("ok") else self._refused(reply)
+
+    def _send_payload(self, sock: socket.socket, job: ChunkJob) -> Moved:
+        w = job.writer
+        regions = list(job.regions())
+        runs = _runs_for(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
+        cpu = all(r.is_cpu for r in regions)
+        if job.mode != "staged" and not _use_bounce(runs, cpu):
+            offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
+            for region in regions:
+                view = region.view
+                _sendmsg_all(sock, [view[o:o + n] for o, n in zip(offsets, lengths)])
+            return Moved(job.nbytes, len(runs) * len(regions), "direct")
+        buf = self.bounce.get()
+        per_piece = max(1, self.bounce.slot_bytes // w.slice_bytes)
+        bview = memoryview(buf.numpy())
+        n_tokens = job.src_slots.size
+        for region in regions:
+            for lo in range(0, n_tokens, per_piece):
+                part = job.src_slots[lo:lo + per_piece]
+                nbytes = part.size * w.slice_bytes
+                gather(region.flat, part, w.src_row_bytes, job.head_offset, w.slice_bytes, buf[:nbytes])
+                sock.sendall(bview[:nbytes])
+        return Moved(job.nbytes, len(regions) * -(-n_tokens // per_piece), "staged")
+
+    def close(self) -> None:
+        with self._lock:
+            for socks in self._idle.values():
+                for s in socks:
+                    s.close()
+            self._idle.clear()
