@@ -267,7 +267,8 @@ class DaemonProc:
 class Worker:
     """A simulated engine rank process."""
 
-    def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry) -> None:
+    def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry,
+                 wait: bool = True) -> None:
         self.instance = instance
         self.role = role
         self.geometry = geometry
@@ -278,9 +279,14 @@ class Worker:
         self.events: queue.Queue[dict[str, Any]] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
-        first = self.next_event(60)
+        self.rank_id = ""
+        if wait:
+            self.wait_registered()
+
+    def wait_registered(self, timeout: float = 60) -> None:
+        first = self.next_event(timeout)
         if first.get("event") != "registered":
-            raise RuntimeError(f"worker {instance} tp{geometry.tp_rank} pp{geometry.pp_rank}: {first}")
+            raise RuntimeError(f"worker {self.instance} tp{self.geometry.tp_rank} pp{self.geometry.pp_rank}: {first}")
         self.rank_id = first["rank_id"]
 
     def _read(self) -> None:
@@ -345,8 +351,10 @@ class Cluster:
         workers = []
         for pp in range(spec.pp_size):
             for tp in range(spec.tp_size):
-                workers.append(Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages)))
+                workers.append(Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False))
         self.workers.extend(workers)
+        for w in workers:  # started together, so imports overlap
+            w.wait_registered()
         return workers
 
     def close(self) -> None:
