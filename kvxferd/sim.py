@@ -177,8 +177,10 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
             pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
             ps = geometry.spec.page_size
             chunks = cmd.get("chunks") or [[0, cmd["n"]]]
+            if cmd.get("hold_last"):
+                chunks = chunks[:-1]  # leave the request open on purpose (abort and fault tests)
             for i, (start, end) in enumerate(chunks):
-                last = i == len(chunks) - 1
+                last = i == len(chunks) - 1 and not cmd.get("hold_last")
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
         elif op == "abort":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import select
 import socket
 import threading
 from typing import Any, Callable
@@ -29,7 +30,8 @@ from .base import ChunkJob, Moved
 log = logging.getLogger("kvxferd.tcp")
 
 IOV_BATCH = 512
-SMALL_RUN = 8192  # average run below this goes through the bounce buffer
+SMALL_RUN = 8192
+IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long  # average run below this goes through the bounce buffer
 
 
 class Bounce:
@@ -88,6 +90,15 @@ def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any]:
     return protocol.decode(bytes(body), max_bytes)
 
 
+def _alive(sock: socket.socket) -> bool:
+    """An idle pooled connection is usable only if nothing (EOF, stray bytes) is readable."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+    except (OSError, ValueError):
+        return False
+    return not readable
+
+
 def _runs_for(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Runs:
     return side_runs(slots, row, head, slice_bytes)
 
@@ -138,7 +149,9 @@ class TcpDataServer:
         try:
             while not self._closed.is_set():
                 try:
+                    conn.settimeout(IDLE_TIMEOUT_S)
                     header = read_frame(conn, self.max_header_bytes)
+                    conn.settimeout(self.timeout_s)
                 except (ConnectionError, OSError):
                     return  # peer closed between chunks, or timed out idle
                 try:
@@ -231,9 +244,12 @@ class TcpTransport:
 
     def _borrow(self, address: tuple[str, int]) -> socket.socket:
         with self._lock:
-            idle = self._idle.get(address)
-            if idle:
-                return idle.pop()
+            idle = self._idle.get(address, [])
+            while idle:
+                sock = idle.pop()
+                if _alive(sock):
+                    return sock
+                sock.close()  # the receiver closed it while idle
         try:
             sock = socket.create_connection(address, timeout=self.timeout_s)
         except OSError as exc:
