@@ -22,7 +22,7 @@ COPY kvxferd ./kvxferd
 RUN pip install . \
  && rm -rf /src
 
-# example instance geometries for `kvxferd plan`
+# example daemon configs (kvxferd.toml: every setting) and instance geometries for `kvxferd plan`
 COPY configs /usr/share/kvxferd/configs
 
 RUN groupadd --system --gid 10001 kvxferd \
@@ -30,15 +30,16 @@ RUN groupadd --system --gid 10001 kvxferd \
       --home-dir /nonexistent --shell /usr/sbin/nologin kvxferd \
  && install -d -o kvxferd -g kvxferd -m 0750 /run/kvxferd
 
-# The engine IPC socket lives here; share this directory with the engines.
-# KVXFERD_<SECTION>_<KEY> variables override the config file: the socket path
-# is pinned so that it does not depend on XDG_RUNTIME_DIR, and the peer and
-# metrics endpoints listen on all interfaces so the published ports answer.
-ENV XDG_RUNTIME_DIR=/run/kvxferd \
-    KVXFERD_ENGINE_SOCKET_PATH=/run/kvxferd/engine.sock \
+# The engine IPC socket lives here (engine.sock, unless engine.socket_path says
+# otherwise); share this directory with the engines. RUNTIME_DIRECTORY is what
+# systemd's RuntimeDirectory= sets: `serve` binds there and `kvxferd status`
+# (e.g. through `docker exec`) looks there. KVXFERD_<SECTION>_<KEY> variables
+# override the config file: the peer and metrics endpoints listen on all
+# interfaces so the published ports answer.
+ENV RUNTIME_DIRECTORY=/run/kvxferd \
     KVXFERD_PEER_BIND_HOST=0.0.0.0 \
     KVXFERD_METRICS_BIND=0.0.0.0:9400 \
-    KVXFERD_LOG_FORMAT=logfmt
+    KVXFERD_DAEMON_LOG_FORMAT=logfmt
 VOLUME ["/run/kvxferd"]
 
 # 5557: peer control (ZeroMQ tcp), 5558: tcp data transport, 9400: Prometheus metrics + health

@@ -77,27 +77,68 @@ def _refused(args: argparse.Namespace, exc: KvxferError) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import config, logutil
+    path = args.check_config if isinstance(args.check_config, str) else args.config
+    if isinstance(args.check_config, str) and args.config and args.config != args.check_config:
+        print("kvxferd: give the file once: --check-config FILE, or --config FILE --check-config",
+              file=sys.stderr)
+        return 2
     try:
-        cfg = config.load(args.config)
+        cfg = config.load(path)
     except KvxferError as exc:
         print(f"kvxferd: config error: {exc}", file=sys.stderr)
         return 2
+    ignored = config.unknown_env()
     if args.check_config:
-        print(f"config ok: {args.config or '(embedded defaults)'}")
+        for name in ignored:
+            print(f"warning: {name} names no setting and is ignored (overrides are "
+                  f"KVXFERD_<SECTION>_<KEY>, e.g. KVXFERD_DAEMON_LOG_FORMAT)", file=sys.stderr)
+        print(f"config ok: {path or '(embedded defaults)'}")
+        print(f"engine socket {cfg.socket_path}  peer {cfg.peer.bind_host}:{cfg.peer.control_port}  "
+              f"data {cfg.peer.bind_host}:{cfg.peer.data_port}  metrics {cfg.metrics.bind or '-'}")
         return 0
     logutil.setup(cfg.daemon.log_level, cfg.daemon.log_format)
+    import logging
+    for name in ignored:
+        logging.getLogger("kvxferd.config").warning(
+            "event=config_env_ignored var=%s hint=%s", name, "overrides_are_KVXFERD_<SECTION>_<KEY>")
     from .daemon import run
     try:
         return run(cfg)
     except KvxferError as exc:
-        print(f"kvxferd: {exc}", file=sys.stderr)
+        logging.getLogger("kvxferd").error("event=fatal code=%s field=%s msg=%s", exc.code, exc.field,
+                                           logutil.q(str(exc)))
+        return 1
+    except Exception as exc:  # noqa: BLE001 - e.g. a port in use: one log line, not a bare traceback
+        logging.getLogger("kvxferd").exception("event=fatal msg=%s", logutil.q(repr(exc)[:300]))
         return 1
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def _find_socket(args: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The engine socket of the daemon to ask: as given, else where `serve` would bind it."""
     from . import config
+    if args.socket:
+        return args.socket, [args.socket]
+    if args.config:
+        path = config.load(args.config).socket_path
+        return path, [path]
+    tried = config.candidate_socket_paths()
+    for path in tried:
+        if Path(path).exists():
+            return path, tried
+    return None, tried
+
+
+def cmd_status(args: argparse.Namespace) -> int:
     from .client import EngineClient
-    socket_path = args.socket or config.load(args.config).socket_path
+    try:
+        socket_path, tried = _find_socket(args)
+    except KvxferError as exc:
+        print(f"kvxferd status: config error: {exc}", file=sys.stderr)
+        return 2
+    if socket_path is None or not Path(socket_path).exists():
+        print(f"kvxferd status: no daemon socket at {', '.join(tried)}; is kvxferd running? "
+              f"(pass --socket PATH or --config FILE)", file=sys.stderr)
+        return 1
     client = EngineClient(socket_path, timeout=args.timeout)
     try:
         status = client.status()
@@ -109,26 +150,48 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, default=str))
         return 0
-    print(f"kvxferd {status['version']}  pid {status['pid']}  up {status['uptime_s']:.0f}s  "
-          f"{'ready' if status['ready'] else 'not ready'}{'  draining' if status['draining'] else ''}")
-    print(f"engine {status['engine_endpoint']}  peer {status['peer_endpoint']}  data {status['data_endpoint']}"
-          f"  metrics {status['metrics_url'] or '-'}")
-    print(f"\nranks ({len(status['ranks'])})")
+    print(format_status(status))
+    return 0
+
+
+def _age(seconds: float) -> str:
+    seconds = int(seconds)
+    if seconds < 120:
+        return f"{seconds}s"
+    if seconds < 7200:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """``kvxferd status`` for people: one header, then ranks, peers, requests, failures."""
+    import time
+    out = [f"kvxferd {status['version']}  pid {status['pid']}  up {_age(status['uptime_s'])}  "
+           f"{'ready' if status['ready'] else 'not ready'}{'  draining' if status['draining'] else ''}",
+           f"  engine  {status['engine_endpoint']}",
+           f"  peer    {status['peer_endpoint']}",
+           f"  data    {status['data_endpoint']}",
+           f"  metrics {status['metrics_url'] or '(disabled)'}",
+           "", f"ranks ({len(status['ranks'])})"]
     for r in status["ranks"]:
         g = r["geometry"]
-        print(f"  {r['rank_id']:<32} {r['role']:<8} {g['attention']} L{g['num_layers']} H{g['total_kv_heads']} "
-              f"d{g['head_dim']} {g['dtype']} ps{g['page_size']} tp{g['tp_rank']}/{g['tp_size']} "
-              f"pp{g['pp_rank']}/{g['pp_size']} pages={g['num_pages']}")
-    print(f"\npeers ({len(status['peers'])})")
+        out.append(f"  {r['rank_id']:<28} {r['role']:<8} {g['attention']} layers={g['num_layers']} "
+                   f"kv_heads={g['total_kv_heads']} head_dim={g['head_dim']} {g['dtype']} "
+                   f"page_size={g['page_size']} tp={g['tp_rank']}/{g['tp_size']} pp={g['pp_rank']}/{g['pp_size']} "
+                   f"pages={g['num_pages']}")
+    out += ["", f"peers ({len(status['peers'])})"]
     for p in status["peers"]:
-        print(f"  {p['address']:<28} {p['state']:<10} {p['side']:<8} last seen {p['last_seen_s']:.1f}s ago")
-    print("\nrequests in flight")
-    for state, n in sorted(status["requests"].items()) or [("none", 0)]:
-        print(f"  {state:<32} {n}")
-    print(f"\nrecent failures ({len(status['recent_failures'])})")
-    for f in status["recent_failures"][-10:]:
-        print(f"  {f['side']:<8} {f['request_id']:<24} {f['code']:<20} {f['reason'][:80]}")
-    return 0
+        out.append(f"  {p['address']:<24} {p['state']:<10} {p['side']:<8} last seen {p['last_seen_s']:.1f}s ago")
+    requests = status["requests"]
+    out += ["", f"requests in flight ({sum(requests.values())})"]
+    for state, n in sorted(requests.items()):
+        out.append(f"  {state:<32} {n}")
+    failures = status["recent_failures"]
+    out += ["", f"recent failures ({len(failures)}, newest last)"]
+    for f in failures[-10:]:
+        when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if isinstance(f.get("time"), (int, float)) else "-"
+        out.append(f"  {when}  {f['side']:<8} {f['request_id']:<20} {f['code']:<20} {f['reason'][:80]}")
+    return "\n".join(out)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -149,13 +212,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     s = sub.add_parser("serve", help="run the daemon")
-    s.add_argument("--config", help="TOML config file (default: embedded defaults)")
-    s.add_argument("--check-config", action="store_true", help="validate the config and exit")
+    s.add_argument("--config", metavar="FILE", help="TOML config file (default: embedded defaults)")
+    s.add_argument("--check-config", nargs="?", const=True, default=False, metavar="FILE",
+                   help="validate the config (FILE, or --config's, plus KVXFERD_* overrides) and exit: "
+                        "0 when valid, 2 with the offending key otherwise")
     s.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", help="ask a running daemon for its state")
-    st.add_argument("--socket", help="engine socket path (default: as `serve` chooses it)")
-    st.add_argument("--config", help="read the socket path from this config")
+    st.add_argument("--socket", help="engine socket path (default: found where `serve` binds it)")
+    st.add_argument("--config", metavar="FILE", help="read the socket path from this config")
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)

@@ -27,9 +27,14 @@ ENV_PREFIX = "KVXFERD_"
 def default_runtime_dir() -> Path:
     """Where the engine socket lives when no path is configured.
 
-    ``$XDG_RUNTIME_DIR/kvxferd`` when set (per-user sessions, systemd user units), else
-    ``/run/kvxferd`` for root (systemd ``RuntimeDirectory=``), else a per-user temp dir.
+    In order: ``$RUNTIME_DIRECTORY`` (set by systemd's ``RuntimeDirectory=``, and in the
+    container image), ``$XDG_RUNTIME_DIR/kvxferd`` (per-user sessions, systemd user
+    units), ``/run/kvxferd`` for root, else a per-user directory under ``/tmp``.
     """
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "")
+    if runtime.strip(":"):
+        # systemd joins several RuntimeDirectory= entries with ':'; the first is ours
+        return Path(next(p for p in runtime.split(":") if p))
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg:
         return Path(xdg) / "kvxferd"
@@ -40,6 +45,35 @@ def default_runtime_dir() -> Path:
 
 def default_socket_path() -> str:
     return str(default_runtime_dir() / "engine.sock")
+
+
+SYSTEM_CONFIG = "/etc/kvxferd/kvxferd.toml"
+
+
+def candidate_socket_paths() -> list[str]:
+    """Where a running daemon's engine socket may be, most likely first (``kvxferd status``).
+
+    The socket ``serve`` would bind with this environment (``KVXFERD_ENGINE_SOCKET_PATH``,
+    ``$RUNTIME_DIRECTORY``, ``$XDG_RUNTIME_DIR``), then the one named by the system config
+    file, then the runtime directories of a system service and of this user: a shell that
+    asks a systemd-managed daemon has none of the service's environment.
+    """
+    env = os.environ
+    out: list[str] = []
+    try:
+        out.append(load(None).socket_path)
+    except ConfigError:
+        pass
+    if os.path.exists(SYSTEM_CONFIG):
+        try:
+            out.append(load(SYSTEM_CONFIG).socket_path)
+        except ConfigError:
+            pass
+    out.append("/run/kvxferd/engine.sock")
+    if env.get("XDG_RUNTIME_DIR"):
+        out.append(str(Path(env["XDG_RUNTIME_DIR"]) / "kvxferd" / "engine.sock"))
+    out.append(f"/tmp/kvxferd-{os.getuid()}/engine.sock")
+    return list(dict.fromkeys(out))
 
 
 @dataclass
@@ -84,7 +118,8 @@ class LimitsSection:
     max_pending_chunks: int = 65536
     max_ranks: int = 256
     max_pages_per_request: int = 1 << 20
-    bounce_buffer_bytes: int = 64 * 1024 * 1024
+    staging_bytes: int = 64 * 1024 * 1024  # bound on staging memory (slots are allocated on first use)
+    staging_slot_bytes: int = 4 * 1024 * 1024  # one staged block; a token's head slice must fit
     recent_failures: int = 32
 
 
@@ -172,10 +207,11 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 
 
 def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
+    sections = [f.name for f in dataclasses.fields(cfg)]
     for section_name, values in data.items():
-        if not hasattr(cfg, section_name) or section_name.startswith("_"):
+        if section_name not in sections:
             raise ConfigError(f"unknown section [{section_name}] in {origin}", field=section_name,
-                              fix=f"use one of {[f.name for f in dataclasses.fields(cfg)]}")
+                              fix=f"use one of {sections}")
         section = getattr(cfg, section_name)
         if not isinstance(values, Mapping):
             raise ConfigError(f"[{section_name}] in {origin} must be a table", field=section_name,
@@ -189,8 +225,10 @@ def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
             setattr(section, key, _coerce(full, value, getattr(section, key)))
 
 
-def _env_overrides(environ: Mapping[str, str], cfg: Config) -> dict[str, dict[str, str]]:
+def _env_overrides(environ: Mapping[str, str], cfg: Config) -> tuple[dict[str, dict[str, str]], list[str]]:
+    """``KVXFERD_<SECTION>_<KEY>`` variables by section, and the ``KVXFERD_*`` names that match no key."""
     out: dict[str, dict[str, str]] = {}
+    unknown: list[str] = []
     sections = {f.name: {g.name for g in dataclasses.fields(getattr(cfg, f.name))}
                 for f in dataclasses.fields(cfg)}
     for name, value in environ.items():
@@ -201,7 +239,19 @@ def _env_overrides(environ: Mapping[str, str], cfg: Config) -> dict[str, dict[st
             if rest.startswith(section + "_") and rest[len(section) + 1:] in keys:
                 out.setdefault(section, {})[rest[len(section) + 1:]] = value
                 break
-    return out
+        else:
+            unknown.append(name)
+    return out, sorted(unknown)
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """``KVXFERD_*`` environment variables that name no setting (and so change nothing).
+
+    ``kvxferd serve`` logs a warning for each: a misspelt override such as
+    ``KVXFERD_LOG_FORMAT`` (the setting is ``KVXFERD_DAEMON_LOG_FORMAT``) must not pass
+    silently.
+    """
+    return _env_overrides(os.environ if environ is None else environ, Config())[1]
 
 
 def validate(cfg: Config) -> Config:
@@ -246,12 +296,32 @@ def validate(cfg: Config) -> Config:
     if mode & 0o007:
         raise ConfigError(f"engine.socket_mode {cfg.engine.socket_mode} lets every local user in",
                           field="engine.socket_mode", fix="use owner/group-only modes such as 0600 or 0660")
-    if cfg.metrics.bind and ":" not in cfg.metrics.bind:
-        raise ConfigError(f"metrics.bind {cfg.metrics.bind!r} is not host:port", field="metrics.bind",
-                          fix="write it like 127.0.0.1:9400, or empty to disable")
-    if cfg.auth.enabled and not cfg.auth.secret_key_file:
-        raise ConfigError("auth.enabled needs auth.secret_key_file", field="auth.secret_key_file",
-                          fix="generate one with `kvxferd keygen` and point secret_key_file at it")
+    if cfg.metrics.bind:
+        _host, sep, port = cfg.metrics.bind.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"metrics.bind {cfg.metrics.bind!r} is not host:port", field="metrics.bind",
+                              fix="write it like 127.0.0.1:9400 ([::1]:9400 for IPv6), or empty to disable")
+    if not cfg.peer.bind_host:
+        raise ConfigError("peer.bind_host is empty", field="peer.bind_host",
+                          fix="set an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+    if not cfg.engine.shm_dirs:
+        raise ConfigError("engine.shm_dirs is empty: no shared-memory region could be mapped",
+                          field="engine.shm_dirs", fix='list at least one directory, e.g. ["/dev/shm"]')
+    if cfg.engine.socket_group:
+        import grp
+        try:
+            grp.getgrnam(cfg.engine.socket_group)
+        except KeyError:
+            raise ConfigError(f"engine.socket_group {cfg.engine.socket_group!r} is not a group on this host",
+                              field="engine.socket_group",
+                              fix="create the group, or leave socket_group empty to keep the daemon's group") from None
+    if cfg.auth.enabled:
+        # Refused rather than ignored: a config that asks for authenticated peer links
+        # must not start a daemon whose links are open.
+        raise ConfigError("auth.enabled: peer authentication is not implemented in this version",
+                          field="auth.enabled",
+                          fix="set auth.enabled = false and restrict the peer ports with a firewall or "
+                              "network policy")
     return cfg
 
 
@@ -269,5 +339,5 @@ def load(path: str | os.PathLike[str] | None = None,
             raise ConfigError(f"config {path} is not valid TOML: {exc}", field="config",
                               fix="fix the TOML syntax") from None
         _apply(cfg, data, str(path))
-    _apply(cfg, _env_overrides(os.environ if environ is None else environ, cfg), "environment")
+    _apply(cfg, _env_overrides(os.environ if environ is None else environ, cfg)[0], "environment")
     return validate(cfg)

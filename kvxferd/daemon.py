@@ -38,7 +38,8 @@ from .registry import Rank, Registry, rank_id
 from .segments import as_pages, slots
 from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
-from .transport.tcp import Bounce, TcpDataServer, TcpTransport
+from .staging import StagingPool
+from .transport.tcp import TcpDataServer, TcpTransport
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -52,6 +53,26 @@ def split_address(address: str) -> tuple[str, int]:
         raise RequestError(f"address {address!r} is not host:port", field="source_address",
                            fix="give the peer daemon as host:control_port")
     return host.strip("[]"), int(port)
+
+
+#: geometry sizes past these are refused before anything is built from them: a num_layers
+#: or pp_size of 10**9 makes per-layer lists that size, a tp_size drives the planner's loops
+GEOMETRY_BOUNDS = {"num_layers": 1 << 16, "pp_size": 1 << 12, "tp_size": 1 << 12,
+                   "total_kv_heads": 1 << 16, "heads_per_rank": 1 << 16}
+
+
+def bounded_geometry(data: Any, field: str) -> Any:
+    """Refuse a geometry map with non-string keys or sizes no deployment has, before parsing it."""
+    if isinstance(data, dict):
+        if not all(isinstance(k, str) for k in data):
+            raise ProtocolError(f"{field} has a key that is not a string", field=field,
+                                fix="send geometry fields by name")
+        for key, limit in GEOMETRY_BOUNDS.items():
+            value = data.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise ProtocolError(f"{field}.{key} = {value} exceeds {limit}", field=key,
+                                    fix=f"send a real {key} (at most {limit})")
+    return data
 
 
 class PeerLink:
@@ -113,7 +134,7 @@ class PeerLink:
         for fut in self.waiting.values():
             if not fut.done():
                 fut.cancel()
-        self.sock.close(0)
+        self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
 
 
 def _ignore(fut: asyncio.Future[Any]) -> None:
@@ -150,10 +171,11 @@ class Daemon:
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ctx = zmq.asyncio.Context()
         self.executor = ThreadPoolExecutor(cfg.daemon.data_threads, thread_name_prefix="kvxferd-data")
-        self.bounce = Bounce(4 * 1024 * 1024, self.metrics.staging_bytes.set)
+        self.staging = StagingPool(cfg.limits.staging_bytes, cfg.limits.staging_slot_bytes,
+                                   self._staging_changed, self.metrics.staging_waits.inc)
         self.local = LocalTransport(self.inbox)
         self.tcp = TcpTransport(timeout_s=cfg.timeouts.transfer_s, max_reply_bytes=1 << 16,
-                                bounce=self.bounce, connections_per_peer=cfg.peer.data_connections)
+                                staging=self.staging, connections_per_peer=cfg.peer.data_connections)
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
         self.engine_sock: zmq.asyncio.Socket | None = None
@@ -161,6 +183,10 @@ class Daemon:
         self.control_port = cfg.peer.control_port
         self.tasks: list[asyncio.Task[Any]] = []
         self.metrics.start_time.set(self.started)
+
+    def _staging_changed(self, slots_in_use: int, bytes_in_use: int) -> None:
+        self.metrics.staging_slots.set(slots_in_use)
+        self.metrics.staging_bytes.set(bytes_in_use)
 
     # -- lifecycle -------------------------------------------------------------------
     @property
@@ -212,7 +238,7 @@ class Daemon:
         self.data_server = TcpDataServer(
             host, self.cfg.peer.data_port, self.inbox,
             max_header_bytes=self.cfg.limits.max_message_bytes, timeout_s=self.cfg.timeouts.transfer_s,
-            bounce=self.bounce, on_received=self._on_received_threadsafe,
+            staging=self.staging, on_received=self._on_received_threadsafe,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
 
     async def run(self) -> None:
@@ -228,7 +254,8 @@ class Daemon:
             except (NotImplementedError, RuntimeError):
                 pass
         self.tasks = [asyncio.ensure_future(c) for c in
-                      (self._engine_loop(), self._peer_loop(), self._sweeper(), self._heartbeats())]
+                      (self._engine_loop(), self._peer_loop(), self._sweeper(), self._heartbeats(),
+                       self._watchdog())]
         self.ready = True
         self.metrics.up.set(1)
         metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
@@ -246,7 +273,8 @@ class Daemon:
     async def _drain(self) -> None:
         self.draining = True
         self.ready = False
-        sdnotify.notify("STOPPING=1")
+        sdnotify.notify(f"STOPPING=1\nSTATUS=draining {self._active_count()} requests "
+                        f"(up to {self.cfg.timeouts.drain_grace_s}s)")
         deadline = time.monotonic() + self.cfg.timeouts.drain_grace_s
         while (self._active_count() and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
@@ -273,7 +301,7 @@ class Daemon:
             self.ops.close()
         for sock in (self.engine_sock, self.peer_sock):
             if sock is not None:
-                sock.close(0)
+                sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts
         try:
             os.unlink(self.cfg.socket_path)
         except OSError:
@@ -347,7 +375,8 @@ class Daemon:
             if op == "abort":
                 return self._abort_from_engine(rank, msg["request_id"], msg.get("reason") or "aborted by engine")
             return {"ok": True, **self._poll(rank, msg["request_id"])}
-        if self.draining:
+        if self.draining and not (op == "send" and (msg["request_id"], msg["rank_id"]) in self.sources):
+            # later chunks of a request already in flight still go through: the drain finishes it
             raise RequestError("daemon is draining and takes no new work", field="op", code="draining",
                                fix="retry on the restarted daemon")
         if op == "expect":
@@ -357,7 +386,7 @@ class Daemon:
         raise ProtocolError(f"unhandled op {op!r}", field="op", fix="use a documented op")
 
     def _register(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        geometry = RankGeometry.from_dict(msg["geometry"])
+        geometry = RankGeometry.from_dict(bounded_geometry(msg["geometry"], "geometry"))
         self.registry.check_new(msg["instance"], msg["role"], geometry)
         regions = self.mapper.map_regions(geometry, msg["regions"])
         rank = Rank(msg["instance"], msg["role"], geometry, regions, identity)
@@ -387,6 +416,14 @@ class Daemon:
         for role, n in self.registry.count_by_role().items():
             self.metrics.ranks.labels(role).set(n)
 
+    def _refuse_finished(self, request_id: str, rid: str) -> None:
+        record = self.finished.get((request_id, rid))
+        if record is not None:
+            why = f" ({record.get('code')}: {record.get('reason')})" if record["state"] == "failed" else ""
+            raise RequestError(f"request {request_id!r} already {record['state']} at {rid}{why}",
+                               field="request_id", code="request_finished",
+                               fix="use a new request id per request")
+
     def _check_capacity(self) -> None:
         if self._active_count() >= self.cfg.limits.max_inflight_requests:
             raise RequestError(f"{self.cfg.limits.max_inflight_requests} requests are in flight",
@@ -405,10 +442,7 @@ class Daemon:
         if num_tokens is not None and num_tokens > capacity:
             raise RequestError(f"num_tokens {num_tokens} exceeds the {capacity} tokens of {pages.size} pages",
                                field="num_tokens", fix="allocate enough pages for the request")
-        key = (msg["request_id"], rank.id)
-        if key in self.finished:
-            raise RequestError(f"request {msg['request_id']!r} already finished at {rank.id}",
-                               field="request_id", fix="use a new request id per request")
+        self._refuse_finished(msg["request_id"], rank.id)
         source_address = msg.get("source_address") or ""
         if source_address == self.address:
             source_address = ""
@@ -493,6 +527,7 @@ class Daemon:
         fut = link.plans.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
             fut = link.plans[key] = asyncio.ensure_future(self._handshake(link, prefill, decode, spec, deadline))
+            fut.add_done_callback(_ignore)  # every waiter sees the outcome; none may be left unretrieved
         return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
 
     async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
@@ -513,7 +548,8 @@ class Daemon:
             op = reply.get("op")
             if op == "handshake_ok":
                 try:
-                    prefill_spec = InstanceSpec.from_dict(reply.get("prefill_spec"))
+                    prefill_spec = InstanceSpec.from_dict(bounded_geometry(reply.get("prefill_spec"),
+                                                                           "prefill_spec"))
                     mode = reply.get("mode")
                     plan = make_plan(prefill_spec, spec, mode=mode if mode in ("direct", "staged") else "auto",
                                      require_same_page_size=self.cfg.peer.require_same_page_size)
@@ -615,11 +651,13 @@ class Daemon:
             raise RequestError(f"{len(msg['pages'])} pages exceed limits.max_pages_per_request",
                                field="pages", fix="split the request or raise the limit")
         pages = as_pages(msg["pages"], rank.geometry.num_pages, "pages")
+        if end - start > min(pages.size, rank.geometry.num_pages) * rank.geometry.spec.page_size:
+            # checked before slots() materialises one index per token of the claimed range
+            raise RequestError(f"token range [{start}, {end}) is longer than the {pages.size} pages sent",
+                               field="pages", fix="send a page for every page_size tokens of the range")
         chunk_slots = slots(pages, rank.geometry.spec.page_size, start, end, start)
         key = (msg["request_id"], rank.id)
-        if key in self.finished:
-            raise RequestError(f"request {msg['request_id']!r} already finished at {rank.id}",
-                               field="request_id", fix="use a new request id per request")
+        self._refuse_finished(msg["request_id"], rank.id)
         entry = self.sources.get(key)
         if entry is None:
             self._check_capacity()
@@ -855,7 +893,8 @@ class Daemon:
             if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
                 raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
                                     field="dst", fix="send a rank of the decode instance")
-            if self.draining:
+            if self.draining and not any(req == msg["request_id"] for req, _rid in self.sources):
+                # a request whose chunks this daemon already holds is in flight: let it finish
                 return {"op": "error", "request_id": msg["request_id"],
                         "error": {"code": "draining", "message": "source daemon is draining"}}
             self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route)
@@ -872,7 +911,7 @@ class Daemon:
         if spec is None:
             return {"op": "handshake_retry", "reason": f"instance {prefill!r} has no registered prefill rank"}
         try:
-            decode_spec = InstanceSpec.from_dict(msg["decode_spec"])
+            decode_spec = InstanceSpec.from_dict(bounded_geometry(msg["decode_spec"], "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
         plan = make_plan(spec, decode_spec, mode=msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode,
@@ -904,8 +943,6 @@ class Daemon:
     async def _heartbeats(self) -> None:
         interval = self.cfg.peer.heartbeat_interval_s
         timeout = self.cfg.peer.peer_timeout_s
-        watchdog = sdnotify.watchdog_interval()
-        last_watchdog = 0.0
         while True:
             now = time.monotonic()
             for link in list(self.links.values()):
@@ -915,12 +952,21 @@ class Daemon:
                 elif link.state == "connecting" and now - link.last_seen > timeout:
                     link.state = "down"
                     self._count_peers()
+                if link.state == "down" and not any(e.source_address == link.address for e in self.inbox.all()):
+                    # nothing waits on it: without this every address an engine ever named keeps a socket
+                    link.close()
+                    self.links.pop(link.address, None)
+                    self._count_peers()
             for identity, peer in list(self.downstream.items()):
                 if now - peer.last_seen > timeout:
                     self._downstream_down(peer, now - peer.last_seen)
-            if watchdog and now - last_watchdog >= watchdog:
-                sdnotify.notify("WATCHDOG=1")
-                last_watchdog = now
+            await asyncio.sleep(interval)
+
+    async def _watchdog(self) -> None:
+        """``WATCHDOG=1`` every WatchdogSec/2 while the loop runs (own timer: heartbeats may be slower)."""
+        interval = sdnotify.watchdog_interval()
+        while interval:
+            sdnotify.notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
     def _link_down(self, link: PeerLink, silent_for: float) -> None:
@@ -1027,6 +1073,7 @@ class Daemon:
             metrics_url = f"http://{host}:{self.ops.port}/metrics"
         return {
             "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+            "name": self.cfg.daemon.instance_name or socket.gethostname(),
             "uptime_s": round(time.time() - self.started, 3), "ready": self.ready, "draining": self.draining,
             "engine_endpoint": f"ipc://{self.cfg.socket_path}", "peer_endpoint": f"tcp://{self.address}",
             "data_endpoint": self.data_address, "metrics_url": metrics_url,

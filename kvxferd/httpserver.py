@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Callable
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+
+class _Server6(ThreadingHTTPServer):
+    address_family = socket.AF_INET6
 
 
 class OpsServer:
@@ -18,7 +24,9 @@ class OpsServer:
             def do_GET(self) -> None:  # noqa: N802 - http.server API
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
-                    body, ctype, code = generate_latest(registry), CONTENT_TYPE_LATEST, 200
+                    # the text format, or OpenMetrics when the scraper's Accept header asks for it
+                    encoder, ctype = choose_encoder(self.headers.get("Accept", ""))
+                    body, code = encoder(registry), 200
                 elif path == "/healthz":
                     body, ctype, code = b"ok\n", "text/plain", 200
                 elif path == "/readyz":
@@ -36,10 +44,13 @@ class OpsServer:
                 pass
 
         self.ready = ready
-        self.httpd = ThreadingHTTPServer((host.strip("[]") or "127.0.0.1", int(port)), Handler)
+        host = host.strip("[]") or "127.0.0.1"
+        server_class = _Server6 if ":" in host else ThreadingHTTPServer
+        self.httpd = server_class((host, int(port)), Handler)
         self.httpd.daemon_threads = True
         self.port = self.httpd.server_address[1]
-        self._thread = threading.Thread(target=self.httpd.serve_forever, name="kvxferd-http", daemon=True)
+        self._thread = threading.Thread(target=self.httpd.serve_forever, kwargs={"poll_interval": 0.1},
+                                        name="kvxferd-http", daemon=True)
         self._thread.start()
 
     def close(self) -> None:

@@ -71,6 +71,8 @@ class Metrics:
         self.staging_bytes = Gauge(
             "kvxferd_staging_bytes_in_use", "Bytes of staging (bounce) memory currently held.",
             registry=r)
+        self.staging_waits = Counter(
+            "kvxferd_staging_waits", "Times a data thread had to wait for a free staging slot.", registry=r)
         self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)

@@ -154,7 +154,7 @@ class Schema:
 
     def check(self, message: Mapping[str, Any]) -> dict[str, Any]:
         allowed = set(self.required) | set(self.optional) | {"op", "seq", "v"}
-        extra = sorted(k for k in message if k not in allowed)
+        extra = sorted((k for k in message if k not in allowed), key=repr)  # keys may be str and bytes
         if extra:
             raise ProtocolError(f"unknown field {extra[0]!r} in {message.get('op')!r}", field=str(extra[0])[:64],
                                 fix=f"send only {sorted(allowed)}")

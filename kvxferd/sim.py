@@ -94,6 +94,42 @@ def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
     return bad
 
 
+def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) -> dict[str, Any]:
+    """Every byte of the rank's shared-memory file that is not the canary, outside ``allowed``.
+
+    ``allowed`` lists ``[pages, n_tokens]`` of legitimate destinations (or of pages the engine
+    filled itself): only the token rows ``[0, n)`` laid out on those pages may differ from the
+    canary. Everything else (other pages, the unused tail of a last page, the padding between
+    regions) must still hold it. Returns the count of such bytes, where the first ones are, and
+    every page that changed at all.
+    """
+    spec = geometry.spec
+    whole = np.frombuffer(cache._mmap, dtype=np.uint8)  # the whole file, padding included
+    may = np.zeros(whole.size, dtype=bool)
+    row = np.arange(spec.row_bytes, dtype=np.int64)
+    descriptors = cache.descriptors()
+    for pages, n in allowed:
+        rows = _token_rows(list(pages), spec.page_size, 0, int(n)).numpy()
+        for d in descriptors:
+            may[(d["offset"] + rows[:, None] * spec.row_bytes + row).ravel()] = True
+    changed = whole != CANARY
+    outside = np.flatnonzero(changed & ~may)
+    page_bytes = spec.page_bytes
+
+    def where(offset: int) -> str:
+        for d in descriptors:
+            if d["offset"] <= offset < d["offset"] + d["nbytes"]:
+                return f"layer{d['layer']}/{d['kind']}/page{(offset - d['offset']) // page_bytes}"
+        return "padding"
+
+    changed_pages: set[int] = set()
+    for d in descriptors:
+        region = changed[d["offset"]:d["offset"] + d["nbytes"]].reshape(geometry.num_pages, -1)
+        changed_pages.update(int(p) for p in np.flatnonzero(region.any(axis=1)))
+    return {"outside_bytes": int(outside.size), "outside_at": [where(int(o)) for o in outside[:8]],
+            "changed_pages": sorted(changed_pages), "changed_bytes": int(changed.sum())}
+
+
 # -- the worker process -------------------------------------------------------------------
 
 def worker_main(argv: list[str]) -> int:
@@ -183,8 +219,17 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                 last = i == len(chunks) - 1 and not cmd.get("hold_last")
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
+        elif op == "send_chunks":  # explicit [start, end, last] chunks, e.g. the rest of a held request
+            fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            ps = geometry.spec.page_size
+            for start, end, last in cmd["chunks"]:
+                client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
+                            end=end, last=bool(last), aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
         elif op == "abort":
             client.abort(rid, cmd["request_id"], cmd.get("reason"))
+        elif op == "canary":
+            emit({"event": "canary", **canary_report(cache, geometry, cmd.get("allowed") or [])})
         elif op == "untouched":
             emit({"event": "untouched", "bad_bytes": untouched(cache, geometry, cmd["pages"])})
         elif op == "status":

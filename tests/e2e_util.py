@@ -26,13 +26,22 @@ def pages_for(rng: random.Random, num_pages: int, n_tokens: int, page_size: int)
 
 
 def finished(worker: Worker, request_id: str, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
-    """The worker's terminal event for ``request_id`` (errors count as terminal)."""
+    """The worker's terminal event for ``request_id`` (errors count as terminal).
+
+    Events of other requests that arrive first are kept for their own ``finished`` call.
+    """
+    stash: dict[str, dict[str, Any]] = worker.__dict__.setdefault("stash", {})
+    if request_id in stash:
+        return stash.pop(request_id)
     while True:
         event = worker.next_event(timeout)
         if event.get("event") == "exit":
             raise AssertionError(f"worker {worker.rank_id} exited")
-        if event.get("request_id") == request_id and event.get("event") in ("finished", "error"):
+        if event.get("event") not in ("finished", "error") or not event.get("request_id"):
+            continue
+        if event["request_id"] == request_id:
             return event
+        stash[event["request_id"]] = event
 
 
 def transfer(prefill: list[Worker], decode: list[Worker], request_id: str, n_tokens: int, *,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 
 import msgpack
 import pytest
@@ -149,6 +150,17 @@ def test_malformed_peer_messages_get_errors(cluster):
     healthy_transfer(cluster, "after-peer-garbage")
 
 
+def wait_in_flight(daemon, key: str, timeout: float = 20) -> None:
+    """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
+    deadline = time.monotonic() + timeout
+    with EngineClient(daemon.socket_path, timeout=5) as client:
+        while time.monotonic() < deadline:
+            if client.status()["requests"].get(key):
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no request reached {key}")
+
+
 def test_abort_from_decode_side(cluster):
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     prefill = cluster.instance(pd, "abd-p", "prefill", spec(), NUM_PAGES)
@@ -158,6 +170,8 @@ def test_abort_from_decode_side(cluster):
                           source_address=pd.address)
         prefill[0].command(cmd="send", request_id="abd-1", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]],
                            hold_last=True)
+        wait_in_flight(pd, "prefill:transferring")
+        wait_in_flight(dd, "decode:transferring")
         decode[0].command(cmd="abort", request_id="abd-1", reason="client went away")
         ev = finished(decode[0], "abd-1")
         assert ev["state"] == "failed" and ev["code"] == "aborted" and "client went away" in ev["reason"]
@@ -176,6 +190,8 @@ def test_abort_from_prefill_side(cluster):
                           source_address=pd.address)
         prefill[0].command(cmd="send", request_id="abp-1", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]],
                            hold_last=True)
+        wait_in_flight(pd, "prefill:transferring")
+        wait_in_flight(dd, "decode:transferring")
         prefill[0].command(cmd="abort", request_id="abp-1", reason="prefill preempted")
         pre = finished(prefill[0], "abp-1")
         assert pre["state"] == "failed" and pre["code"] == "aborted"

@@ -3,8 +3,8 @@
 One frame per chunk: a length-prefixed msgpack header, the payload in wire order, then a
 length-prefixed reply from the receiver once every byte is in place. Large contiguous runs
 go straight between KV pages and the socket (``sendmsg`` of page views, ``recv_into`` page
-views); small fragments (head slices, tiny pages) are gathered into a bounce buffer with
-one index kernel per layer and kind, so the number of syscalls stays small.
+views); small fragments (head slices, tiny pages) are gathered into staging slots (see
+:mod:`kvxferd.staging`) with one index kernel per piece, so syscalls stay few.
 """
 
 from __future__ import annotations
@@ -17,43 +17,20 @@ import threading
 from typing import Any, Callable
 
 import numpy as np
-import torch
-
 from .. import protocol
 from ..copier import gather, scatter
 from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
 from ..segments import Runs, side_runs
+from ..staging import StagingPool, block_bytes, pack
 from .base import ChunkJob, Moved
 
 log = logging.getLogger("kvxferd.tcp")
 
 IOV_BATCH = 512
-SMALL_RUN = 8192
-IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long  # average run below this goes through the bounce buffer
-
-
-class Bounce:
-    """Per-thread bounce buffers, bounded by ``slot_bytes`` each; reports bytes held."""
-
-    def __init__(self, slot_bytes: int, on_change: Callable[[int], None] | None = None) -> None:
-        self.slot_bytes = slot_bytes
-        self._local = threading.local()
-        self._lock = threading.Lock()
-        self.held = 0
-        self._on_change = on_change
-
-    def get(self) -> torch.Tensor:
-        buf = getattr(self._local, "buf", None)
-        if buf is None:
-            buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
-            self._local.buf = buf
-            with self._lock:
-                self.held += self.slot_bytes
-                if self._on_change:
-                    self._on_change(self.held)
-        return buf
+SMALL_RUN = 8192  # average run below this goes through a staging slot
+IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -103,7 +80,7 @@ def _runs_for(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Runs:
     return side_runs(slots, row, head, slice_bytes)
 
 
-def _use_bounce(runs: Runs, cpu: bool) -> bool:
+def _use_staging(runs: Runs, cpu: bool) -> bool:
     return not cpu or (len(runs) > 0 and runs.nbytes // len(runs) < SMALL_RUN)
 
 
@@ -111,13 +88,13 @@ class TcpDataServer:
     """Accepts data connections from peer daemons and writes chunks via the inbox."""
 
     def __init__(self, host: str, port: int, inbox: Inbox, *, max_header_bytes: int,
-                 timeout_s: float, bounce: Bounce, max_connections: int = 64,
+                 timeout_s: float, staging: StagingPool, max_connections: int = 64,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
         self.inbox = inbox
         self.max_header_bytes = max_header_bytes
         self.timeout_s = timeout_s
-        self.bounce = bounce
+        self.staging = staging
         self.on_received = on_received
         self.on_invalid = on_invalid
         self._sem = threading.BoundedSemaphore(max_connections)
@@ -186,24 +163,27 @@ class TcpDataServer:
         regions = sink.regions()
         runs = _runs_for(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if not _use_bounce(runs, cpu):
+        if not _use_staging(runs, cpu):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             for region in regions:
                 view = region.view
                 for off, n in zip(offsets, lengths):
                     _recv_exact(conn, view[off:off + n])
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
-        buf = self.bounce.get()
-        per_piece = max(1, self.bounce.slot_bytes // w.slice_bytes)
-        bview = memoryview(buf.numpy())
         n_tokens = sink.dst_slots.size
-        for region in regions:
-            for lo in range(0, n_tokens, per_piece):
-                part = sink.dst_slots[lo:lo + per_piece]
-                nbytes = part.size * w.slice_bytes
-                _recv_exact(conn, bview[:nbytes])
-                scatter(region.flat, part, w.dst_row_bytes, sink.head_offset, w.slice_bytes, buf[:nbytes])
-        return Moved(sink.nbytes, len(regions) * -(-n_tokens // per_piece), "staged")
+        blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
+        slot = self.staging.acquire(self.timeout_s)
+        try:
+            view = memoryview(slot.numpy())
+            for block in blocks:
+                _recv_exact(conn, view[:block_bytes(block, w.slice_bytes)])
+                for piece in block:
+                    scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
+                            sink.head_offset, w.slice_bytes,
+                            slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+        finally:
+            self.staging.release(slot)
+        return Moved(sink.nbytes, len(blocks), "staged")
 
     @staticmethod
     def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
@@ -233,11 +213,11 @@ class TcpTransport:
 
     name = "tcp"
 
-    def __init__(self, *, timeout_s: float, max_reply_bytes: int, bounce: Bounce,
+    def __init__(self, *, timeout_s: float, max_reply_bytes: int, staging: StagingPool,
                  connections_per_peer: int = 2) -> None:
         self.timeout_s = timeout_s
         self.max_reply_bytes = max_reply_bytes
-        self.bounce = bounce
+        self.staging = staging
         self.connections_per_peer = connections_per_peer
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
@@ -311,23 +291,26 @@ class TcpTransport:
         regions = list(job.regions())
         runs = _runs_for(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if job.mode != "staged" and not _use_bounce(runs, cpu):
+        if job.mode != "staged" and not _use_staging(runs, cpu):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             for region in regions:
                 view = region.view
                 _sendmsg_all(sock, [view[o:o + n] for o, n in zip(offsets, lengths)])
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
-        buf = self.bounce.get()
-        per_piece = max(1, self.bounce.slot_bytes // w.slice_bytes)
-        bview = memoryview(buf.numpy())
         n_tokens = job.src_slots.size
-        for region in regions:
-            for lo in range(0, n_tokens, per_piece):
-                part = job.src_slots[lo:lo + per_piece]
-                nbytes = part.size * w.slice_bytes
-                gather(region.flat, part, w.src_row_bytes, job.head_offset, w.slice_bytes, buf[:nbytes])
-                sock.sendall(bview[:nbytes])
-        return Moved(job.nbytes, len(regions) * -(-n_tokens // per_piece), "staged")
+        blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
+        slot = self.staging.acquire(self.timeout_s)
+        try:
+            view = memoryview(slot.numpy())
+            for block in blocks:
+                for piece in block:
+                    gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
+                           job.head_offset, w.slice_bytes,
+                           slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+                sock.sendall(view[:block_bytes(block, w.slice_bytes)])
+        finally:
+            self.staging.release(slot)
+        return Moved(job.nbytes, len(blocks), "staged")
 
     def close(self) -> None:
         with self._lock:

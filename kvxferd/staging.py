@@ -1,0 +1,117 @@
+"""Staging: a bounded pool of contiguous slots, and how a chunk is packed into them.
+
+In staged mode the sender gathers a chunk's head slices (all its layers and kinds) into
+slots and sends each slot as one block; the receiver takes each block into a slot and
+scatters it into the decode pages. The pool is the daemon's bound on staging memory:
+a data thread that finds no free slot waits (back-pressure) until the transfer deadline.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .errors import TransferError
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Tokens ``[lo, hi)`` of region ``region`` land at ``offset`` in the slot."""
+
+    region: int
+    lo: int
+    hi: int
+    offset: int
+
+
+def pack(n_regions: int, n_tokens: int, slice_bytes: int, slot_bytes: int) -> list[list[Piece]]:
+    """Split a chunk (regions x tokens x slice) into slot-sized blocks, in wire order.
+
+    Wire order is region-major then token, so concatenating the blocks gives exactly the
+    direct mode's byte stream.
+    """
+    if slice_bytes > slot_bytes:
+        raise TransferError(f"one token slice of {slice_bytes} bytes does not fit a staging slot of "
+                            f"{slot_bytes} bytes", field="limits.staging_slot_bytes", code="staging_too_small",
+                            fix="raise limits.staging_slot_bytes or use mode=direct")
+    per_slot = slot_bytes // slice_bytes  # token slices per slot
+    blocks: list[list[Piece]] = []
+    block: list[Piece] = []
+    used = 0  # token slices in the current block
+    for region in range(n_regions):
+        lo = 0
+        while lo < n_tokens:
+            take = min(n_tokens - lo, per_slot - used)
+            block.append(Piece(region, lo, lo + take, used * slice_bytes))
+            used += take
+            lo += take
+            if used == per_slot:
+                blocks.append(block)
+                block, used = [], 0
+    if block:
+        blocks.append(block)
+    return blocks
+
+
+def block_bytes(block: list[Piece], slice_bytes: int) -> int:
+    return sum(p.hi - p.lo for p in block) * slice_bytes
+
+
+class StagingPool:
+    """At most ``total_bytes // slot_bytes`` slots, allocated on first use and kept."""
+
+    def __init__(self, total_bytes: int, slot_bytes: int,
+                 on_change: Callable[[int, int], None] | None = None,
+                 on_wait: Callable[[], None] | None = None) -> None:
+        self.slot_bytes = slot_bytes
+        self.capacity = max(1, total_bytes // slot_bytes)
+        self._free: list[torch.Tensor] = []
+        self._allocated = 0
+        self._in_use = 0
+        self._cond = threading.Condition()
+        self._on_change = on_change
+        self._on_wait = on_wait
+
+    @property
+    def in_use(self) -> int:
+        return self._in_use
+
+    def acquire(self, timeout: float) -> torch.Tensor:
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            waited = False
+            while not self._free and self._allocated >= self.capacity:
+                if not waited and self._on_wait:
+                    self._on_wait()
+                waited = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TransferError(f"no staging slot free within {timeout}s ({self.capacity} slots of "
+                                        f"{self.slot_bytes} bytes, all busy)", field="limits.staging_bytes",
+                                        code="staging_timeout",
+                                        fix="raise limits.staging_bytes or lower concurrency")
+                self._cond.wait(left)
+            if self._free:
+                slot = self._free.pop()
+            else:
+                slot = torch.empty(self.slot_bytes, dtype=torch.uint8,
+                                   pin_memory=torch.cuda.is_available())
+                self._allocated += 1
+            self._in_use += 1
+            self._changed()
+            return slot
+
+    def release(self, slot: torch.Tensor) -> None:
+        with self._cond:
+            self._free.append(slot)
+            self._in_use -= 1
+            self._changed()
+            self._cond.notify()
+
+    def _changed(self) -> None:
+        if self._on_change:
+            self._on_change(self._in_use, self._in_use * self.slot_bytes)
