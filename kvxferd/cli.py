@@ -194,6 +194,19 @@ def format_status(status: dict[str, Any]) -> str:
     return "\n".join(out)
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from . import auth
+    pair = auth.generate()
+    try:
+        path = auth.write_keypair(args.out, pair)
+    except FileExistsError:
+        print(f"kvxferd keygen: {args.out} exists; refusing to overwrite a key", file=sys.stderr)
+        return 1
+    print(f"secret key file: {path} (mode 0600)\npublic key:      {pair.public}")
+    print("add the public key to the peers' auth.allowed_keys and auth.peer_keys")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import main as demo_main
     return demo_main(args)
@@ -224,6 +237,10 @@ def build_parser() -> argparse.ArgumentParser:
     st.add_argument("--timeout", type=float, default=5.0)
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    k = sub.add_parser("keygen", help="generate a CURVE key pair for authenticated peer links")
+    k.add_argument("--out", default="kvxferd.key", help="secret key file to create (public key beside it, .pub)")
+    k.set_defaults(func=cmd_keygen)
 
     d = sub.add_parser("demo", help="run daemons and engines on loopback and verify every byte")
     d.add_argument("--requests", type=int, default=24)

@@ -1,13 +1,17 @@
 """Daemon configuration: embedded defaults, a TOML file, ``KVXFERD_*`` environment overrides.
 
 Precedence: defaults < file < environment. Environment keys are
-``KVXFERD_<SECTION>_<KEY>`` in upper case (``KVXFERD_PEER_CONTROL_PORT=6000``). Every value
-is type-checked on load and a bad one names its key.
+``KVXFERD_<SECTION>_<KEY>`` in upper case (``KVXFERD_PEER_CONTROL_PORT=6000``; lists are
+comma-separated). Every value is type-checked on load and a bad one names its key;
+unknown sections and keys in a file are errors, and ``KVXFERD_*`` variables that name no
+key are reported by :func:`unknown_env` (``serve`` logs them). ``configs/kvxferd.toml``
+documents every setting with its default.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import sys
 from dataclasses import dataclass, field
@@ -135,8 +139,9 @@ class TimeoutsSection:
 @dataclass
 class AuthSection:
     enabled: bool = False
-    secret_key_file: str = ""
-    allowed_keys: list[str] = field(default_factory=list)
+    secret_key_file: str = ""  # from `kvxferd keygen`
+    allowed_keys: list[str] = field(default_factory=list)  # client public keys admitted to this daemon
+    peer_keys: list[str] = field(default_factory=list)  # "host:port=KEY": server key of each peer daemon
 
 
 @dataclass
@@ -187,13 +192,16 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
             except ValueError:
                 pass
     elif kind is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
+            number = float(value)
+        elif isinstance(value, str):
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None and math.isfinite(number):  # nan would never time out, nor compare
+            return number
     elif kind is str:
         if isinstance(value, str):
             return value
@@ -316,12 +324,13 @@ def validate(cfg: Config) -> Config:
                               field="engine.socket_group",
                               fix="create the group, or leave socket_group empty to keep the daemon's group") from None
     if cfg.auth.enabled:
-        # Refused rather than ignored: a config that asks for authenticated peer links
-        # must not start a daemon whose links are open.
-        raise ConfigError("auth.enabled: peer authentication is not implemented in this version",
-                          field="auth.enabled",
-                          fix="set auth.enabled = false and restrict the peer ports with a firewall or "
-                              "network policy")
+        from . import auth
+        if not cfg.auth.secret_key_file:
+            raise ConfigError("auth.enabled needs auth.secret_key_file", field="auth.secret_key_file",
+                              fix="generate a key pair with `kvxferd keygen` and point secret_key_file at it")
+        for key in cfg.auth.allowed_keys:
+            auth.check_key("auth.allowed_keys", key)
+        auth.parse_peer_keys(cfg.auth.peer_keys)
     return cfg
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import PROTOCOL_VERSION, __version__, protocol, sdnotify
+from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
 from .config import Config
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
 from .geometry import InstanceSpec, RankGeometry
@@ -87,7 +87,18 @@ class PeerLink:
         self.sock.setsockopt(zmq.RCVHWM, 10000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, daemon.cfg.limits.max_message_bytes)
         host, port = split_address(address)
+        if daemon.keys is not None:
+            server_key = daemon.peer_keys.get(address)
+            if server_key is None:
+                self.sock.close(0)
+                raise RequestError(f"no CURVE server key configured for peer {address}", field="auth.peer_keys",
+                                   fix=f"add \"{address}=<its public key>\" to auth.peer_keys")
+            self.sock.curve_secretkey = daemon.keys.secret.encode()
+            self.sock.curve_publickey = daemon.keys.public.encode()
+            self.sock.curve_serverkey = server_key.encode()
         self.sock.connect(f"tcp://{host}:{port}")
+        # ties our data connections to this authenticated link; sent inside the handshake
+        self.token = os.urandom(16)
         self.state = "connecting"
         self.last_seen = time.monotonic()
         self.seq = 0
@@ -155,6 +166,9 @@ class Daemon:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.metrics = Metrics()
+        self.keys = auth.read_keypair(cfg.auth.secret_key_file) if cfg.auth.enabled else None
+        self.peer_keys = auth.parse_peer_keys(cfg.auth.peer_keys) if cfg.auth.enabled else {}
+        self.authenticator: Any = None
         self.registry = Registry(cfg.limits.max_ranks)
         self.mapper = MemoryMapper(cfg.engine.shm_dirs)
         self.inbox = Inbox(self._inbox_changed)
@@ -231,6 +245,18 @@ class Daemon:
         self.peer_sock.setsockopt(zmq.LINGER, 0)
         self.peer_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         host = self.cfg.peer.bind_host
+        if self.keys is not None:
+            from zmq.auth.asyncio import AsyncioAuthenticator
+            self.authenticator = AsyncioAuthenticator(self.ctx)
+            self.authenticator.start()
+            self.authenticator.configure_curve_callback(
+                "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys, self.metrics.auth_denied.inc))
+            self.peer_sock.curve_secretkey = self.keys.secret.encode()
+            self.peer_sock.curve_publickey = self.keys.public.encode()
+            self.peer_sock.curve_server = True
+        elif host not in ("127.0.0.1", "::1", "localhost"):
+            log.warning("event=unauthenticated_peer_endpoint bind=%s fix=%s", host,
+                        q("enable [auth] with `kvxferd keygen` keys, or bind to loopback"))
         if self.cfg.peer.control_port == 0:
             self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
         else:
@@ -302,6 +328,8 @@ class Daemon:
         for sock in (self.engine_sock, self.peer_sock):
             if sock is not None:
                 sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts
+        if self.authenticator is not None:
+            self.authenticator.stop()
         try:
             os.unlink(self.cfg.socket_path)
         except OSError:
@@ -483,6 +511,7 @@ class Daemon:
             return
         if entry.closed:
             return
+        entry.data_token = link.token if link is not None else None
         entry.bind(plan)
         entry.state = "waiting_for_input"
         entry.phase_since = time.monotonic()
@@ -542,7 +571,7 @@ class Daemon:
                     "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
                     "data_address": self.data_address, "prefill_instance": prefill,
                     "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": ["tcp"]}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
+                    "transports": ["tcp"], "data_token": link.token}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
@@ -723,7 +752,7 @@ class Daemon:
                 target.scheduled.add(idx)
                 job = ChunkJob(entry.request_id, entry.decode_instance or "", target.dst, rank, target.writer,
                                chunk.start, chunk.end, chunk.last, chunk.aux, chunk.slots, entry.plan.mode,
-                               entry.route.data_address)
+                               entry.route.data_address, entry.route.token)
                 transport = self.local if entry.route.kind == "local" else self.tcp
                 entry.inflight += 1
                 if entry.state == "waiting_for_input":
@@ -918,7 +947,7 @@ class Daemon:
                          decode_tensors=msg.get("decode_tensors", True),
                          require_same_page_size=self.cfg.peer.require_same_page_size)
         host, port = split_address(msg["data_address"])
-        route = Route("tcp", (host, port), identity, msg["daemon"])
+        route = Route("tcp", (host, port), identity, msg["daemon"], msg.get("data_token"))
         self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
         if identity not in self.downstream:
             self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])

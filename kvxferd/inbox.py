@@ -47,6 +47,7 @@ class DestEntry:
     failure: tuple[str, str] | None = None
     transport: str = ""
     source_address: str = ""  # empty: the source instance is on this daemon
+    data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
 
     @property
     def capacity(self) -> int:
@@ -161,6 +162,10 @@ class Inbox:
             if entry.plan is None:
                 raise RequestError("destination is not bound to a plan yet", field="request_id",
                                    fix="wait for the expect message before sending")
+            if entry.data_token is not None and header.get("token") != entry.data_token:
+                raise RequestError("data header does not carry the token of the peer link this request "
+                                   "expects bytes from", field="token",
+                                   fix="send data only for requests handshaken over this peer link")
             writer = entry.writers.get(src)
             if writer is None:
                 raise RequestError(f"rank {list(src)} is not a writer of {rid}; the plan names "

@@ -73,6 +73,8 @@ class Metrics:
             registry=r)
         self.staging_waits = Counter(
             "kvxferd_staging_waits", "Times a data thread had to wait for a free staging slot.", registry=r)
+        self.auth_denied = Counter(
+            "kvxferd_auth_denied", "Peer connections refused by the CURVE allow-list.", registry=r)
         self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)

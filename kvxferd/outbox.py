@@ -26,6 +26,7 @@ class Route:
     data_address: tuple[str, int] | None = None
     identity: bytes | None = None  # routing id of the decode daemon's peer link
     daemon: str = ""
+    token: bytes | None = None  # the decode daemon's per-link data token
 
 
 @dataclass

@@ -213,7 +213,7 @@ PEER_SCHEMAS: dict[str, Schema] = {
                   "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
                   "mode": text(16, ("auto", "direct", "staged")),
                   "transports": list_of(text(32), 16)},
-        optional={"decode_tensors": boolean}),
+        optional={"decode_tensors": boolean, "data_token": blob(64)}),
     "expect": Schema(
         required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
@@ -230,7 +230,7 @@ DATA_HEADER = Schema(
     required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,
               "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
               "nbytes": integer(0, 1 << 48)},
-    optional={"aux": blob()},
+    optional={"aux": blob(), "token": blob(64)},
 )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 from typing import Any
 
 from kvxferd.geometry import InstanceSpec
@@ -89,5 +90,17 @@ def untouched_bytes(worker: Worker, pages: list[int]) -> int:
             return int(ev["bad_bytes"])
 
 
-__all__ = ["Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
+def wait_in_flight(daemon, key: str, timeout: float = 20) -> None:
+    """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
+    deadline = time.monotonic() + timeout
+    from kvxferd.client import EngineClient
+    with EngineClient(daemon.socket_path, timeout=5) as client:
+        while time.monotonic() < deadline:
+            if client.status()["requests"].get(key):
+                return
+            time.sleep(0.02)
+    raise AssertionError(f"no request reached {key}")
+
+
+__all__ = ["wait_in_flight", "Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
            "close", "untouched_bytes"]

@@ -14,7 +14,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer
+from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer, wait_in_flight
 from kvxferd.client import DaemonError, EngineClient
 
 NUM_PAGES = 32
@@ -148,17 +148,6 @@ def test_malformed_peer_messages_get_errors(cluster):
     finally:
         sock.close(0)
     healthy_transfer(cluster, "after-peer-garbage")
-
-
-def wait_in_flight(daemon, key: str, timeout: float = 20) -> None:
-    """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
-    deadline = time.monotonic() + timeout
-    with EngineClient(daemon.socket_path, timeout=5) as client:
-        while time.monotonic() < deadline:
-            if client.status()["requests"].get(key):
-                return
-            time.sleep(0.02)
-    raise AssertionError(f"no request reached {key}")
 
 
 def test_abort_from_decode_side(cluster):

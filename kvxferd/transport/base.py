@@ -33,6 +33,7 @@ class ChunkJob:
     src_slots: np.ndarray
     mode: str  # "direct" or "staged"
     data_address: tuple[str, int] | None  # None: destination is on this daemon
+    token: bytes | None = None  # proves the data connection belongs to an authenticated link
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -59,6 +60,8 @@ class ChunkJob:
             "end": self.end, "last": self.last, "nbytes": self.nbytes}
         if self.aux:
             head["aux"] = self.aux
+        if self.token:
+            head["token"] = self.token
         return head
 
 
