@@ -24,7 +24,7 @@ import zmq
 import zmq.asyncio
 
 from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
-from .config import Config
+from .config import Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
 from .geometry import InstanceSpec, RankGeometry
 from .httpserver import OpsServer
@@ -40,6 +40,7 @@ from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
 from .staging import StagingPool
 from .transport.tcp import TcpDataServer, TcpTransport
+from .transport.nixl import NixlSupport
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -177,6 +178,8 @@ class Daemon:
         self.links: dict[str, PeerLink] = {}
         self.downstream: dict[bytes, DownstreamPeer] = {}
         self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        # (request, prefill instance) -> what its expects taught us; bounded, oldest dropped
+        self.request_routes: OrderedDict[tuple[str, str], tuple[Plan, str, Route]] = OrderedDict()
         self.recent_failures: list[dict[str, Any]] = []
         self.started = time.time()
         self.ready = False
@@ -190,6 +193,13 @@ class Daemon:
         self.local = LocalTransport(self.inbox)
         self.tcp = TcpTransport(timeout_s=cfg.timeouts.transfer_s, max_reply_bytes=1 << 16,
                                 staging=self.staging, connections_per_peer=cfg.peer.data_connections)
+        self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
+            cfg.daemon.instance_name or socket.gethostname(), transport_preference(cfg.peer), self.inbox,
+            timeout_s=cfg.timeouts.transfer_s, max_header_bytes=cfg.limits.max_message_bytes,
+            max_pages=cfg.limits.max_pages_per_request,
+            on_received=lambda sink, moved: self.metrics.bytes_received.labels("nixl").inc(moved.nbytes),
+            on_refused=self._nixl_refused_threadsafe,
+            on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
         self.engine_sock: zmq.asyncio.Socket | None = None
@@ -322,6 +332,7 @@ class Daemon:
         if self.data_server:
             self.data_server.close()
         self.tcp.close()
+        self.nixl.close()
         self.executor.shutdown(wait=False, cancel_futures=True)
         if self.ops:
             self.ops.close()
@@ -422,6 +433,7 @@ class Daemon:
         if old is not None:
             self._drop_rank(old, "rank re-registered (engine restarted)")
         self.registry.add(rank)
+        self.nixl.register(rank)  # no-op unless NIXL is enabled and usable here
         self._update_rank_metrics()
         log.info("event=rank_registered rank=%s role=%s tp=%d/%d pp=%d/%d pages=%d", rank.id, rank.role,
                  geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size,
@@ -437,6 +449,7 @@ class Daemon:
                 self._fail_src(entry, "rank_gone", reason)
         if self.registry.get(rank.id) is rank:
             self.registry.remove(rank.id)
+        self.nixl.deregister(rank)
         self._update_rank_metrics()
         log.info("event=rank_unregistered rank=%s reason=%s", rank.id, q(reason))
 
@@ -512,6 +525,8 @@ class Daemon:
         if entry.closed:
             return
         entry.data_token = link.token if link is not None else None
+        if link is not None:
+            entry.transport = self.nixl.route_kind(link.address, entry.source_instance, entry.rank.instance)
         entry.bind(plan)
         entry.state = "waiting_for_input"
         entry.phase_since = time.monotonic()
@@ -525,7 +540,8 @@ class Daemon:
         else:
             link.send({"op": "expect", "request_id": entry.request_id,
                        "prefill_instance": entry.source_instance, "decode_instance": entry.rank.instance,
-                       "dst": list(entry.rank.coords), "num_tokens": num_tokens})
+                       "dst": list(entry.rank.coords), "num_tokens": num_tokens,
+                       **self.nixl.expect_fields(link.address, entry)})
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
         while True:
@@ -571,7 +587,8 @@ class Daemon:
                     "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
                     "data_address": self.data_address, "prefill_instance": prefill,
                     "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": ["tcp"], "data_token": link.token}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
+                    "transports": self.nixl.offered(), "data_token": link.token,
+                    **self.nixl.handshake_fields(link.address, prefill, decode)}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
@@ -586,8 +603,9 @@ class Daemon:
                     self.metrics.handshakes.labels("refused").inc()
                     raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
                 self.metrics.handshakes.labels("ok").inc()
-                log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s", link.address, prefill,
-                         decode, plan.mode)
+                transport = self.nixl.accepted(link.address, prefill, decode, reply)
+                log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", link.address,
+                         prefill, decode, plan.mode, transport)
                 return plan
             if op == "handshake_refused":
                 err = reply.get("error") or {}
@@ -604,15 +622,19 @@ class Daemon:
         try:
             if op == "abort":
                 m = protocol.check_peer(msg)
-                self._abort_local(m["request_id"], m.get("code") or "peer_aborted", m["reason"])
+                for entry in self.inbox.for_request(m["request_id"]):
+                    if entry.source_address == link.address:  # only requests this peer is the source of
+                        self._fail_dest(entry, m.get("code") or "peer_aborted", m["reason"], propagate=False)
             elif op == "error" and isinstance(msg.get("request_id"), str):
                 rid = msg["request_id"]
-                err = msg.get("error") or {}
+                err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
                 if err.get("code") == "no_handshake":
                     link.plans.clear()
                 for entry in self.inbox.for_request(rid):
-                    self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
-                                    f"source daemon {link.address}: {err.get('message')}", propagate=False)
+                    if entry.source_address == link.address:
+                        self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
+                                        f"source daemon {link.address}: {str(err.get('message'))[:300]}",
+                                        propagate=False)
             elif op == "pong":
                 pass
         except KvxferError:
@@ -707,16 +729,20 @@ class Daemon:
         return {"ok": True, "state": entry.state}
 
     def _routes_for(self, request_id: str, instance: str) -> tuple[Plan, str, Route] | None:
-        """A plan already learnt for this request from any expect (other ranks' included)."""
-        for (rid_req, _rid), other in self.sources.items():
-            if rid_req == request_id and other.plan is not None and other.rid.startswith(instance + "/"):
-                assert other.decode_instance is not None and other.route is not None
-                return other.plan, other.decode_instance, other.route
-        return None
+        """The plan learnt for this request from any expect, also after other ranks finished.
+
+        A rank the plan gives nothing to write (a replica) may send after the ranks that do
+        write have already completed; it still needs the plan to finish.
+        """
+        return self.request_routes.get((request_id, instance))
 
     def _on_expect(self, request_id: str, prefill: str, decode: str, dst: tuple[int, int], plan: Plan,
-                   route: Route) -> None:
+                   route: Route, dst_pages: Any = None) -> None:
         dest = plan.destination(*dst)
+        self.request_routes[(request_id, prefill)] = (plan, decode, route)
+        self.request_routes.move_to_end((request_id, prefill))
+        while len(self.request_routes) > 2 * self.cfg.limits.max_inflight_requests:
+            self.request_routes.popitem(last=False)
         for w in dest.writers:
             rid = rank_id(prefill, *w.src)
             key = (request_id, rid)
@@ -728,7 +754,7 @@ class Daemon:
             if entry.closed:
                 continue
             entry.bind(plan, decode, route)
-            entry.targets.setdefault(dst, Target(dst, w))
+            entry.targets.setdefault(dst, Target(dst, w, dst_pages=dst_pages))
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
         for (req, rid), entry in list(self.sources.items()):
@@ -752,8 +778,10 @@ class Daemon:
                 target.scheduled.add(idx)
                 job = ChunkJob(entry.request_id, entry.decode_instance or "", target.dst, rank, target.writer,
                                chunk.start, chunk.end, chunk.last, chunk.aux, chunk.slots, entry.plan.mode,
-                               entry.route.data_address, entry.route.token)
-                transport = self.local if entry.route.kind == "local" else self.tcp
+                               entry.route.data_address, entry.route.token,
+                               dst_pages=target.dst_pages, remote=entry.route.nixl)
+                kind = entry.route.kind
+                transport = self.local if kind == "local" else self.nixl.transport if kind == "nixl" else self.tcp
                 entry.inflight += 1
                 if entry.state == "waiting_for_input":
                     entry.state = "transferring"
@@ -926,10 +954,25 @@ class Daemon:
                 # a request whose chunks this daemon already holds is in flight: let it finish
                 return {"op": "error", "request_id": msg["request_id"],
                         "error": {"code": "draining", "message": "source daemon is draining"}}
-            self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route)
+            if (self._active_count() >= self.cfg.limits.max_inflight_requests
+                    and not any(req == msg["request_id"] for req, _rid in self.sources)):
+                return {"op": "error", "request_id": msg["request_id"],
+                        "error": {"code": "busy", "message": f"source daemon holds "
+                                  f"{self.cfg.limits.max_inflight_requests} requests in flight"}}
+            dst_pages = None
+            if route.kind == "nixl":  # one-sided writes need the destination page table
+                try:
+                    dst_pages = self.nixl.expect_pages(route.nixl, dst, msg)
+                except KvxferError as exc:
+                    return {"op": "error", "request_id": msg["request_id"], "error": exc.to_wire()}
+            self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route,
+                            dst_pages)
             return None
         if op == "abort":
-            self._abort_local(msg["request_id"], msg.get("code") or "peer_aborted", msg["reason"])
+            # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
+            for (req, _rid), entry in list(self.sources.items()):
+                if req == msg["request_id"] and (entry.route is None or entry.route.identity == identity):
+                    self._fail_src(entry, msg.get("code") or "peer_aborted", msg["reason"], propagate=False)
             return None
         return None
 
@@ -943,19 +986,22 @@ class Daemon:
             decode_spec = InstanceSpec.from_dict(bounded_geometry(msg["decode_spec"], "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
-        plan = make_plan(spec, decode_spec, mode=msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode,
+        mode = msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode
+        transport, nixl_peer = self.nixl.choose(msg, decode_spec, mode)  # NIXL writes scatter natively: direct
+        plan = make_plan(spec, decode_spec, mode="direct" if transport == "nixl" and mode == "auto" else mode,
                          decode_tensors=msg.get("decode_tensors", True),
                          require_same_page_size=self.cfg.peer.require_same_page_size)
         host, port = split_address(msg["data_address"])
-        route = Route("tcp", (host, port), identity, msg["daemon"], msg.get("data_token"))
+        route = Route(transport, (host, port), identity, msg["daemon"], msg.get("data_token"), nixl=nixl_peer)
         self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
         if identity not in self.downstream:
             self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
             self._count_peers()
         self.metrics.handshakes.labels("ok").inc()
-        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s", msg["daemon"], prefill,
-                 msg["decode_instance"], plan.mode)
-        return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode}
+        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg["daemon"],
+                 prefill, msg["decode_instance"], plan.mode, transport)
+        return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode,
+                **self.nixl.answer(transport)}
 
     def peer_seen(self, link: PeerLink) -> None:
         link.last_seen = time.monotonic()
@@ -967,6 +1013,11 @@ class Daemon:
 
     def _on_received_threadsafe(self, sink: Sink, moved: Moved) -> None:
         self.metrics.bytes_received.labels("tcp").inc(moved.nbytes)
+
+    def _nixl_refused_threadsafe(self, entry: DestEntry, code: str, message: str) -> None:
+        """A NIXL chunk notification failed the inbox checks: fail that request (from the NIXL thread)."""
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._fail_dest, entry, code, message)
 
     # -- timers ----------------------------------------------------------------------
     async def _heartbeats(self) -> None:
@@ -1005,7 +1056,7 @@ class Daemon:
         self._count_peers()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
         for entry in self.inbox.all():
-            if entry.transport == "tcp" and entry.state not in TERMINAL:
+            if entry.transport in ("tcp", "nixl") and entry.state not in TERMINAL:
                 if entry.source_address == link.address:
                     self._fail_dest(entry, "peer_dead",
                                     f"source daemon {link.address} unresponsive for {silent_for:.1f}s",
