@@ -12,6 +12,11 @@ $(STAMP): pyproject.toml
 	# CPU torch first, so the dependency range never pulls a CUDA build
 	$(PY) -m pip install -q "torch==2.13.0"
 	$(PY) -m pip install -q -e ".[dev]"
+	# Optional NIXL transport (the "nixl" extra), the wheel alone: its dependencies are torch
+	# and numpy, already here, and resolving them could pull a CUDA torch. If it cannot be
+	# installed (no wheel for this Python or platform), everything else still works and
+	# tests/test_nixl.py skips, saying why.
+	$(PY) -m pip install -q --no-deps "nixl-cu12==1.5.1" || echo "warning: nixl-cu12 not installed: the nixl transport is unavailable"
 	touch $(STAMP)
 
 venv: $(STAMP)

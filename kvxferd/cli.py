@@ -166,7 +166,8 @@ def _age(seconds: float) -> str:
 def format_status(status: dict[str, Any]) -> str:
     """``kvxferd status`` for people: one header, then ranks, peers, requests, failures."""
     import time
-    out = [f"kvxferd {status['version']}  pid {status['pid']}  up {_age(status['uptime_s'])}  "
+    name = f"  {status['name']}" if status.get("name") else ""
+    out = [f"kvxferd {status['version']}{name}  pid {status['pid']}  up {_age(status['uptime_s'])}  "
            f"{'ready' if status['ready'] else 'not ready'}{'  draining' if status['draining'] else ''}",
            f"  engine  {status['engine_endpoint']}",
            f"  peer    {status['peer_endpoint']}",
@@ -244,11 +245,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run daemons and engines on loopback and verify every byte")
     d.add_argument("--requests", type=int, default=24)
-    d.add_argument("--transport", default="tcp", choices=("tcp", "local"))
+    d.add_argument("--transport", default="tcp", choices=("tcp", "local", "nixl"))
     d.add_argument("--mode", default="auto", choices=("auto", "direct", "staged"))
     d.add_argument("--json", action="store_true")
     d.add_argument("--seed", type=int, default=1)
     d.set_defaults(func=cmd_demo)
+
+    def cmd_bench(args: argparse.Namespace) -> int:
+        from .bench import main as bench_main
+        return bench_main(args)
+
+    b = sub.add_parser("bench", help="measure throughput, latency and limits on loopback; verify every byte")
+    b.add_argument("--quick", action="store_true", help="small payloads, few repeats (about a minute)")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    b.add_argument("--plot", metavar="FILE.png", help="also write a bar chart (needs matplotlib)")
+    b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches")
+    b.add_argument("--seed", type=int, default=1)
+    b.set_defaults(func=cmd_bench)
     return parser
 
 

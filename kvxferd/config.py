@@ -105,9 +105,21 @@ class PeerSection:
     heartbeat_interval_s: float = 1.0
     peer_timeout_s: float = 5.0
     data_connections: int = 2
-    transport: str = "tcp"
+    transport: str = "tcp"  # "tcp", or "nixl": offer NIXL first, fall back to tcp
+    transports: list[str] = field(default_factory=list)  # preference order; empty: from `transport`
     mode: str = "auto"
     require_same_page_size: bool = False
+
+
+#: transports between daemons that peer.transport(s) may name
+TRANSPORTS = ("tcp", "nixl")
+
+
+def transport_preference(peer: PeerSection) -> list[str]:
+    """Transports this daemon offers and accepts, most preferred first."""
+    if peer.transports:
+        return list(peer.transports)
+    return ["nixl", "tcp"] if peer.transport == "nixl" else ["tcp"]
 
 
 @dataclass
@@ -284,9 +296,18 @@ def validate(cfg: Config) -> Config:
             f"peer.peer_timeout_s ({cfg.peer.peer_timeout_s}) must exceed peer.heartbeat_interval_s "
             f"({cfg.peer.heartbeat_interval_s})", field="peer.peer_timeout_s",
             fix="allow at least two heartbeats before a peer is declared dead")
-    if cfg.peer.transport not in ("tcp",):
+    if cfg.peer.transport not in TRANSPORTS:
         raise ConfigError(f"peer.transport {cfg.peer.transport!r} is not available", field="peer.transport",
-                          fix="use 'tcp'")
+                          fix="use 'tcp', or 'nixl' (NIXL first, tcp as the fallback)")
+    if cfg.peer.transports:
+        bad = [t for t in cfg.peer.transports if t not in TRANSPORTS]
+        if bad or len(set(cfg.peer.transports)) != len(cfg.peer.transports):
+            raise ConfigError(f"peer.transports {cfg.peer.transports!r} must list distinct entries of {TRANSPORTS}",
+                              field="peer.transports", fix='e.g. ["nixl", "tcp"]: NIXL first, tcp as the fallback')
+        if cfg.peer.transport != "tcp" and cfg.peer.transport not in cfg.peer.transports:
+            raise ConfigError(f"peer.transport {cfg.peer.transport!r} is not in peer.transports "
+                              f"{cfg.peer.transports!r}", field="peer.transports",
+                              fix="set one of them, or list peer.transport in peer.transports")
     if cfg.peer.mode not in ("auto", "direct", "staged"):
         raise ConfigError(f"peer.mode {cfg.peer.mode!r} is not one of auto, direct, staged",
                           field="peer.mode", fix="use auto, direct or staged")

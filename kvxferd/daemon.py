@@ -184,6 +184,7 @@ class Daemon:
         self.started = time.time()
         self.ready = False
         self.draining = False
+        self._hurry = False
         self._stop: asyncio.Event | None = None  # created in run(), on the daemon's loop
         self.loop: asyncio.AbstractEventLoop | None = None
         self.ctx = zmq.asyncio.Context()
@@ -302,9 +303,14 @@ class Daemon:
         await self._drain()
 
     def request_stop(self) -> None:
-        if self._stop is not None and not self._stop.is_set():
+        if self._stop is None:
+            return
+        if not self._stop.is_set():
             log.info("event=stopping reason=signal")
             self._stop.set()
+        elif not self._hurry:
+            log.info("event=stopping reason=second_signal drain=cut_short")
+            self._hurry = True  # a second signal ends the grace period now
 
     async def _drain(self) -> None:
         self.draining = True
@@ -312,13 +318,27 @@ class Daemon:
         sdnotify.notify(f"STOPPING=1\nSTATUS=draining {self._active_count()} requests "
                         f"(up to {self.cfg.timeouts.drain_grace_s}s)")
         deadline = time.monotonic() + self.cfg.timeouts.drain_grace_s
-        while (self._active_count() and time.monotonic() < deadline):
+        while self._active_count() and time.monotonic() < deadline and not self._hurry:
             await asyncio.sleep(0.05)
         left = self._active_count()
         for entry in self.inbox.all():
             self._fail_dest(entry, "shutdown", "daemon shut down before the transfer finished")
         for entry in list(self.sources.values()):
             self._fail_src(entry, "shutdown", "daemon shut down before the transfer finished")
+        # Failures are told to engines only once no data thread touches their pages: cut the
+        # inbound data connections so receivers stop, give copies a moment to end, then tell
+        # whatever is left (a thread still blocked in a send ends with the process).
+        if self.data_server:
+            self.data_server.close()
+        fence = time.monotonic() + min(5.0, self.cfg.timeouts.transfer_s)
+        while self._inflight_jobs() and time.monotonic() < fence:
+            await asyncio.sleep(0.02)
+        for entry in self.inbox.all():
+            if entry.state not in TERMINAL:
+                self._finalize_dest(entry, "failed")
+        for entry in list(self.sources.values()):
+            if entry.state not in TERMINAL:
+                self._finalize_src(entry, "failed")
         await asyncio.sleep(0.05)
         log.info("event=stopped drained=%s failed_on_exit=%d", left == 0, left)
         await self.close()
@@ -346,6 +366,9 @@ class Daemon:
         except OSError:
             pass
         self.ctx.term()
+
+    def _inflight_jobs(self) -> int:
+        return sum(e.inflight for e in self.inbox.all()) + sum(e.inflight for e in self.sources.values())
 
     def _active_count(self) -> int:
         return len(self.inbox) + sum(1 for e in self.sources.values() if e.state not in TERMINAL)
@@ -749,9 +772,13 @@ class Daemon:
             entry = self.sources.get(key)
             if entry is None:
                 if key in self.finished:
+                    self._late_expect(request_id, route, self.finished[key])
                     continue
                 entry = self.sources[key] = SrcEntry(request_id, rid, w.src)
             if entry.closed:
+                if entry.failure is not None:
+                    self._late_expect(request_id, route, {"state": "failed", "code": entry.failure[0],
+                                                          "reason": entry.failure[1]})
                 continue
             entry.bind(plan, decode, route)
             entry.targets.setdefault(dst, Target(dst, w, dst_pages=dst_pages))
@@ -764,6 +791,13 @@ class Daemon:
             if req == request_id:
                 self._check_src(entry)
         self._count_states()
+
+    def _late_expect(self, request_id: str, route: Route, record: dict[str, Any]) -> None:
+        """An expect for a request this side already ended: a failure must reach the decode side,
+        which would otherwise wait for bytes until its own phase timeout."""
+        if record.get("state") == "failed":
+            self._propagate_abort_downstream(request_id, route, str(record.get("code") or "failed"),
+                                             str(record.get("reason") or "request failed on the prefill side"))
 
     def _pump(self, entry: SrcEntry) -> None:
         if entry.closed or entry.plan is None or entry.route is None:
@@ -1165,6 +1199,7 @@ class Daemon:
                          "last_seen_s": round(time.monotonic() - p.last_seen, 3)} for p in self.downstream.values()],
             "requests": by_state,
             "recent_failures": list(self.recent_failures),
+            "transports": self.nixl.describe(),
         }
 
 

@@ -1,17 +1,19 @@
 """``kvxferd demo``: two daemons, a TP-2 prefill instance and a TP-1 decode instance.
 
 Everything runs as separate processes on loopback: a prefill daemon and a decode daemon
-(or one daemon with ``--transport local``), two prefill engine ranks and one decode rank
-of a small GQA model, shared-memory KV caches. A stream of requests of varied lengths,
+(or one daemon with ``--transport local``; ``--transport nixl`` moves the bytes with NIXL),
+two prefill engine ranks and one decode rank of a small GQA model, shared-memory KV caches. A stream of requests of varied lengths,
 some chunked, goes through; every destination byte is checked against the oracle.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import random
 import sys
 import time
+import urllib.request
 from typing import Any
 
 from .geometry import InstanceSpec
@@ -26,6 +28,9 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
     rng = random.Random(seed)
     cluster = Cluster()
     env = {"KVXFERD_PEER_MODE": mode}
+    if transport == "nixl":  # both daemons offer NIXL; UCX stays on loopback unless told otherwise
+        env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
+                   UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
     try:
         if transport == "local":
             pd = cluster.daemon("node", env=env)
@@ -112,18 +117,44 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
             if seen < requests:
                 verified = False
         lat.sort()
+        moved = _sent_by_transport(pd.metrics_url) if dd is not pd else {}
+        if transport == "nixl" and not moved.get("nixl"):
+            verified = False  # negotiation fell back to tcp: say so instead of passing as NIXL
+            failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
+                                                          f"{pd.log_path} for event=nixl_unavailable"})
         return {"requests": requests, "failed": len(failed), "verified": verified and not failed,
                 "bytes": total_bytes, "seconds": round(seconds, 4),
                 "gbps": round(total_bytes / seconds / 1e9, 4) if seconds else 0.0,
                 "p50_ms": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
                 "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3) if lat else None,
-                "transport": transport, "mode": mode, "failures": failed[:5]}
+                "transport": transport, "mode": mode, "bytes_by_transport": moved, "failures": failed[:5]}
     finally:
         cluster.close()
 
 
+def _sent_by_transport(metrics_url: str) -> dict[str, float]:
+    """KV bytes the prefill daemon sent, per transport (from its Prometheus endpoint)."""
+    out: dict[str, float] = {}
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        if line.startswith("kvxferd_sent_bytes_total{"):
+            name = line.split('transport="', 1)[1].split('"', 1)[0]
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
 def main(args: Any) -> int:
     progress = None if args.json else (lambda line: print(line, flush=True))
+    if args.transport == "nixl":
+        from .transport.nixl import available
+        ok, why = available()
+        if not ok:
+            print(f"kvxferd demo: --transport nixl needs the NIXL package: {why}\n"
+                  "  install it with: pip install --no-deps nixl-cu12==1.5.1 (make venv does)", file=sys.stderr)
+            return 2
     if not args.json:
         print(f"kvxferd demo: {args.requests} requests, transport={args.transport}, mode={args.mode}")
     summary = run_demo(args.requests, args.transport, args.mode, args.seed, progress)

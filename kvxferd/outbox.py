@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -22,11 +23,12 @@ from .planner import Plan, Writer
 class Route:
     """How to reach the decode daemon of a (prefill, decode) instance pair."""
 
-    kind: str  # "local" or "tcp"
+    kind: str  # "local", "tcp" or "nixl"
     data_address: tuple[str, int] | None = None
     identity: bytes | None = None  # routing id of the decode daemon's peer link
     daemon: str = ""
     token: bytes | None = None  # the decode daemon's per-link data token
+    nixl: Any = None  # kind "nixl": the decode daemon's agent and regions (transport.nixl.NixlPeer)
 
 
 @dataclass
@@ -44,6 +46,7 @@ class Target:
     writer: Writer
     scheduled: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
+    dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
 
 
 @dataclass

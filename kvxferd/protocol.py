@@ -207,17 +207,40 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
     "ping": Schema(required={}, optional={}),
 }
 
+MAX_DST_PAGES = 1 << 20  # destination pages a peer expect may carry (transport nixl)
+MAX_NIXL_MD = 1 << 22  # one rank's partial NIXL agent metadata
+
+
+def nixl_region(name: str, value: Any) -> list[Any]:
+    """``[tp_rank, pp_rank, layer, kind, address, nbytes, device]``: one decode region for NIXL WRITEs."""
+    if not isinstance(value, (list, tuple)) or len(value) != 7:
+        raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device]", field=name,
+                            fix="send one 7-entry list per region")
+    tp, pp = pair(name, value[:2])
+    return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent"))(name, value[3]),
+            integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
+            integer(-1, 1 << 10)(name, value[6])]
+
+
+#: what a decode daemon that offers NIXL adds to its handshake (and to an expect naming a new rank)
+NIXL_OFFER: dict[str, Checker] = {
+    "nixl_agent": text(MAX_NAME_LEN),
+    "nixl_md": list_of(blob(MAX_NIXL_MD), 4096),
+    "nixl_regions": list_of(nixl_region, 1 << 20),
+}
+
 PEER_SCHEMAS: dict[str, Schema] = {
     "handshake": Schema(
         required={"v": integer(0, 1 << 16), "daemon": ADDRESS, "data_address": ADDRESS,
                   "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
                   "mode": text(16, ("auto", "direct", "staged")),
                   "transports": list_of(text(32), 16)},
-        optional={"decode_tensors": boolean, "data_token": blob(64)}),
+        optional={"decode_tensors": boolean, "data_token": blob(64), **NIXL_OFFER}),
     "expect": Schema(
         required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
-        optional={}),
+        optional={"dst_pages": int_list(MAX_DST_PAGES), "nixl_md": NIXL_OFFER["nixl_md"],
+                  "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
                     optional={"code": text(64)}),
     "ping": Schema(required={"daemon": ADDRESS}, optional={}),

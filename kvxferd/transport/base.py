@@ -34,6 +34,8 @@ class ChunkJob:
     mode: str  # "direct" or "staged"
     data_address: tuple[str, int] | None  # None: destination is on this daemon
     token: bytes | None = None  # proves the data connection belongs to an authenticated link
+    dst_pages: np.ndarray | None = None  # nixl: the destination's page table (one-sided writes need it)
+    remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
 
     @property
     def kinds(self) -> tuple[str, ...]:

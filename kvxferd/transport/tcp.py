@@ -131,6 +131,13 @@ class TcpDataServer:
                     conn.settimeout(self.timeout_s)
                 except (ConnectionError, OSError):
                     return  # peer closed between chunks, or timed out idle
+                except ProtocolError as exc:  # oversize length prefix or undecodable header: say so, hang up
+                    log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field,
+                                json.dumps(str(exc)[:300]))
+                    if self.on_invalid:
+                        self.on_invalid(exc.code)
+                    self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
+                    return
                 try:
                     header = protocol.DATA_HEADER.check(header)
                     sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
@@ -193,6 +200,8 @@ class TcpDataServer:
             pass
 
     def close(self) -> None:
+        if self._closed.is_set():
+            return
         self._closed.set()
         try:
             self._sock.shutdown(socket.SHUT_RDWR)

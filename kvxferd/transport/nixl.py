@@ -1,0 +1,639 @@
+"""Optional NIXL transport: one-sided WRITEs from prefill regions into decode regions.
+
+One NIXL agent (UCX backend) per daemon, created on first use when the config asks for
+``nixl``. Every KV region the daemon maps is registered with the agent when its rank
+registers, and deregistered when the rank goes.
+
+Who knows what:
+
+- The decode daemon puts its agent name, the partial agent metadata of its decode ranks
+  (only their KV regions, plus connection info) and each region's base address into the
+  handshake. A rank that registers later, or again, is described in the next peer
+  ``expect`` that names it.
+- The prefill daemon loads that metadata (``add_remote_agent``) and answers which
+  transport it chose. With ``nixl`` the decode daemon's peer ``expect`` carries the
+  destination page table, because a WRITE needs remote addresses: the prefill side turns
+  (page tables, token range, plan writer) into paired byte segments with
+  :func:`~kvxferd.segments.paired_segments`, adds the regions' base addresses with numpy,
+  and posts one WRITE per chunk.
+- Each WRITE carries a notification: the chunk's data header in msgpack. NIXL delivers it
+  after the chunk's bytes are in place. The decode daemon's NIXL thread polls for
+  notifications and runs them through the same :class:`~kvxferd.inbox.Inbox` checks as a
+  tcp chunk header; a header that fails them fails that request with the reason.
+
+Unlike tcp, the bytes of a one-sided WRITE land before the receiver has validated
+anything about the chunk. What bounds a peer is NIXL itself: a WRITE must fall inside
+memory the receiver registered and described to that peer, which is only its KV regions.
+
+Progress: NIXL's own progress thread is off. The sending data thread drives its transfer
+(``check_xfer_state``) until DONE or ERR, within the transfer timeout; the daemon's NIXL
+thread drives the receiving side while it polls notifications.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import numpy as np
+
+from .. import protocol
+from ..errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
+from ..inbox import DestEntry, Inbox, Sink
+from ..logutil import q
+from ..registry import Rank, rank_id
+from ..segments import as_pages, paired_segments, slots
+from .base import ChunkJob, Moved
+
+log = logging.getLogger("kvxferd.nixl")
+
+#: distributions that ship the NIXL Python API, tried in this order
+MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
+BACKEND = "UCX"
+#: the NIXL thread's pause between polls: right after a notification, while requests are
+#: open here (UCX over TCP also needs the receiver's progress for data to land), and idle
+POLL_BUSY_S, POLL_ACTIVE_S, POLL_IDLE_S = 5e-5, 2e-4, 1e-2
+POLL_BUSY_ROUNDS = 200  # short pauses after the last notification
+MAX_UNRELEASED = 4096
+
+_import_error: str | None = None
+_api: Any = None
+
+
+def load_api() -> Any:
+    """The NIXL Python module, or raise ImportError saying why it is unusable."""
+    global _api, _import_error
+    if _api is not None:
+        return _api
+    if _import_error is not None:
+        raise ImportError(_import_error)
+    errors = []
+    for name in MODULES:
+        try:
+            module = importlib.import_module(name)
+            module.nixl_agent, module.nixl_agent_config, module.nixl_thread_sync_t  # noqa: B018
+        except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError
+            errors.append(f"{name}: {type(exc).__name__}: {exc}")
+            continue
+        _quiet_python_logger()
+        _api = module
+        return module
+    _import_error = "NIXL is not importable (" + "; ".join(errors) + ")"
+    raise ImportError(_import_error)
+
+
+def available() -> tuple[bool, str]:
+    """Whether the NIXL Python API imports here, and why not."""
+    try:
+        load_api()
+    except ImportError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _quiet_python_logger() -> None:
+    """NIXL's Python logger prints INFO lines to stdout; route it through ours, at WARNING."""
+    nixl_log = logging.getLogger("nixl")
+    for handler in list(nixl_log.handlers):
+        nixl_log.removeHandler(handler)
+    nixl_log.propagate = True
+    nixl_log.setLevel(logging.WARNING)
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {text}"[:300]
+
+
+def _mem(device: int) -> str:
+    return "DRAM" if device < 0 else "VRAM"
+
+
+def _descs(bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    """``[regions x segments, 3]`` (address, length, device id) rows, regions outermost (wire order)."""
+    n_regions, n_segs = bases.size, offsets.size
+    out = np.empty((n_regions * n_segs, 3), dtype=np.uint64)
+    out[:, 0] = (bases[:, None] + offsets.astype(np.uint64)[None, :]).ravel()
+    out[:, 1] = np.tile(lengths.astype(np.uint64), n_regions)
+    out[:, 2] = max(device, 0)
+    return out
+
+
+@dataclass
+class _Registered:
+    rank: Rank
+    generation: int
+    device: int  # -1: host memory
+    reg_descs: Any  # nixlRegDList, for deregistration and partial metadata
+    addresses: dict[tuple[int, str], int]
+    metadata: bytes | None = None
+
+
+class NixlPeer:
+    """A decode daemon's agent as one (prefill, decode) route of this daemon sees it.
+
+    Holds the remote regions (base address, size, device) per decode rank, layer and
+    kind; base arrays in wire order are built once per (destination rank, layer range).
+    """
+
+    def __init__(self, agent: str, page_size: int, page_bytes: int) -> None:
+        self.agent = agent
+        self.page_size = page_size
+        self.page_bytes = page_bytes
+        self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
+        self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
+        self._lock = threading.Lock()
+
+    def update(self, entries: Iterable[list[Any]]) -> None:
+        with self._lock:
+            for tp, pp, layer, kind, addr, nbytes, device in entries:
+                self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device)
+            self._bases.clear()
+
+    def num_pages(self, dst: tuple[int, int]) -> int | None:
+        """Pages every region of a decode rank holds, or None if the rank is unknown."""
+        with self._lock:
+            sizes = [n for (tp, pp, _l, _k), (_a, n, _d) in self._regions.items() if (tp, pp) == tuple(dst)]
+        return min(sizes) // self.page_bytes if sizes else None
+
+    def bases(self, dst: tuple[int, int], layers: tuple[int, int], kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
+        """(base addresses in wire order, smallest region size, device) of a writer's destination."""
+        key = (tuple(dst), tuple(layers), kinds)
+        with self._lock:
+            found = self._bases.get(key)
+            if found is not None:
+                return found
+            rows = []
+            for layer in range(*layers):
+                for kind in kinds:
+                    region = self._regions.get((dst[0], dst[1], layer, kind))
+                    if region is None:
+                        raise TransferError(f"decode rank {list(dst)} described no NIXL region for layer {layer} "
+                                            f"kind {kind}", field="nixl_regions",
+                                            fix="check the decode rank registered with a NIXL-enabled daemon")
+                    rows.append(region)
+            devices = {d for _a, _n, d in rows}
+            if len(devices) != 1:
+                raise TransferError(f"decode rank {list(dst)} regions span devices {sorted(devices)}",
+                                    field="nixl_regions", fix="register each rank's regions on one device")
+            found = (np.array([a for a, _n, _d in rows], dtype=np.uint64), min(n for _a, n, _d in rows),
+                     devices.pop())
+            self._bases[key] = found
+            return found
+
+
+class NixlTransport:
+    """The daemon's NIXL agent: registration, metadata exchange, WRITEs and notifications."""
+
+    name = "nixl"
+
+    def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
+                 on_received: Callable[[Sink, Moved], None] | None = None,
+                 on_refused: Callable[[DestEntry, str, str], None] | None = None,
+                 on_invalid: Callable[[str], None] | None = None) -> None:
+        api = load_api()
+        self.inbox = inbox
+        self.timeout_s = timeout_s
+        self.max_header_bytes = max_header_bytes
+        self.on_received = on_received
+        self.on_refused = on_refused
+        self.on_invalid = on_invalid
+        safe = "".join(c if c.isalnum() or c in "-_.:" else "_" for c in daemon_name)[:64]
+        self.agent_name = f"kvxferd-{safe}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        config = api.nixl_agent_config(
+            enable_prog_thread=False, enable_listen_thread=False, backends=[BACKEND],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)  # data threads share the agent
+        self.agent = api.nixl_agent(self.agent_name, config)
+        if BACKEND not in self.agent.backends:
+            raise RuntimeError(f"NIXL has no {BACKEND} backend here (plugins: {self.agent.get_plugin_list()})")
+        self._ranks: dict[str, _Registered] = {}
+        self._generation = 0
+        self._lock = threading.Lock()
+        #: decode side: the agent each source daemon (by control address) writes from
+        self.source_agents: dict[str, str] = {}
+        self._unreleased: list[Any] = []
+        self._sending = 0  # WRITEs in flight from data threads
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
+        self._thread.start()
+        log.info("event=nixl_agent_ready agent=%s backend=%s", self.agent_name, BACKEND)
+
+    # -- registration ----------------------------------------------------------------
+    def register_rank(self, rank: Rank) -> None:
+        """Register every region of a rank (once, at rank registration)."""
+        regions = list(rank.regions.values())
+        devices = {-1 if r.is_cpu else int(r.flat.device.index or 0) for r in regions}
+        if len(devices) != 1:
+            raise RuntimeError(f"regions of {rank.id} span devices {sorted(devices)}")
+        device = devices.pop()
+        rows = np.array([[r.flat.data_ptr(), r.nbytes, max(device, 0)] for r in regions], dtype=np.uint64)
+        reg = self.agent.register_memory(rows, _mem(device))
+        with self._lock:
+            self._generation += 1
+            old = self._ranks.get(rank.id)
+            self._ranks[rank.id] = _Registered(rank, self._generation, device, reg,
+                                               {(r.layer, r.kind): r.flat.data_ptr() for r in regions})
+        if old is not None and old.rank is not rank:
+            self._deregister(old)
+
+    def deregister_rank(self, rank: Rank) -> None:
+        with self._lock:
+            reg = self._ranks.get(rank.id)
+            if reg is None or reg.rank is not rank:
+                return
+            del self._ranks[rank.id]
+        self._deregister(reg)
+
+    def _deregister(self, reg: _Registered) -> None:
+        try:
+            self.agent.deregister_memory(reg.reg_descs)
+        except Exception as exc:  # noqa: BLE001 - the rank is gone either way
+            log.warning("event=nixl_deregister_failed rank=%s error=%s", reg.rank.id, _why(exc))
+
+    def _describe(self, reg: _Registered) -> tuple[bytes, list[list[Any]]]:
+        if reg.metadata is None:
+            reg.metadata = bytes(self.agent.get_partial_agent_metadata(reg.reg_descs, True))
+        tp, pp = reg.rank.coords
+        return reg.metadata, [[tp, pp, layer, kind, addr, reg.rank.regions[(layer, kind)].nbytes, reg.device]
+                              for (layer, kind), addr in reg.addresses.items()]
+
+    def offer(self, decode_instance: str) -> tuple[dict[str, Any], dict[str, int]]:
+        """Handshake fields describing this daemon's ranks of a decode instance, and their generations."""
+        with self._lock:
+            regs = [r for r in self._ranks.values() if r.rank.instance == decode_instance]
+        mds, table, sent = [], [], {}
+        for reg in regs:
+            md, rows = self._describe(reg)
+            mds.append(md)
+            table.extend(rows)
+            sent[reg.rank.id] = reg.generation
+        return {"nixl_agent": self.agent_name, "nixl_md": mds, "nixl_regions": table}, sent
+
+    def describe_rank(self, rank: Rank, sent_generation: int | None) -> tuple[dict[str, Any], int | None]:
+        """Expect fields for a rank the peer has not seen in this registration, else nothing."""
+        with self._lock:
+            reg = self._ranks.get(rank.id)
+        if reg is None or reg.rank is not rank or reg.generation == sent_generation:
+            return {}, sent_generation
+        md, rows = self._describe(reg)
+        return {"nixl_md": [md], "nixl_regions": rows}, reg.generation
+
+    # -- prefill side: remote agents -------------------------------------------------
+    def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], page_size: int,
+                 page_bytes: int) -> NixlPeer:
+        self.load(agent, metadata)
+        peer = NixlPeer(agent, page_size, page_bytes)
+        peer.update(regions)
+        return peer
+
+    def load(self, agent: str, metadata: list[bytes]) -> None:
+        for md in metadata:
+            try:
+                loaded = self.agent.add_remote_agent(md)
+            except Exception as exc:  # noqa: BLE001
+                raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
+                                    field="nixl_md", fix="check both daemons run NIXL with a common backend")
+            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            if name != agent:
+                raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
+                                    field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
+
+    def forget_peer(self, agent: str) -> None:
+        try:
+            self.agent.remove_remote_agent(agent)
+        except Exception as exc:  # noqa: BLE001 - already gone
+            log.info("event=nixl_remove_agent agent=%s result=%s", agent, _why(exc))
+
+    # -- sending ---------------------------------------------------------------------
+    def send(self, job: ChunkJob) -> Moved:
+        peer = job.remote
+        if not isinstance(peer, NixlPeer) or job.dst_pages is None:
+            raise TransferError("nixl chunk without a remote agent or destination pages", field="transport",
+                                fix="handshake again")
+        w = job.writer
+        kinds = job.kinds
+        dst_slots = slots(job.dst_pages, peer.page_size, job.start, job.end, 0)
+        segs = paired_segments(job.src_slots, dst_slots, w)
+        src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
+        dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
+        notif = protocol.encode(job.header())
+        if len(segs) == 0:
+            self._notify(peer.agent, notif)
+            return Moved(job.nbytes, 0, "direct")
+        ends_src = int((segs.src + segs.lengths).max())
+        ends_dst = int((segs.dst + segs.lengths).max())
+        if ends_src > src_limit or ends_dst > dst_limit:
+            raise RequestError(f"chunk reaches byte {ends_src} of a {src_limit}-byte source region or "
+                               f"{ends_dst} of a {dst_limit}-byte destination region", field="pages",
+                               fix="send pages inside both ranks' registered regions")
+        local = _descs(src_bases, segs.src, segs.lengths, src_device)
+        remote = _descs(dst_bases, segs.dst, segs.lengths, dst_device)
+        with self._lock:
+            self._sending += 1
+        try:
+            self._write(local, _mem(src_device), remote, _mem(dst_device), peer.agent, notif)
+        finally:
+            with self._lock:
+                self._sending -= 1
+        return Moved(job.nbytes, int(local.shape[0]), "direct")
+
+    def _local_bases(self, rank: Rank, layers: tuple[int, int], kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
+        with self._lock:
+            reg = self._ranks.get(rank.id)
+        if reg is None or reg.rank is not rank:
+            raise TransferError(f"rank {rank.id} is not registered with NIXL", field="transport",
+                                fix="see the daemon log for event=nixl_register_failed")
+        bases = np.array([reg.addresses[(layer, kind)] for layer in range(*layers) for kind in kinds],
+                         dtype=np.uint64)
+        return bases, min(r.nbytes for r in rank.regions.values()), reg.device
+
+    def _notify(self, agent: str, notif: bytes) -> None:
+        try:
+            self.agent.send_notif(agent, notif)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"NIXL notification to {agent} failed: {_why(exc)}", field="transport",
+                                fix="check the decode daemon is up") from None
+
+    def _write(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, agent: str,
+               notif: bytes) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        try:
+            handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, local_mem),
+                                                self.agent.get_xfer_descs(remote, remote_mem), agent, notif)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"NIXL could not prepare a WRITE of {local.shape[0]} segments to {agent}: "
+                                f"{_why(exc)}", field="transport",
+                                fix="check the decode daemon is up and its regions registered") from None
+        try:
+            state = self.agent.transfer(handle)
+            pause = 0.0
+            while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TransferError(f"NIXL WRITE to {agent} did not complete within {self.timeout_s}s",
+                                        field="timeouts.transfer_s", code="transfer_timeout",
+                                        fix="check the network path to the decode daemon")
+                if self._closed.is_set():
+                    raise TransferError("daemon shut down during a NIXL WRITE", field="transport",
+                                        code="shutdown")
+                if pause:
+                    time.sleep(pause)
+                pause = min(pause * 2 or 2e-5, 5e-4)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise TransferError(f"NIXL WRITE to {agent} ended in state {state}", field="transport",
+                                    fix="check the decode daemon and the network path to it")
+        except KvxferError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - NIXL raises its own types (remote disconnect, backend errors)
+            raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
+                                fix="check the decode daemon and the network path to it") from None
+        finally:
+            self._release(handle)
+
+    def _release(self, handle: Any) -> None:
+        try:
+            handle.release()
+        except Exception as exc:  # noqa: BLE001 - an active transfer may not cancel at once
+            log.info("event=nixl_release_deferred error=%s", _why(exc))
+            with self._lock:
+                self._unreleased.append(handle)
+                del self._unreleased[:-MAX_UNRELEASED]
+
+    def _retry_releases(self) -> None:
+        with self._lock:
+            pending, self._unreleased = self._unreleased, []
+        for handle in pending:
+            self._release(handle)
+
+    # -- receiving -------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        busy = 0
+        last_retry = time.monotonic()
+        while not self._closed.is_set():
+            try:
+                notifs = self.agent.get_new_notifs()
+            except Exception as exc:  # noqa: BLE001 - keep polling; one bad round must not stop receiving
+                log.warning("event=nixl_poll_failed error=%s", _why(exc))
+                notifs = {}
+                self._closed.wait(0.05)
+            for sender, messages in notifs.items():
+                name = sender.decode() if isinstance(sender, bytes) else str(sender)
+                for message in messages:
+                    self._deliver(name, message)
+            busy = 0 if notifs else busy + 1
+            if self._unreleased and time.monotonic() - last_retry > 1.0:
+                last_retry = time.monotonic()
+                self._retry_releases()
+            if busy < POLL_BUSY_ROUNDS:
+                self._closed.wait(POLL_BUSY_S)
+            else:
+                self._closed.wait(POLL_ACTIVE_S if self._sending or len(self.inbox) else POLL_IDLE_S)
+
+    def _deliver(self, sender: str, message: bytes) -> None:
+        """One chunk notification: validate it as a data header and account the chunk."""
+        try:
+            header = protocol.DATA_HEADER.check(protocol.decode(bytes(message), self.max_header_bytes))
+        except KvxferError as exc:
+            log.warning("event=chunk_refused transport=nixl sender=%s code=%s msg=%s", q(sender), exc.code,
+                        q(str(exc)[:300]))
+            if self.on_invalid:
+                self.on_invalid(exc.code)
+            return
+        rid = rank_id(header["decode_instance"], *header["dst"])
+        try:
+            sink = self.inbox.begin(header, rid)
+        except KvxferError as exc:
+            self._refuse(sender, header, rid, "peer_refused", f"chunk [{header['start']}, {header['end']}) from "
+                                                        f"{header['src']} refused: {exc}")
+            return
+        if self.source_agents.get(sink.entry.source_address) != sender:
+            # not counted, and not allowed to fail the request either: that would let any peer
+            # holding this daemon's metadata fail requests it does not serve
+            self.inbox.finish(sink, False)
+            self._refuse(sender, header, rid, "peer_refused",
+                         f"chunk notification from NIXL agent {sender!r}, which is not the agent of source "
+                         f"daemon {sink.entry.source_address or '(local)'}")
+            return
+        moved = Moved(sink.nbytes, 0, "direct")
+        self.inbox.finish(sink, True)
+        if self.on_received:
+            self.on_received(sink, moved)
+
+    def _refuse(self, sender: str, header: dict[str, Any], rid: str, code: str, message: str) -> None:
+        log.warning("event=chunk_refused transport=nixl sender=%s request=%s rank=%s code=%s msg=%s", q(sender),
+                    q(header["request_id"][:64]), q(rid), code, q(message[:300]))
+        if self.on_invalid:
+            self.on_invalid(code)
+        entry = self.inbox.get(header["request_id"], rid)
+        # only the request's own source may fail it: any other agent could name any request id
+        if (entry is not None and self.on_refused is not None
+                and self.source_agents.get(entry.source_address) == sender):
+            self.on_refused(entry, code, message)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join(timeout=2)
+        self._retry_releases()
+
+
+class NixlSupport:
+    """The daemon's view of NIXL: the lazy agent, transport negotiation, and what the
+    handshake and peer ``expect`` messages carry for it.
+
+    Everything here runs on the daemon's event loop except the transport's own threads.
+    """
+
+    def __init__(self, daemon_name: str, preference: list[str], inbox: Inbox, *, timeout_s: float,
+                 max_header_bytes: int, max_pages: int, on_received: Callable[[Sink, Moved], None] | None = None,
+                 on_refused: Callable[[DestEntry, str, str], None] | None = None,
+                 on_invalid: Callable[[str], None] | None = None) -> None:
+        self.daemon_name = daemon_name
+        self.preference = list(preference)
+        self.max_pages = max_pages
+        self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, on_received=on_received,
+                          on_refused=on_refused, on_invalid=on_invalid)
+        self.inbox = inbox
+        self.transport: NixlTransport | None = None
+        self.unavailable = "" if "nixl" in preference else "not enabled (peer.transport / peer.transports)"
+        #: decode side: transport chosen per (source daemon, prefill instance, decode instance)
+        self._chosen: dict[tuple[str, str, str], str] = {}
+        #: decode side: registration generation of each rank last described per (source daemon, prefill instance)
+        self._sent: dict[tuple[str, str, str], int] = {}
+
+    def get(self) -> NixlTransport | None:
+        """The agent, created on first use; None where NIXL is off or unusable here."""
+        if self.transport is None and not self.unavailable:
+            try:
+                self.transport = NixlTransport(self.daemon_name, self.inbox, **self._args)
+            except Exception as exc:  # noqa: BLE001 - ImportError, no UCX plugin, UCX init failure
+                self.unavailable = _why(exc)
+                log.warning("event=nixl_unavailable reason=%s fix=%s", q(self.unavailable),
+                            q("install nixl-cu12 (make venv does) and check UCX can start; peers fall back to tcp"))
+        return self.transport
+
+    def describe(self) -> dict[str, Any]:
+        """For ``status``: the configured preference and the state of NIXL here (starts nothing)."""
+        if self.transport is not None:
+            state = f"ready (agent {self.transport.agent_name}, {len(self.transport.source_agents)} sources)"
+        else:
+            state = self.unavailable or "not started (starts with the first rank or handshake)"
+        return {"preference": list(self.preference), "nixl": state}
+
+    def offered(self) -> list[str]:
+        """This daemon's transports in preference order, NIXL only where the agent works."""
+        return [t for t in self.preference if t != "nixl" or self.get() is not None]
+
+    def register(self, rank: Rank) -> None:
+        transport = self.get()
+        if transport is None:
+            return
+        try:
+            transport.register_rank(rank)
+        except Exception as exc:  # noqa: BLE001 - the rank still works over tcp; NIXL chunks fail clearly
+            log.warning("event=nixl_register_failed rank=%s reason=%s", rank.id, q(_why(exc)))
+
+    def deregister(self, rank: Rank) -> None:
+        if self.transport is not None:
+            self.transport.deregister_rank(rank)
+
+    # -- decode side -----------------------------------------------------------------
+    def handshake_fields(self, source: str, prefill: str, decode: str) -> dict[str, Any]:
+        transport = self.get() if "nixl" in self.offered() else None
+        if transport is None:
+            return {}
+        fields, sent = transport.offer(decode)
+        for rid, generation in sent.items():
+            self._sent[(source, prefill, rid)] = generation
+        return fields
+
+    def accepted(self, source: str, prefill: str, decode: str, reply: dict[str, Any]) -> str:
+        """Record the transport a source daemon chose in its handshake answer."""
+        chosen = reply.get("transport")
+        agent = reply.get("nixl_agent")
+        if chosen == "nixl" and self.transport is not None and isinstance(agent, str) and agent:
+            self.transport.source_agents[source] = agent
+        else:
+            chosen = "tcp"
+        self._chosen[(source, prefill, decode)] = chosen
+        return chosen
+
+    def route_kind(self, source: str, prefill: str, decode: str) -> str:
+        return self._chosen.get((source, prefill, decode), "tcp")
+
+    def expect_fields(self, source: str, entry: DestEntry) -> dict[str, Any]:
+        """What a peer expect adds over NIXL: the page table, and the rank if the peer lacks it."""
+        if entry.transport != "nixl" or self.transport is None:
+            return {}
+        key = (source, entry.source_instance, entry.rank.id)
+        extra, generation = self.transport.describe_rank(entry.rank, self._sent.get(key))
+        if generation is not None:
+            self._sent[key] = generation
+        return {"dst_pages": entry.pages.tolist(), **extra}
+
+    # -- prefill side ----------------------------------------------------------------
+    def choose(self, msg: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, NixlPeer | None]:
+        """Pick the transport for a handshake: the first of ours the peer offers too."""
+        theirs = list(msg.get("transports") or [])
+        mine = self.offered()
+        for name in mine:
+            if name not in theirs:
+                continue
+            if name != "nixl":
+                return name, None
+            if mode == "staged":
+                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"], q("staged mode runs over tcp"))
+                continue
+            if not msg.get("nixl_agent") or not msg.get("nixl_md"):
+                continue
+            transport = self.get()
+            assert transport is not None
+            try:
+                peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
+                                          decode_spec.page_size, decode_spec.page_bytes)
+            except KvxferError as exc:
+                log.warning("event=nixl_peer_failed peer=%s reason=%s", msg["daemon"], q(str(exc)[:300]))
+                continue
+            return "nixl", peer
+        unusable = f" (NIXL here: {self.unavailable})" if self.unavailable and "nixl" in self.preference else ""
+        raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}{unusable}, the "
+                          f"decode daemon offers {theirs}", field="peer.transports", prefill=mine, decode=theirs,
+                          fix="list a common transport in both daemons' peer.transports (tcp works everywhere)")
+
+    def answer(self, transport: str) -> dict[str, Any]:
+        if transport == "nixl" and self.transport is not None:
+            return {"transport": "nixl", "nixl_agent": self.transport.agent_name}
+        return {"transport": transport}
+
+    def expect_pages(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> np.ndarray:
+        """Check a peer expect for a NIXL route; return the destination page table."""
+        if self.transport is None:
+            raise TransferError("NIXL route without an agent", field="transport", fix="handshake again")
+        if msg.get("nixl_md"):
+            self.transport.load(peer.agent, msg["nixl_md"])
+        if msg.get("nixl_regions"):
+            if any((r[0], r[1]) != tuple(dst) for r in msg["nixl_regions"]):
+                raise ProtocolError("nixl_regions of an expect may only describe its dst rank",
+                                    field="nixl_regions", fix="describe the dst rank only")
+            peer.update(msg["nixl_regions"])
+        pages = msg.get("dst_pages")
+        if pages is None:
+            raise ProtocolError("expect over NIXL without dst_pages", field="dst_pages",
+                                fix="send the destination page table (one-sided writes need it)")
+        if len(pages) > self.max_pages:
+            raise RequestError(f"{len(pages)} dst_pages exceed limits.max_pages_per_request", field="dst_pages",
+                               fix="split the request or raise the limit")
+        num_pages = peer.num_pages(dst)
+        if num_pages is None:
+            raise RequestError(f"decode rank {list(dst)} has no NIXL regions described", field="nixl_regions",
+                               fix="register the decode rank before it expects requests")
+        return as_pages(pages, num_pages, "dst_pages")
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()

@@ -1,0 +1,436 @@
+"""More faults through real processes: paused peers, killed engines, a killed decode daemon,
+replayed control messages from a stranger, and aborts while bytes are moving.
+
+The rules every case checks: each request reaches a terminal state within its configured
+deadline; nothing is reported done unless the decode engine verified every byte (the sim
+worker checks on done); no byte lands outside the destination pages; unaffected peers keep
+being served; and a returning peer or engine works again.
+"""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer
+from kvxferd import PROTOCOL_VERSION
+from kvxferd.client import EngineClient
+from test_fuzz_engine import canary, start_instances, wait_idle
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import reliability_report as rr  # noqa: E402
+
+NUM_PAGES = 32
+HEARTBEAT_S, PEER_TIMEOUT_S = 0.25, 1.5  # what Cluster configures
+HEARTBEAT_DEADLINE_S = PEER_TIMEOUT_S + HEARTBEAT_S  # silence is noticed at the first heartbeat tick past it
+LONG = ("[timeouts]\nbootstrap_s = 20.0\nwaiting_for_input_s = 20.0\ntransfer_s = 20.0\ndrain_grace_s = 1.0\n"
+        "handshake_retry_s = 0.2\n")
+SHORT_TRANSFER_S = 3.0
+SHORT = (f"[timeouts]\nbootstrap_s = 4.0\nwaiting_for_input_s = {SHORT_TRANSFER_S}\n"
+         f"transfer_s = {SHORT_TRANSFER_S}\ndrain_grace_s = 1.0\nhandshake_retry_s = 0.2\n")
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """Prefill node A and decode node B with long phase timeouts (so heartbeats, not timeouts, act),
+    and a second prefill node C whose requests to B must not notice A's trouble."""
+    c = Cluster()
+    for name in ("node-a", "node-b", "node-c"):
+        c.daemon(name, extra_toml=LONG, start=False)
+    for d in c.daemons.values():  # start together: imports overlap
+        d.start()
+    yield c
+    c.close()
+    shutil.rmtree(c.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def short_cluster():
+    """Two daemons with short phase timeouts, for faults that only a timeout can end."""
+    c = Cluster()
+    for name in ("short-a", "short-b"):
+        c.daemon(name, extra_toml=SHORT, start=False)
+    for d in c.daemons.values():
+        d.start()
+    yield c
+    c.close()
+    shutil.rmtree(c.root, ignore_errors=True)
+
+
+def remove_shm(instance: str) -> None:
+    """Shared memory of engines that were SIGKILLed (a live engine unlinks its own)."""
+    for path in Path("/dev/shm").glob(f"kvxferd-{instance}-*"):
+        path.unlink(missing_ok=True)
+
+
+def terminal(worker, request_id: str, since: float, timeout: float = 30) -> tuple[dict[str, Any], float]:
+    ev = finished(worker, request_id, timeout=timeout)
+    return ev, round(ev.get("t", time.time()) - since, 2)
+
+
+def verified_request(prefill, decode, tag: str, source_address: str | None, n: int = 21) -> list[Any]:
+    """One chunked request, verified byte-exact; returns its destination as [pages, n]."""
+    rng = random.Random(tag)
+    num_pages = decode[0].geometry.num_pages
+    dst = pages_for(rng, num_pages, n, decode[0].geometry.spec.page_size)
+    dec, pre = transfer(prefill, decode, tag, n, src_pages=pages_for(rng, num_pages, n, 4), dst_pages=dst,
+                        source_address=source_address, chunks=[[0, 8], [8, n]])
+    assert_verified(dec, pre)
+    return [dst, n]
+
+
+def hold(prefill, decode, request_id: str, source_address: str | None, src=(1, 2, 3), dst=(4, 5, 6),
+         n: int = 12) -> None:
+    """A request with its first chunk delivered and its last one held back by the prefill engine."""
+    for w in decode:
+        w.command(cmd="expect", request_id=request_id, pages=list(dst), n=n, source_instance=prefill[0].instance,
+                  source_address=source_address)
+    for w in prefill:
+        w.command(cmd="send", request_id=request_id, pages=list(src), n=n, chunks=[[0, 4], [4, n]],
+                  hold_last=True)
+
+
+def status(d) -> dict[str, Any]:
+    with EngineClient(d.socket_path, timeout=10) as client:
+        return client.status()
+
+
+def wait_first_chunk(d, request_id: str = "", timeout: float = 10) -> None:
+    """Until the daemon's destination entries are all transferring (the first chunk arrived)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reqs = status(d)["requests"]
+        if reqs and set(reqs) == {"decode:transferring"}:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"first chunk of {request_id} never arrived: {status(d)['requests']}")
+
+
+def test_paused_prefill_daemon_fails_its_requests_then_serves_again(cluster):
+    started = time.monotonic()
+    a, b, c = (cluster.daemons[n] for n in ("node-a", "node-b", "node-c"))
+    pa, pc, db, dc = start_instances(cluster, (a, "sp", "prefill", spec(), NUM_PAGES),
+                                     (c, "cp", "prefill", spec(), NUM_PAGES), (b, "sd", "decode", spec(), NUM_PAGES),
+                                     (b, "cd", "decode", spec(), NUM_PAGES))
+    try:
+        allowed_b = [verified_request(pa, db, "pause-warm", a.address), [[4, 5, 6], 12]]
+        allowed_c = [verified_request(pc, dc, "pause-warm-c", c.address), [[7, 8, 9], 10]]
+        hold(pa, db, "pause-1", a.address)
+        wait_first_chunk(b, "pause-1")
+        dc[0].command(cmd="expect", request_id="pause-c", pages=[7, 8, 9], n=10, source_instance="cp",
+                      source_address=c.address)
+        stopped = time.time()
+        a.signal(signal.SIGSTOP)
+        try:
+            # the unaffected peer C keeps being served while A is frozen
+            pc[0].command(cmd="send", request_id="pause-c", pages=[10, 11, 12], n=10)
+            ev_c = finished(dc[0], "pause-c", timeout=10)
+            assert ev_c["state"] == "done" and ev_c["mismatched_bytes"] == 0, ev_c
+            assert finished(pc[0], "pause-c")["state"] == "done"
+            ev, after = terminal(db[0], "pause-1", stopped)
+            assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+            assert after <= HEARTBEAT_DEADLINE_S + 2.0, after  # heartbeats, not the 20 s phase timeouts
+            time.sleep(0.5)
+        finally:
+            a.signal(signal.SIGCONT)
+        resumed = time.time()
+        # A, thawed, finds its decode peer silent or gets an abort: the source fails, it is never done
+        pre, pre_after = terminal(pa[0], "pause-1", resumed)
+        assert pre["state"] == "failed", pre
+        assert pre_after <= PEER_TIMEOUT_S + 20.0
+        # the returning peer works again: a new request handshakes anew and lands byte-exact
+        allowed_b.append(verified_request(pa, db, "pause-2", a.address))
+        allowed_c.append(verified_request(pc, dc, "pause-c-2", c.address))
+        for d in (a, b, c):
+            with EngineClient(d.socket_path, timeout=10) as client:
+                assert wait_idle(client, 5) == {}
+        outside = canary(db[0], allowed_b)["outside_bytes"] + canary(dc[0], allowed_c)["outside_bytes"]
+        assert outside == 0
+    finally:
+        close(pa + pc + db + dc)
+    rr.record("faults", "peer_paused_past_heartbeat_deadline", {
+        "survived": True, "terminal_after_s": after, "deadline_s": HEARTBEAT_DEADLINE_S,
+        "outcome": f"decode side failed peer_dead {after}s after SIGSTOP; prefill side failed "
+                   f"{pre['code']} {pre_after}s after SIGCONT; peer C served meanwhile; new requests to A "
+                   f"verified after SIGCONT",
+        "seconds": time.monotonic() - started})
+
+
+def test_killed_engine_with_requests_in_flight(short_cluster):
+    """The daemons do not watch engine connections: a dead engine's requests end by phase timeout on
+    the other side (bounded by transfer_s), and a restarted engine re-registers and works."""
+    started = time.monotonic()
+    c = short_cluster
+    a, b = c.daemons["short-a"], c.daemons["short-b"]
+    workers = []
+    try:
+        pa, db = start_instances(c, (a, "ep", "prefill", spec(), NUM_PAGES), (b, "ed", "decode", spec(), NUM_PAGES))
+        workers += pa + db
+        verified_request(pa, db, "ek-warm", a.address)
+        # 1. the prefill engine dies after its first chunk
+        hold(pa, db, "ek-1", a.address)
+        wait_first_chunk(b, "ek-1")
+        killed = time.time()
+        pa[0].kill()
+        ev, dec_after = terminal(db[0], "ek-1", killed)
+        assert ev["state"] == "failed", ev
+        assert dec_after <= SHORT_TRANSFER_S + 1.5, dec_after
+        dec_code = ev["code"]
+        # 2. the decode engine dies after expecting: the prefill side still ends, on its own deadline
+        pa = c.instance(a, "ep", "prefill", spec(), NUM_PAGES)  # the engine restarts and re-registers
+        workers += pa
+        db[0].command(cmd="expect", request_id="ek-2", pages=[1, 2, 3], n=12, source_instance="ep",
+                      source_address=a.address)
+        deadline = time.monotonic() + 10
+        while status(b)["requests"] != {"decode:waiting_for_input": 1} and time.monotonic() < deadline:
+            time.sleep(0.05)
+        db[0].kill()
+        killed = time.time()
+        pa[0].command(cmd="send", request_id="ek-2", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]])
+        pre, pre_after = terminal(pa[0], "ek-2", killed)
+        assert pre["state"] in ("done", "failed"), pre
+        assert pre_after <= SHORT_TRANSFER_S + 1.5
+        # both daemons hold nothing afterwards, and restarted engines work
+        db = c.instance(b, "ed", "decode", spec(), NUM_PAGES)
+        workers += db
+        verified_request(pa, db, "ek-3", a.address)
+        for d in (a, b):
+            with EngineClient(d.socket_path, timeout=10) as client:
+                assert wait_idle(client, 2 * SHORT_TRANSFER_S) == {}
+    finally:
+        close(workers)
+        remove_shm("ep")
+        remove_shm("ed")
+    rr.record("faults", "engine_killed_with_requests_in_flight", {
+        "survived": True, "terminal_after_s": dec_after, "deadline_s": SHORT_TRANSFER_S,
+        "outcome": f"prefill engine SIGKILLed mid-request: decode side failed {dec_code} after {dec_after}s "
+                   f"(phase timeout only: engine death itself is not detected); decode engine SIGKILLed: "
+                   f"prefill side ended {pre['state']} after {pre_after}s; restarted engines re-registered and "
+                   f"transferred byte-exact",
+        "seconds": time.monotonic() - started,
+        "notes": ["engine death is noticed only through phase timeouts (transfer_s / waiting_for_input_s); "
+                  "the daemon does not watch engine connections"]})
+
+
+def test_decode_daemon_sigkilled_mid_transfer_fails_the_prefill_side_promptly(cluster):
+    started = time.monotonic()
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+    pa, db = start_instances(cluster, (a, "kp", "prefill", spec(), NUM_PAGES), (b, "kd", "decode", spec(), NUM_PAGES))
+    try:
+        verified_request(pa, db, "dk-warm", a.address)
+        hold(pa, db, "dk-1", a.address)
+        wait_first_chunk(b, "dk-1")
+        killed = time.time()
+        b.signal(signal.SIGKILL)
+        b.proc.wait()
+        pre, after = terminal(pa[0], "dk-1", killed)
+        assert pre["state"] == "failed", pre
+        assert pre["reason"] and pre["code"] in ("peer_dead", "transfer", "peer_refused"), pre
+        assert after <= HEARTBEAT_DEADLINE_S + 2.0, after  # heartbeats; the phase timeouts are 20 s
+        # the held last chunk is refused: the request is over, its pages are the engine's again
+        pa[0].command(cmd="send_chunks", request_id="dk-1", pages=[1, 2, 3], n=12, chunks=[[4, 12, True]])
+        late = finished(pa[0], "dk-1")
+        assert late["event"] == "error", late
+        for w in db:  # its engine waits for an answer that will never come
+            w.kill()
+        remove_shm("kd")
+        # the decode daemon comes back on the same ports; new engines register; transfers work again
+        b.start()
+        db = cluster.instance(b, "kd", "decode", spec(), NUM_PAGES)
+        verified_request(pa, db, "dk-2", a.address)
+        with EngineClient(a.socket_path, timeout=10) as client:
+            assert wait_idle(client, 5) == {}
+    finally:
+        close(pa + db)
+    rr.record("faults", "decode_daemon_sigkilled_mid_transfer", {
+        "survived": True, "terminal_after_s": after, "deadline_s": HEARTBEAT_DEADLINE_S,
+        "outcome": f"prefill side failed {pre['code']} {after}s after SIGKILL ({pre['reason'][:80]}); "
+                   f"source pages reported failed, never done; the late last chunk was refused; the restarted "
+                   f"daemon served a new request byte-exact",
+        "seconds": time.monotonic() - started})
+
+
+def raw_peer(address: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 5000)
+    sock.connect(f"tcp://{address}")
+    return sock
+
+
+def drain_replies(sock: zmq.Socket, seq: int) -> list[dict[str, Any]]:
+    sock.send(msgpack.packb({"op": "ping", "daemon": "127.0.0.1:1", "seq": seq}))
+    out = []
+    while True:
+        reply = msgpack.unpackb(sock.recv(), raw=False)
+        if reply.get("op") == "pong" and reply.get("seq") == seq:
+            return out
+        out.append(reply)
+
+
+def no_more_events(worker, wait: float = 1.0) -> list[dict[str, Any]]:
+    time.sleep(wait)
+    out = []
+    while not worker.events.empty():
+        out.append(worker.events.get_nowait())
+    return out
+
+
+def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_complete(short_cluster):
+    started = time.monotonic()
+    a, b = short_cluster.daemons["short-a"], short_cluster.daemons["short-b"]
+    pa, db = start_instances(short_cluster, (a, "rp", "prefill", spec(), NUM_PAGES),
+                             (b, "rd", "decode", spec(), NUM_PAGES))
+    sock = raw_peer(a.address)
+    outcomes = []
+    try:
+        verified_request(pa, db, "rp-1", a.address)
+        expect = {"op": "expect", "request_id": "rp-1", "prefill_instance": "rp", "decode_instance": "rd",
+                  "dst": [0, 0], "num_tokens": 21}
+        abort = {"op": "abort", "request_id": "rp-1", "reason": "replayed", "code": "aborted"}
+        # 1. replays of a finished request from a stranger: answered or ignored, never acted on
+        for msg in (expect, expect, abort, expect, abort):
+            sock.send(msgpack.packb(msg))
+        replies = drain_replies(sock, 1)
+        assert all(r["op"] == "error" for r in replies), replies
+        assert no_more_events(pa[0]) == [] and no_more_events(db[0], 0) == []
+        outcomes.append("replayed expect/abort of a finished request: no event, no entry")
+        # 2. a stranger's abort of a request in flight between A and B must not touch it
+        hold(pa, db, "rp-2", a.address)
+        wait_first_chunk(b, "rp-2")
+        sock.send(msgpack.packb({**abort, "request_id": "rp-2"}))
+        sock.send(msgpack.packb({**expect, "request_id": "rp-2"}))  # and an expect reordered after it
+        drain_replies(sock, 2)
+        pa[0].command(cmd="send_chunks", request_id="rp-2", pages=[1, 2, 3], n=12, chunks=[[4, 12, True]])
+        ev, pre = finished(db[0], "rp-2"), finished(pa[0], "rp-2")
+        assert_verified([ev], [pre])
+        assert no_more_events(pa[0], 0.5) == [] and no_more_events(db[0], 0) == []
+        outcomes.append("stranger's abort + reordered expect of an in-flight request: ignored, request verified")
+        # 3. a replayed handshake (a copy of B's) from the stranger, then B's own requests
+        hs = {"op": "handshake", "seq": 9, "v": PROTOCOL_VERSION, "daemon": b.address,
+              "data_address": f"127.0.0.1:{b.data_port}", "prefill_instance": "rp", "decode_instance": "rd",
+              "decode_spec": spec().to_dict(), "mode": "auto", "transports": ["tcp"]}
+        for _ in range(3):
+            sock.send(msgpack.packb(hs))
+        replies = drain_replies(sock, 3)
+        assert [r["op"] for r in replies] == ["handshake_ok"] * 3, replies
+        rng = random.Random(3)
+        results = []
+        for i in range(3):
+            src, dst = pages_for(rng, NUM_PAGES, 9, 4), pages_for(rng, NUM_PAGES, 9, 4)
+            dec, prf = transfer(pa, db, f"rp-3-{i}", 9, src_pages=src, dst_pages=dst, source_address=a.address)
+            if dec[0]["state"] == "done":
+                assert_verified(dec, prf)
+            else:  # never done with wrong bytes; both sides terminal
+                assert dec[0]["event"] == "finished" and dec[0]["state"] == "failed", dec
+                assert prf[0]["state"] in ("failed", "done"), prf
+            results.append(f"{dec[0]['state']}" + (f"({dec[0]['code']})" if dec[0]["state"] == "failed" else ""))
+        assert results[-1] == "done", results  # B re-handshakes and takes its route back
+        outcomes.append(f"replayed handshake: next requests of the real peer {', '.join(results)}")
+        for d in (a, b):
+            with EngineClient(d.socket_path, timeout=10) as client:
+                assert wait_idle(client, 10) == {}
+    finally:
+        sock.close(0)
+        close(pa + db)
+    rr.record("faults", "replayed_and_reordered_control_messages", {
+        "survived": True, "outcome": "; ".join(outcomes), "terminal_after_s": "n/a", "deadline_s": "n/a",
+        "seconds": time.monotonic() - started,
+        "notes": [f"a stranger replaying a decode daemon's handshake takes over the instance pair's route: "
+                  f"the real peer's next requests ended {', '.join(results)}"] if results[0] != "done" else []})
+
+
+def test_abort_while_bytes_are_moving(cluster):
+    """Aborts fired at varying moments into 1 MiB-per-chunk requests: each request ends terminal on
+    both sides, done only byte-exact, and nothing lands outside its destination pages."""
+    started = time.monotonic()
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+    big = spec(head_dim=128, page_size=16)
+    n, pages_per_req, num_pages = 1024, 64, 64 * 9
+    pa, db = start_instances(cluster, (a, "ap", "prefill", big, num_pages), (b, "ad", "decode", big, num_pages))
+    outcomes: dict[str, int] = {}
+    allowed = []
+    partial = 0
+    try:
+        for i, delay in enumerate((0.0, 0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.15)):
+            dst = list(range(i * pages_per_req, (i + 1) * pages_per_req))
+            src = list(range(num_pages - (i + 1) * pages_per_req, num_pages - i * pages_per_req))
+            rid = f"ab-{i}"
+            db[0].command(cmd="expect", request_id=rid, pages=dst, n=n, source_instance="ap",
+                          source_address=a.address)
+            time.sleep(0.3 if i == 0 else 0.05)  # the first one waits for the handshake
+            pa[0].command(cmd="send", request_id=rid, pages=src, n=n, chunks=[[k, k + 128] for k in range(0, n, 128)])
+            time.sleep(delay)
+            (db if i % 2 == 0 else pa)[0].command(cmd="abort", request_id=rid, reason="client went away")
+            dec, pre = finished(db[0], rid), finished(pa[0], rid)
+            assert dec["event"] == "finished", dec
+            # the prefill engine hears "failed", or has a later chunk refused because the request was aborted
+            assert pre["event"] == "finished" or "aborted" in pre["error"], pre
+            if dec["state"] == "done":
+                assert dec["mismatched_bytes"] == 0, dec
+            else:
+                assert dec["code"] == "aborted", dec
+                written = set(canary(db[0], [[dst, n]])["changed_pages"]) & set(dst)
+                partial += 0 < len(written) < len(dst)  # some chunks landed before the abort
+            allowed.append([dst, n])
+            key = f"decode {dec['state']} / prefill {pre.get('state', 'chunk refused')}"
+            outcomes[key] = outcomes.get(key, 0) + 1
+        report = canary(db[0], allowed)
+        assert report["outside_bytes"] == 0, report
+        verified_request(pa, db, "ab-after", a.address, n=40)
+        for d in (a, b):
+            with EngineClient(d.socket_path, timeout=10) as client:
+                assert wait_idle(client, 5) == {}
+    finally:
+        close(pa + db)
+    rr.record("faults", "abort_during_transfer", {
+        "survived": True, "outcome": "8 aborted 1 MiB-chunk requests: "
+                                     + ", ".join(f"{k}: {v}" for k, v in sorted(outcomes.items()))
+                                     + f"; {partial} aborted with "
+                                     f"their destination partly written (mid-transfer)",
+        "terminal_after_s": "n/a", "deadline_s": "n/a", "seconds": time.monotonic() - started})
+
+
+def test_prefill_abort_before_the_decode_side_expects_reaches_the_decode_side(short_cluster):
+    """Prefill aborts (or times out) a request before the decode daemon's expect arrives: the late
+    expect must learn the request failed, not wait for bytes until its own phase timeout."""
+    started = time.monotonic()
+    a, b = short_cluster.daemons["short-a"], short_cluster.daemons["short-b"]
+    pa, db, pl = start_instances(short_cluster, (a, "lp", "prefill", spec(), NUM_PAGES),
+                                 (b, "ld", "decode", spec(), NUM_PAGES), (b, "llp", "prefill", spec(), NUM_PAGES))
+    codes = []
+    try:
+        verified_request(pa, db, "late-warm", a.address)  # the instance pair has handshaken
+        for i, source in enumerate((a.address, None)):
+            rid = f"late-{i}"
+            if source is None:  # the same race with both instances on one daemon (local transport)
+                prefill, source_instance = pl, "llp"
+            else:
+                prefill, source_instance = pa, "lp"
+            prefill[0].command(cmd="send", request_id=rid, pages=[1, 2, 3], n=12, chunks=[[0, 4], [4, 12]],
+                               hold_last=True)
+            prefill[0].command(cmd="abort", request_id=rid, reason="preempted before decode was ready")
+            pre = finished(prefill[0], rid)
+            assert pre["state"] == "failed" and pre["code"] == "aborted", pre
+            asked = time.time()
+            db[0].command(cmd="expect", request_id=rid, pages=[4, 5, 6], n=12, source_instance=source_instance,
+                          source_address=source)
+            ev, after = terminal(db[0], rid, asked)
+            assert ev["state"] == "failed" and ev["code"] == "aborted", ev
+            assert after < SHORT_TRANSFER_S, after  # told, not timed out
+            codes.append(f"{'remote' if source else 'local'}: {ev['code']} after {after}s")
+        verified_request(pa, db, "late-after", a.address)
+    finally:
+        close(pa + db + pl)
+    rr.record("faults", "prefill_abort_before_decode_expect", {
+        "survived": True, "outcome": "late expect told the request was aborted (" + "; ".join(codes) + ")",
+        "terminal_after_s": "n/a", "deadline_s": SHORT_TRANSFER_S, "seconds": time.monotonic() - started})
