@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from typing import Any, Iterable, Sequence
 
@@ -75,7 +76,8 @@ class _Base:
     def _register_msg(instance: str, role: str, geometry: RankGeometry | dict[str, Any],
                       regions: Sequence[dict[str, Any]]) -> dict[str, Any]:
         geo = geometry.to_dict() if isinstance(geometry, RankGeometry) else dict(geometry)
-        return {"instance": instance, "role": role, "geometry": geo, "regions": list(regions)}
+        # the pid lets a daemon on the same host notice an engine that died without a word
+        return {"instance": instance, "role": role, "geometry": geo, "regions": list(regions), "pid": os.getpid()}
 
 
 class EngineClient(_Base):

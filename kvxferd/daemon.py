@@ -34,7 +34,7 @@ from .memory import MemoryMapper
 from .metrics import Metrics
 from .outbox import Chunk, Route, SrcEntry, Target
 from .planner import Plan, make_plan
-from .registry import Rank, Registry, rank_id
+from .registry import ProcessRef, Rank, Registry, rank_id
 from .segments import as_pages, slots
 from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
@@ -451,7 +451,8 @@ class Daemon:
         geometry = RankGeometry.from_dict(bounded_geometry(msg["geometry"], "geometry"))
         self.registry.check_new(msg["instance"], msg["role"], geometry)
         regions = self.mapper.map_regions(geometry, msg["regions"])
-        rank = Rank(msg["instance"], msg["role"], geometry, regions, identity)
+        process = ProcessRef.find(msg["pid"]) if "pid" in msg else None
+        rank = Rank(msg["instance"], msg["role"], geometry, regions, identity, process)
         old = self.registry.get(rank.id)
         if old is not None:
             self._drop_rank(old, "rank re-registered (engine restarted)")
@@ -685,6 +686,8 @@ class Daemon:
         entry.failure = (code, message)
         if propagate:
             self._propagate_abort_upstream(entry, code, message)
+        if entry.inflight and self.data_server is not None:
+            self.data_server.cut(entry)  # end writes into its pages now, then tell the engine
         self._dest_changed(entry)
 
     def _finalize_dest(self, entry: DestEntry, state: str) -> None:
@@ -980,6 +983,13 @@ class Daemon:
                         "error": {"code": "no_handshake", "message": "no handshake for this instance pair; "
                                   "handshake again"}}
             plan, route = found
+            bound = self.request_routes.get((msg["request_id"], msg["prefill_instance"]))
+            if bound is not None and (bound[1] != msg["decode_instance"] or bound[2].identity != identity):
+                # first binding wins: a second decode side may not take over a request's bytes
+                return {"op": "error", "request_id": msg["request_id"],
+                        "error": {"code": "request_bound", "field": "request_id",
+                                  "message": f"request {msg['request_id']!r} is already bound to decode "
+                                             f"instance {bound[1]!r} on another peer link"}}
             dst = msg["dst"]
             if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
                 raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
@@ -1020,6 +1030,12 @@ class Daemon:
             decode_spec = InstanceSpec.from_dict(bounded_geometry(msg["decode_spec"], "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
+        existing = self.src_plans.get((prefill, msg["decode_instance"]))
+        if existing is not None and existing[1].identity != identity and existing[1].identity in self.downstream:
+            # the pair is bound to another live link; a restarted decode daemon gets in once
+            # the old link misses its heartbeats, a stranger replaying a handshake never does
+            return {"op": "handshake_retry", "reason": f"decode instance {msg['decode_instance']!r} is bound to "
+                                                       "another live peer link"}
         mode = msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode
         transport, nixl_peer = self.nixl.choose(msg, decode_spec, mode)  # NIXL writes scatter natively: direct
         plan = make_plan(spec, decode_spec, mode="direct" if transport == "nixl" and mode == "auto" else mode,
@@ -1104,6 +1120,8 @@ class Daemon:
         for key, (plan, route) in list(self.src_plans.items()):
             if route.identity == peer.identity:
                 del self.src_plans[key]
+                if route.nixl is not None:  # NIXL WRITEs in flight to it stop waiting for their completion
+                    route.nixl.dead = f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s"
         for entry in list(self.sources.values()):
             if entry.route is not None and entry.route.identity == peer.identity:
                 self._fail_src(entry, "peer_dead", f"decode daemon {peer.daemon} unresponsive for "
@@ -1113,9 +1131,16 @@ class Daemon:
         t = self.cfg.timeouts
         limits = {"bootstrapping": t.bootstrap_s, "waiting_for_input": t.waiting_for_input_s,
                   "transferring": t.transfer_s}
+        last_liveness = 0.0
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
+            if now - last_liveness >= 0.5:
+                last_liveness = now
+                for rank in self.registry:
+                    if rank.process is not None and not rank.process.alive():
+                        log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
+                        self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
             for entry in self.inbox.all():
                 limit = limits.get(entry.state)
                 if limit is not None and entry.failure is None and now - entry.phase_since > limit:

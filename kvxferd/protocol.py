@@ -189,7 +189,7 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
     "register": Schema(
         required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
                   "regions": list_of(region, 1 << 16)},
-        optional={}),
+        optional={"pid": integer(1, 1 << 31)}),
     "unregister": Schema(required={"rank_id": NAME}, optional={}),
     "expect": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,

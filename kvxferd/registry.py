@@ -10,6 +10,33 @@ from .geometry import InstanceSpec, RankGeometry
 from .memory import MappedRegion
 
 
+@dataclass(frozen=True)
+class ProcessRef:
+    """A local process identified by pid and start time, so a reused pid is not mistaken for it."""
+
+    pid: int
+    start: str
+
+    @classmethod
+    def find(cls, pid: int) -> "ProcessRef | None":
+        start = _start_time(pid)
+        return cls(pid, start) if start is not None else None
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.start
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/PID/stat; None when the pid is not visible (gone, other namespace)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            stat = fh.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2:].split()
+    return fields[19] if len(fields) > 19 else None
+
+
 def rank_id(instance: str, tp_rank: int, pp_rank: int) -> str:
     return f"{instance}/tp{tp_rank}/pp{pp_rank}"
 
@@ -21,6 +48,7 @@ class Rank:
     geometry: RankGeometry
     regions: dict[tuple[int, str], MappedRegion]
     identity: bytes  # routing id of the engine connection that registered it
+    process: "ProcessRef | None" = None  # the engine process, when this daemon can see it
     id: str = field(init=False)
 
     def __post_init__(self) -> None:

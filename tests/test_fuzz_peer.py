@@ -39,7 +39,7 @@ MESSAGES = 10_000
 BATCH = 400
 CONFIG = ("[timeouts]\nbootstrap_s = 3.0\nwaiting_for_input_s = 2.0\ntransfer_s = 4.0\ndrain_grace_s = 1.0\n"
           "handshake_retry_s = 0.2\n[limits]\nmax_message_bytes = 4194304\nmax_inflight_requests = 256\n")
-RETURNED = ("no_handshake", "draining", "busy")  # answered as plain errors, not counted as invalid messages
+RETURNED = ("no_handshake", "draining", "busy", "request_bound")  # plain errors, not counted as invalid
 
 
 def peer_socket(address: str) -> zmq.Socket:

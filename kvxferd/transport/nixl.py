@@ -146,6 +146,7 @@ class NixlPeer:
         self.agent = agent
         self.page_size = page_size
         self.page_bytes = page_bytes
+        self.dead = ""  # set by the daemon when the peer stops answering heartbeats
         self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
         self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
         self._lock = threading.Lock()
@@ -162,7 +163,8 @@ class NixlPeer:
             sizes = [n for (tp, pp, _l, _k), (_a, n, _d) in self._regions.items() if (tp, pp) == tuple(dst)]
         return min(sizes) // self.page_bytes if sizes else None
 
-    def bases(self, dst: tuple[int, int], layers: tuple[int, int], kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
+    def bases(self, dst: tuple[int, int], layers: tuple[int, int],
+              kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
         """(base addresses in wire order, smallest region size, device) of a writer's destination."""
         key = (tuple(dst), tuple(layers), kinds)
         with self._lock:
@@ -304,12 +306,6 @@ class NixlTransport:
                 raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
                                     field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
 
-    def forget_peer(self, agent: str) -> None:
-        try:
-            self.agent.remove_remote_agent(agent)
-        except Exception as exc:  # noqa: BLE001 - already gone
-            log.info("event=nixl_remove_agent agent=%s result=%s", agent, _why(exc))
-
     # -- sending ---------------------------------------------------------------------
     def send(self, job: ChunkJob) -> Moved:
         peer = job.remote
@@ -337,7 +333,7 @@ class NixlTransport:
         with self._lock:
             self._sending += 1
         try:
-            self._write(local, _mem(src_device), remote, _mem(dst_device), peer.agent, notif)
+            self._write(local, _mem(src_device), remote, _mem(dst_device), peer, notif)
         finally:
             with self._lock:
                 self._sending -= 1
@@ -360,8 +356,9 @@ class NixlTransport:
             raise TransferError(f"NIXL notification to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon is up") from None
 
-    def _write(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, agent: str,
+    def _write(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: NixlPeer,
                notif: bytes) -> None:
+        agent = peer.agent
         deadline = time.monotonic() + self.timeout_s
         try:
             handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, local_mem),
@@ -381,6 +378,9 @@ class NixlTransport:
                 if self._closed.is_set():
                     raise TransferError("daemon shut down during a NIXL WRITE", field="transport",
                                         code="shutdown")
+                if peer.dead:  # a peer gone silent (no RST on the path) would otherwise hold the thread
+                    raise TransferError(f"NIXL WRITE to {agent} abandoned: {peer.dead}", field="transport",
+                                        code="peer_dead")
                 if pause:
                     time.sleep(pause)
                 pause = min(pause * 2 or 2e-5, 5e-4)
@@ -449,8 +449,8 @@ class NixlTransport:
         try:
             sink = self.inbox.begin(header, rid)
         except KvxferError as exc:
-            self._refuse(sender, header, rid, "peer_refused", f"chunk [{header['start']}, {header['end']}) from "
-                                                        f"{header['src']} refused: {exc}")
+            self._refuse(sender, header, rid, "peer_refused",
+                         f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return
         if self.source_agents.get(sink.entry.source_address) != sender:
             # not counted, and not allowed to fail the request either: that would let any peer

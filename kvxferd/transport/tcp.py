@@ -31,6 +31,8 @@ log = logging.getLogger("kvxferd.tcp")
 IOV_BATCH = 512
 SMALL_RUN = 8192  # average run below this goes through a staging slot
 IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
+FIRST_HEADER_TIMEOUT_S = 10.0  # ... and a new one that has not sent a good chunk yet, after this
+MAX_HEADER_BYTES = protocol.MAX_AUX_BYTES + 64 * 1024  # aux bytes ride in the header
 
 
 def _recv_exact(sock: socket.socket, view: memoryview) -> None:
@@ -92,7 +94,10 @@ class TcpDataServer:
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
         self.inbox = inbox
-        self.max_header_bytes = max_header_bytes
+        self.max_header_bytes = min(max_header_bytes, MAX_HEADER_BYTES)
+        self.max_per_host = max(2, max_connections // 4)  # one host cannot take every slot
+        self._per_host: dict[str, int] = {}
+        self._receiving: dict[socket.socket, Any] = {}  # connection -> destination it is writing
         self.timeout_s = timeout_s
         self.staging = staging
         self.on_received = on_received
@@ -112,21 +117,27 @@ class TcpDataServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._sem.acquire(blocking=False):
+            with self._lock:
+                crowded = self._per_host.get(addr[0], 0) >= self.max_per_host
+            if crowded or not self._sem.acquire(blocking=False):
                 log.warning("event=data_conn_refused reason=too_many_connections peer=%s:%s", *addr[:2])
                 conn.close()
                 continue
+            with self._lock:
+                self._per_host[addr[0]] = self._per_host.get(addr[0], 0) + 1
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.settimeout(self.timeout_s)
             with self._lock:
                 self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="kvxferd-data-recv", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, addr[0]), name="kvxferd-data-recv",
+                             daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, host: str) -> None:
+        proven = False  # a connection earns the long idle allowance with its first good chunk
         try:
             while not self._closed.is_set():
                 try:
-                    conn.settimeout(IDLE_TIMEOUT_S)
+                    conn.settimeout(IDLE_TIMEOUT_S if proven else FIRST_HEADER_TIMEOUT_S)
                     header = read_frame(conn, self.max_header_bytes)
                     conn.settimeout(self.timeout_s)
                 except (ConnectionError, OSError):
@@ -139,6 +150,9 @@ class TcpDataServer:
                     self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
                     return
                 try:
+                    if header.get("op") != "data":
+                        raise ProtocolError(f"data connection got op {str(header.get('op'))[:32]!r}", field="op",
+                                            fix="send data frames only on data connections")
                     header = protocol.DATA_HEADER.check(header)
                     sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
                 except KvxferError as exc:
@@ -149,19 +163,27 @@ class TcpDataServer:
                     self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
                     return  # the payload cannot be trusted: drop the connection
                 ok = False
+                with self._lock:
+                    self._receiving[conn] = sink.entry
                 try:
                     moved = self._receive(conn, sink)
                     ok = True
                 finally:
+                    with self._lock:
+                        self._receiving.pop(conn, None)
                     self.inbox.finish(sink, ok)
                 if self.on_received:
                     self.on_received(sink, moved)
                 self._reply(conn, {"op": "ack", "ok": True})
+                proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
             log.info("event=data_conn_closed reason=%s", type(exc).__name__)
         finally:
             with self._lock:
                 self._conns.discard(conn)
+                self._per_host[host] -= 1
+                if not self._per_host[host]:
+                    del self._per_host[host]
             conn.close()
             self._sem.release()
 
@@ -191,6 +213,18 @@ class TcpDataServer:
         finally:
             self.staging.release(slot)
         return Moved(sink.nbytes, len(blocks), "staged")
+
+    def cut(self, entry: Any) -> int:
+        """Break the connections writing into ``entry`` (it failed): their threads stop at once,
+        so the failure can be told without waiting for a dead sender's socket timeout."""
+        with self._lock:
+            conns = [c for c, e in self._receiving.items() if e is entry]
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(conns)
 
     @staticmethod
     def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
