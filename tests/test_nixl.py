@@ -1,0 +1,449 @@
+"""The NIXL transport: byte-exact transfers, negotiation, peer death and refused notifications.
+
+End-to-end cases run real daemon and engine processes, as tests/test_e2e_transfers.py
+does, with ``peer.transport = "nixl"`` and UCX pinned to TCP over loopback. Metrics show
+which transport moved the bytes. One case plays a prefill daemon from inside the test
+(ZeroMQ control messages and a NIXL agent of its own) to send the decode daemon a chunk
+notification that must fail validation.
+
+The module skips, saying why, only where the NIXL package cannot be imported or its UCX
+backend cannot start; ``make venv`` installs ``nixl-cu12`` (without dependencies).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import random
+import signal
+import threading
+import time
+import urllib.request
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer, untouched_bytes
+from kvxferd import PROTOCOL_VERSION, config, protocol
+from kvxferd.client import EngineClient
+from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
+from kvxferd.geometry import RankGeometry
+from kvxferd.sim import Worker
+from kvxferd.transport import nixl as nixl_mod
+
+#: UCX on loopback TCP only: no RDMA devices, no shared-memory shortcut between the daemons
+UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
+NIXL_ENV = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl"}
+NUM_PAGES = 64
+_ids = itertools.count()
+
+
+def _probe() -> str:
+    """Empty if a NIXL agent with the UCX backend starts here, else why not."""
+    ok, why = nixl_mod.available()
+    if not ok:
+        return why
+    saved = {k: os.environ.get(k) for k in UCX_ENV}
+    os.environ.update(UCX_ENV)
+    try:
+        api = nixl_mod.load_api()
+        agent = api.nixl_agent("kvxferd-probe", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
+        if "UCX" not in agent.backends:
+            return f"NIXL started without its UCX backend (plugins: {agent.get_plugin_list()})"
+    except Exception as exc:  # noqa: BLE001 - reported as the skip reason
+        return f"NIXL agent with UCX failed to start: {type(exc).__name__}: {exc}"
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ""
+
+
+NIXL_MISSING = _probe()
+needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING),
+                                reason=f"NIXL unusable here: {NIXL_MISSING} (make venv installs nixl-cu12)")
+
+
+def metric(daemon, name: str, **labels: str) -> float:
+    """Sum of a counter's samples on one daemon whose labels include ``labels``."""
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            total += float(value)
+    return total
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if NIXL_MISSING:
+        pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
+    c = Cluster()
+    try:
+        c.daemon("prefill-nixl", env=NIXL_ENV)
+        c.daemon("decode-nixl", env=NIXL_ENV)
+        c.daemon("prefill-tcp", env=UCX_ENV)  # NIXL not enabled: negotiation must fall back to tcp
+        # NIXL enabled but not installed: every module that could provide it fails to import
+        stubs = c.root / "no-nixl"
+        for name in nixl_mod.MODULES:
+            (stubs / name).mkdir(parents=True)
+            (stubs / name / "__init__.py").write_text('raise ImportError("simulated: NIXL is not installed")\n')
+        c.daemon("decode-no-nixl", env={**NIXL_ENV, "PYTHONPATH": os.pathsep.join(
+            [str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        yield c
+    finally:
+        c.close()
+
+
+def instances(cluster: Cluster, *wanted: tuple) -> list[list[Worker]]:
+    """Start the engine ranks of several instances at once (imports overlap), then wait for all."""
+    groups = []
+    for daemon, name, role, ispec in wanted:
+        group = [Worker(daemon, name, role, RankGeometry(ispec, tp, pp, NUM_PAGES), wait=False)
+                 for pp in range(ispec.pp_size) for tp in range(ispec.tp_size)]
+        cluster.workers.extend(group)
+        groups.append(group)
+    for group in groups:
+        for w in group:
+            w.wait_registered()
+    return groups
+
+
+def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", decode: str = "decode-nixl",
+             n_tokens: int, chunks=None, order: str = "expect_first", requests: int = 2) -> None:
+    rng = random.Random(n_tokens)
+    tag = next(_ids)
+    pd, dd = cluster.daemons[prefill], cluster.daemons[decode]
+    p_workers, d_workers = instances(cluster, (pd, f"p{tag}", "prefill", pspec), (dd, f"d{tag}", "decode", dspec))
+    try:
+        used: set[int] = set()
+        for i in range(requests):
+            src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
+            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
+            used.update(dst)
+            dec, pre = transfer(p_workers, d_workers, f"nx-{tag}-{i}", n_tokens, src_pages=src, dst_pages=dst,
+                                source_address=pd.address, chunks=chunks, order=order,
+                                aux=b"first-token" if i == 0 else None)
+            assert_verified(dec, pre)
+        never = [p for p in range(NUM_PAGES) if p not in used]
+        for w in d_workers:
+            assert untouched_bytes(w, never) == 0  # a WRITE never strays outside the request's pages
+    finally:
+        close(p_workers + d_workers)
+
+
+# -- byte-exact transfers over NIXL ----------------------------------------------------
+
+@needs_nixl
+def test_tp1_to_tp1(cluster):
+    pd, dd = cluster.daemons["prefill-nixl"], cluster.daemons["decode-nixl"]
+    before = {(d, t): metric(cluster.daemons[d], name, transport=t)
+              for d, name in (("prefill-nixl", "kvxferd_sent_bytes_total"),
+                              ("decode-nixl", "kvxferd_received_bytes_total")) for t in ("nixl", "tcp")}
+    run_case(cluster, spec(), spec(), n_tokens=37)
+    per_request = 37 * 4 * 2 * 4 * 16 * 2  # tokens x layers x (k, v) x heads x head_dim x bf16
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") - before["prefill-nixl", "nixl"] == 2 * per_request
+    assert metric(dd, "kvxferd_received_bytes_total", transport="nixl") - before["decode-nixl", "nixl"] == \
+        2 * per_request
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="tcp") == before["prefill-nixl", "tcp"]
+    assert metric(dd, "kvxferd_received_bytes_total", transport="tcp") == before["decode-nixl", "tcp"]
+
+
+@needs_nixl
+def test_tp2_to_tp1_chunked_not_page_aligned(cluster):
+    # head slices of two writers per destination token; chunks cut pages in the middle
+    run_case(cluster, spec(tp_size=2), spec(), n_tokens=50, chunks=[[0, 7], [7, 30], [30, 50]])
+
+
+@needs_nixl
+def test_tp1_to_tp2_send_before_expect(cluster):
+    run_case(cluster, spec(), spec(tp_size=2), n_tokens=33, order="send_first")
+
+
+@needs_nixl
+def test_pp_and_page_size_mismatch(cluster):
+    pspec = spec(num_layers=5, pp_size=2, layer_splits=((0, 1), (1, 5)), page_size=3)
+    dspec = spec(num_layers=5, tp_size=2, page_size=8)
+    run_case(cluster, pspec, dspec, n_tokens=41, chunks=[[0, 9], [9, 41]], requests=1)
+
+
+# -- negotiation -----------------------------------------------------------------------
+
+@needs_nixl
+def test_falls_back_to_tcp_when_the_decode_side_has_no_nixl_installed(cluster):
+    pd, dd = cluster.daemons["prefill-nixl"], cluster.daemons["decode-no-nixl"]
+    tcp0, nixl0 = metric(pd, "kvxferd_sent_bytes_total", transport="tcp"), metric(pd, "kvxferd_sent_bytes_total",
+                                                                                  transport="nixl")
+    run_case(cluster, spec(tp_size=2), spec(), decode="decode-no-nixl", n_tokens=21, requests=1)
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="tcp") > tcp0
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == nixl0
+    assert metric(dd, "kvxferd_received_bytes_total", transport="nixl") == 0
+    assert "event=nixl_unavailable" in dd.log() and "simulated: NIXL is not installed" in dd.log()
+    assert "transport=tcp" in pd.log() and "transport=tcp" in dd.log()
+    with EngineClient(dd.socket_path, timeout=5) as client:
+        nixl_state = client.status()["transports"]
+    assert nixl_state["preference"] == ["nixl", "tcp"] and "simulated" in nixl_state["nixl"]
+
+
+@needs_nixl
+def test_falls_back_to_tcp_when_the_prefill_side_does_not_enable_nixl(cluster):
+    # the decode daemon offers ["nixl", "tcp"]; a prefill daemon configured for tcp picks tcp
+    pd, dd = cluster.daemons["prefill-tcp"], cluster.daemons["decode-nixl"]
+    tcp0, nixl0 = (metric(dd, "kvxferd_received_bytes_total", transport=t) for t in ("tcp", "nixl"))
+    run_case(cluster, spec(), spec(), prefill="prefill-tcp", decode="decode-nixl", n_tokens=19, requests=1)
+    assert metric(dd, "kvxferd_received_bytes_total", transport="tcp") > tcp0
+    assert metric(dd, "kvxferd_received_bytes_total", transport="nixl") == nixl0
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == 0
+
+
+# -- faults ----------------------------------------------------------------------------
+
+SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\ndrain_grace_s = 1.0\n"
+
+
+@needs_nixl
+def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():
+    """SIGKILL a prefill daemon, then a decode daemon, each with a request half delivered over NIXL."""
+    c = Cluster()
+    try:
+        pa = c.daemon("prefill-a", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
+        pb = c.daemon("prefill-b", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
+        dd = c.daemon("decode-node", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
+        prefill_a, prefill_b, decode_a, decode_b = instances(
+            c, (pa, "ka", "prefill", spec()), (pb, "kb", "prefill", spec(tp_size=2)),
+            (dd, "kda", "decode", spec()), (dd, "kdb", "decode", spec()))
+        # both requests get their first chunk through; the rest stays with the prefill engines
+        decode_a[0].command(cmd="expect", request_id="k-a", pages=[1, 2, 3, 4], n=16, source_instance="ka",
+                            source_address=pa.address)
+        prefill_a[0].command(cmd="send", request_id="k-a", pages=[11, 12, 13, 14], n=16, chunks=[[0, 4], [4, 16]],
+                             hold_last=True)
+        decode_b[0].command(cmd="expect", request_id="k-b", pages=[1, 2, 3], n=12, source_instance="kb",
+                            source_address=pb.address)
+        for w in prefill_b:
+            w.command(cmd="send", request_id="k-b", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]], hold_last=True)
+        deadline = time.monotonic() + 20
+        while metric(dd, "kvxferd_received_bytes_total", transport="nixl") < 2 * 4 * 1024:
+            assert time.monotonic() < deadline, "first chunks never landed"
+            time.sleep(0.05)
+
+        # the prefill daemon of k-b dies: the decode side fails k-b (heartbeats: dead after 1.5 s)
+        pb.signal(signal.SIGKILL)
+        pb.proc.wait()
+        killed = time.monotonic()
+        ev = finished(decode_b[0], "k-b", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+        assert time.monotonic() - killed < 10
+
+        # the decode daemon freezes (SIGSTOP: no reset reaches the sender, the WRITE just stalls),
+        # then dies; the heartbeat fails k-a long before the 30 s transfer timeout
+        dd.signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        prefill_a[0].command(cmd="send_chunks", request_id="k-a", pages=[11, 12, 13, 14], n=16,
+                             chunks=[[4, 16, True]])
+        ev = finished(prefill_a[0], "k-a", timeout=15)
+        took = time.monotonic() - stopped
+        dd.signal(signal.SIGKILL)
+        dd.proc.wait()
+        assert took < 10, f"failed only after {took:.1f}s"
+        if ev["event"] == "finished":
+            assert ev["state"] == "failed" and ev["code"] in ("peer_dead", "transfer"), ev
+            assert "NIXL" in ev["reason"] or "unresponsive" in ev["reason"], ev
+        else:  # the heartbeat failed it before the last chunk was handed over
+            assert ev["code"] == "request_finished" and "peer_dead" in ev["error"], ev
+    finally:
+        for w in prefill_b + decode_a + decode_b:
+            w.kill()  # their daemons are gone: nothing will finish their requests
+        c.close()
+
+
+# -- a notification that fails validation --------------------------------------------
+
+class FakePrefillDaemon:
+    """Just enough of a prefill daemon's peer endpoint, with its own NIXL agent, to send notifications."""
+
+    def __init__(self, pspec) -> None:
+        self.pspec = pspec
+        self.ctx = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        api = nixl_mod.load_api()
+        self.agent = api.nixl_agent(f"fake-prefill-{os.getpid()}", api.nixl_agent_config(
+            enable_prog_thread=True, backends=["UCX"]))
+        self.handshake: dict | None = None
+        self.expects: list[dict] = []
+        self.aborts: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        while not self._stop.is_set():
+            if not poller.poll(50):
+                continue
+            identity, payload = self.sock.recv_multipart()
+            msg = msgpack.unpackb(payload)
+            reply = None
+            if msg["op"] == "ping":
+                reply = {"op": "pong", "daemon": self.address}
+            elif msg["op"] == "handshake":
+                self.handshake = msg
+                reply = {"op": "handshake_ok", "seq": msg["seq"], "prefill_spec": self.pspec.to_dict(),
+                         "mode": "direct", "transport": "nixl", "nixl_agent": self.agent.name}
+            elif msg["op"] == "expect":
+                self.expects.append(msg)
+            elif msg["op"] == "abort":
+                self.aborts.append(msg)
+            if reply is not None:
+                self.sock.send_multipart([identity, msgpack.packb(reply, use_bin_type=True)])
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(2)
+        self.sock.close(0)
+        self.ctx.term()
+
+
+@needs_nixl
+def test_notification_failing_validation_fails_the_request_with_the_reason(cluster, monkeypatch):
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    dd = cluster.daemons["decode-nixl"]
+    fake = FakePrefillDaemon(spec())
+    decode = cluster.instance(dd, "fake-d", "decode", spec(), NUM_PAGES)
+    try:
+        decode[0].command(cmd="expect", request_id="bad-1", pages=[1, 2], n=8, source_instance="fake-p",
+                          source_address=fake.address)
+        deadline = time.monotonic() + 20
+        while not fake.expects:
+            assert time.monotonic() < deadline, "decode daemon never sent its expect"
+            time.sleep(0.02)
+        hs, expect = fake.handshake, fake.expects[0]
+        assert hs is not None and hs["transports"][0] == "nixl" and hs["nixl_agent"]
+        assert expect["dst_pages"] == [1, 2]
+        assert {tuple(r[:4]) for r in hs["nixl_regions"]} == {(0, 0, layer, kind) for layer in range(4)
+                                                               for kind in ("k", "v")}
+        for md in hs["nixl_md"]:
+            fake.agent.add_remote_agent(md)
+        header = {"op": "data", "request_id": "bad-1", "decode_instance": "fake-d", "dst": [0, 0], "src": [0, 0],
+                  "start": 0, "end": 8, "last": True, "nbytes": 12345, "token": hs["data_token"]}
+        fake.agent.send_notif(hs["nixl_agent"], msgpack.packb(header, use_bin_type=True))
+        ev = finished(decode[0], "bad-1", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "peer_refused", ev
+        assert "12345" in ev["reason"] and "geometry says 8192" in ev["reason"], ev
+        deadline = time.monotonic() + 5
+        while not fake.aborts:  # the source is told, so it stops writing
+            assert time.monotonic() < deadline, "no abort reached the source"
+            time.sleep(0.02)
+        assert fake.aborts[0]["request_id"] == "bad-1"
+    finally:
+        close(decode)
+        fake.close()
+
+
+# -- pieces without processes ------------------------------------------------------------
+
+def test_config_names_the_transport_keys():
+    assert config.transport_preference(config.load(None, {}).peer) == ["tcp"]
+    assert config.transport_preference(config.load(None, {"KVXFERD_PEER_TRANSPORT": "nixl"}).peer) == ["nixl", "tcp"]
+    assert config.transport_preference(config.load(None, {"KVXFERD_PEER_TRANSPORTS": "nixl,tcp"}).peer) == [
+        "nixl", "tcp"]
+    for env, field in (({"KVXFERD_PEER_TRANSPORT": "rdma"}, "peer.transport"),
+                       ({"KVXFERD_PEER_TRANSPORTS": "nixl,udp"}, "peer.transports"),
+                       ({"KVXFERD_PEER_TRANSPORTS": "tcp,tcp"}, "peer.transports"),
+                       ({"KVXFERD_PEER_TRANSPORTS": "tcp", "KVXFERD_PEER_TRANSPORT": "nixl"}, "peer.transports")):
+        with pytest.raises(ConfigError) as err:
+            config.load(None, env)
+        assert err.value.field == field and field in str(err.value)
+
+
+def test_peer_schemas_bound_the_nixl_fields():
+    base = {"op": "expect", "request_id": "r", "prefill_instance": "p", "decode_instance": "d", "dst": [0, 0],
+            "num_tokens": 4}
+    ok = protocol.check_peer({**base, "dst_pages": [3, 4], "nixl_md": [b"md"],
+                              "nixl_regions": [[0, 0, 1, "k", 4096, 8192, -1]]})
+    assert ok["dst_pages"] == [3, 4]
+    for extra, field in (({"dst_pages": list(range(protocol.MAX_DST_PAGES + 1))}, "dst_pages"),
+                         ({"dst_pages": [1, "x"]}, "dst_pages"),
+                         ({"nixl_regions": [[0, 0, 1, "q", 1, 1, -1]]}, "nixl_regions[0]"),
+                         ({"nixl_regions": [[0, 0, 1, "k", 0, 1, -1]]}, "nixl_regions[0]"),
+                         ({"nixl_regions": [[0, 0]]}, "nixl_regions[0]"),
+                         ({"nixl_md": [b"x" * (protocol.MAX_NIXL_MD + 1)]}, "nixl_md[0]")):
+        with pytest.raises(ProtocolError) as err:
+            protocol.check_peer({**base, **extra})
+        assert err.value.field == field
+    hs = {"op": "handshake", "v": PROTOCOL_VERSION, "daemon": "a:1", "data_address": "a:2", "prefill_instance": "p",
+          "decode_instance": "d", "decode_spec": {}, "mode": "auto", "transports": ["nixl", "tcp"],
+          "nixl_agent": "agent-a", "nixl_md": [b"md"], "nixl_regions": []}
+    assert protocol.check_peer(hs)["nixl_agent"] == "agent-a"
+
+
+def test_remote_bases_and_descriptors_are_built_in_wire_order():
+    peer = nixl_mod.NixlPeer("agent", page_size=4, page_bytes=4 * 256)
+    peer.update([[1, 0, layer, kind, 1 << 20 | (layer << 12) | (kind == "v") << 8, 64 * 1024, -1]
+                 for layer in range(3) for kind in ("k", "v")])
+    assert peer.num_pages((1, 0)) == 64 and peer.num_pages((0, 0)) is None
+    bases, limit, device = peer.bases((1, 0), (1, 3), ("k", "v"))
+    assert bases.tolist() == [1 << 20 | 1 << 12, 1 << 20 | 1 << 12 | 256, 1 << 20 | 2 << 12,
+                              1 << 20 | 2 << 12 | 256]
+    assert limit == 64 * 1024 and device == -1
+    with pytest.raises(TransferError) as err:
+        peer.bases((1, 0), (2, 4), ("k", "v"))
+    assert "layer 3" in str(err.value)
+    descs = nixl_mod._descs(np.array([1000, 5000], dtype=np.uint64), np.array([0, 40]), np.array([8, 16]), -1)
+    assert descs.tolist() == [[1000, 8, 0], [1040, 16, 0], [5000, 8, 0], [5040, 16, 0]]
+
+
+def test_negotiation_refuses_a_pair_without_a_common_transport():
+    support = nixl_mod.NixlSupport("unit", ["nixl"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                                   max_pages=1 << 10)
+    support.unavailable = "simulated: not installed"  # never starts an agent in this process
+    with pytest.raises(PlanRefusal) as err:
+        support.choose({"daemon": "d:1", "transports": ["tcp"]}, spec(), "auto")
+    assert err.value.field == "peer.transports" and "simulated" in str(err.value)
+    tcp_only = nixl_mod.NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                                    max_pages=1 << 10)
+    tcp_only.unavailable = "simulated"
+    assert tcp_only.offered() == ["tcp"]
+    assert tcp_only.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a", "nixl_md": [b"x"]},
+                           spec(), "auto") == ("tcp", None)
+    assert tcp_only.describe() == {"preference": ["nixl", "tcp"], "nixl": "simulated"}
+
+
+def test_expect_over_nixl_is_checked_before_any_write():
+    support = nixl_mod.NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                                   max_pages=8)
+    loaded = []
+    support.transport = type("Loader", (), {"load": lambda self, agent, mds: loaded.append((agent, mds))})()
+    peer = nixl_mod.NixlPeer("agent-d", page_size=4, page_bytes=1024)
+    peer.update([[0, 0, 0, "k", 1 << 20, 16 * 1024, -1], [0, 0, 0, "v", 2 << 20, 16 * 1024, -1]])
+    assert support.expect_pages(peer, (0, 0), {"dst_pages": [0, 15]}).tolist() == [0, 15]
+    cases = [({"dst_pages": [0, 16]}, RequestError, "dst_pages"),  # past the 16 pages of the region
+             ({"dst_pages": [-1]}, RequestError, "dst_pages"),
+             ({"dst_pages": list(range(9))}, RequestError, "dst_pages"),  # limits.max_pages_per_request
+             ({}, ProtocolError, "dst_pages"),
+             ({"dst_pages": [1], "nixl_regions": [[1, 0, 0, "k", 1, 1, -1]]}, ProtocolError, "nixl_regions")]
+    for msg, kind, field in cases:
+        with pytest.raises(kind) as err:
+            support.expect_pages(peer, (0, 0), msg)
+        assert err.value.field == field, msg
+    with pytest.raises(RequestError) as err:
+        support.expect_pages(peer, (1, 0), {"dst_pages": [0]})  # a rank never described
+    assert err.value.field == "nixl_regions"
+    # a rank registered after the handshake arrives with its metadata and regions
+    support.expect_pages(peer, (1, 0), {"dst_pages": [3], "nixl_md": [b"md-1"],
+                                        "nixl_regions": [[1, 0, 0, "k", 3 << 20, 8 * 1024, -1]]})
+    assert loaded == [("agent-d", [b"md-1"])] and peer.num_pages((1, 0)) == 8
