@@ -1044,7 +1044,8 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
            "prefill_socket": pd.socket_path, "decode_socket": dd.socket_path,
            "source_address": None if sc.transport == "local" else pd.address}
     row = Row(sc.name, {"throughput": "kvxferd", "latency": "latency", "rate": "rate"}[sc.kind],
-              bytes=wl.nbytes, transport=sc.transport, mode=sc.mode, workload=wl.label, requests=sc.requests)
+              bytes=wl.nbytes, transport=sc.transport, mode=sc.mode, workload=wl.label, requests=sc.requests,
+              extra={"client": sc.client} if sc.kind == "rate" else {})
     t = time.perf_counter()
     daemons = {"prefill": pd, "decode": dd} if dd is not pd else {"daemon": pd}
     cpu0 = {k: _proc_cpu(d.proc.pid) for k, d in daemons.items()}
@@ -1331,10 +1332,13 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
     add("tp_mismatch_vs_matched", ratios["tp_mismatch_vs_matched"], TARGETS["tp_mismatch_vs_matched"], True, "x")
     for r in rows:
         if r.group == "latency" and r.p50_ms is not None:
-            add(f"one_page_p50_ms ({r.transport})", round(r.p50_ms, 3), TARGETS["one_page_p50_ms"], False, " ms")
+            model = (r.workload or "").split()[0]
+            add(f"one_page_p50_ms ({r.transport}, {model})", round(r.p50_ms, 3), TARGETS["one_page_p50_ms"], False,
+                " ms")
     for r in rows:
         if r.group == "rate" and r.requests_per_s is not None and r.transport == "tcp":
-            add("small_requests_per_s (tcp pair)", round(r.requests_per_s), TARGETS["small_requests_per_s"], True)
+            add(f"small_requests_per_s (tcp pair, {r.extra.get('client', 'sync')} client)", round(r.requests_per_s),
+                TARGETS["small_requests_per_s"], True)
     for r in rows:
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
             add("plan_128k_ms", round(r.ms, 3), TARGETS["plan_128k_ms"], False, " ms")
@@ -1357,6 +1361,8 @@ def render_table(rows: list[Row]) -> str:
             other = f"{r.ms:.2f} ms"
         if r.moved_as and r.group == "kvxferd" and r.moved_as != r.mode:
             other = (other + " " if other else "") + f"moved {r.moved_as}"
+        if r.extra.get("first_attempt_error"):
+            other = (other + " " if other else "") + "retried"
         check = ("skipped: " + r.skipped) if r.skipped else (
             "-" if r.verified is None else "yes" if r.verified else "FAILED")
         lim = f"{r.vs_limit:.2f} {r.limit}" if r.vs_limit is not None else "-"
@@ -1504,7 +1510,7 @@ def main(args: Any) -> int:
         print("targets:")
         for t in report["targets"]:
             met = "n/a" if t["met"] is None else "met" if t["met"] else "MISSED"
-            print(f"  {t['target']:<34} {'-' if t['value'] is None else t['value']!s:>10}  goal {t['goal']:<10} {met}")
+            print(f"  {t['target']:<44} {'-' if t['value'] is None else t['value']!s:>10}  goal {t['goal']:<10} {met}")
         print(f"\nbytes verified: {'yes' if report['verified'] else 'NO - some scenario moved wrong bytes or failed'}")
     return 0 if report["verified"] else 1
 
