@@ -474,6 +474,8 @@ class Daemon:
         if self.registry.get(rank.id) is rank:
             self.registry.remove(rank.id)
         self.nixl.deregister(rank)
+        # forget file mappings no rank uses any more (they unmap once in-flight copies drop them)
+        self.mapper.release_unused(region.flat for r in self.registry for region in r.regions.values())
         self._update_rank_metrics()
         log.info("event=rank_unregistered rank=%s reason=%s", rank.id, q(reason))
 

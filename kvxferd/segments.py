@@ -50,14 +50,19 @@ def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int =
     if end < start or start < origin:
         raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
                            field="tokens", fix="send start <= end")
-    tokens = np.arange(start, end, dtype=INDEX_DTYPE)
-    page_pos = tokens // page_size - origin // page_size
-    if tokens.size and page_pos[-1] >= pages.size:
-        need = int(page_pos[-1]) + 1
-        raise RequestError(f"token range [{start}, {end}) needs {need} pages from token {origin}, "
+    if end == start:
+        return np.zeros(0, dtype=INDEX_DTYPE)
+    first = start // page_size - origin // page_size  # page positions the range touches
+    last = (end - 1) // page_size - origin // page_size
+    if last >= pages.size:
+        raise RequestError(f"token range [{start}, {end}) needs {last + 1} pages from token {origin}, "
                            f"page table has {pages.size}", field="pages",
                            fix="send a page for every page_size tokens of the range")
-    return pages[page_pos] * page_size + tokens % page_size
+    # every slot of the touched pages, then the range's window of them: no per-token divisions
+    touched = pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
+    every = (touched[:, None] * page_size + np.arange(page_size, dtype=INDEX_DTYPE)).ravel()
+    skip = start % page_size
+    return every[skip:skip + (end - start)]
 
 
 @dataclass(frozen=True)

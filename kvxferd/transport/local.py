@@ -7,6 +7,8 @@ chunk, then the bytes move region to region with no socket and no staging.
 from __future__ import annotations
 
 from ..copier import FEW_RUNS, copy_runs, copy_slots
+
+LONG_RUN = 8192  # average segment bytes from which per-run slice copies beat index copies
 from ..errors import KvxferError, TransferError
 from ..inbox import Inbox
 from ..registry import rank_id
@@ -27,7 +29,8 @@ class LocalTransport:
             segs = paired_segments(job.src_slots, sink.dst_slots, job.writer)
             fragments = 0
             for src, dst in zip(job.regions(), sink.regions()):
-                if len(segs) <= FEW_RUNS:
+                # long runs (whole pages): plain slice copies, no temporaries; short ones: index kernels
+                if len(segs) <= FEW_RUNS or segs.lengths.sum() >= LONG_RUN * len(segs):
                     copy_runs(src.flat, dst.flat, segs.src, segs.dst, segs.lengths)
                 else:
                     w = job.writer
