@@ -117,7 +117,7 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
             if seen < requests:
                 verified = False
         lat.sort()
-        moved = _sent_by_transport(pd.metrics_url) if dd is not pd else {}
+        moved = _sent_by_transport(pd.metrics_url)
         if transport == "nixl" and not moved.get("nixl"):
             verified = False  # negotiation fell back to tcp: say so instead of passing as NIXL
             failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
