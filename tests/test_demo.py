@@ -1,0 +1,21 @@
+"""`kvxferd demo`, the README's main command, end to end as a real command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+@pytest.mark.parametrize("transport, mode", [("tcp", "auto"), ("local", "direct")])
+def test_demo_verifies_every_request(transport, mode):
+    out = subprocess.run([sys.executable, "-m", "kvxferd", "demo", "--requests", "5", "--transport", transport,
+                          "--mode", mode, "--json"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["requests"] == 5 and summary["failed"] == 0 and summary["verified"] is True
+    assert summary["bytes"] > 0 and summary["seconds"] > 0
+    # the bytes the prefill daemon reports sending are exactly the requests' KV bytes
+    assert summary["bytes_by_transport"] == {transport: float(summary["bytes"])}
