@@ -784,25 +784,24 @@ def _nixl_side(role: str, nbytes: int, repeats: int, conn: Any) -> None:
         conn.send(("error", f"{type(exc).__name__}: {exc}"[:300]))
 
 
-def nixl_raw(nbytes: int, repeats: int) -> tuple[float | None, str | None]:
-    if _find("nixl_cu12") is None and _find("nixl") is None:
-        return None, "not installed"
+def _run_peer_pair(side: Any, label: str, nbytes: int, repeats: int) -> tuple[float | None, str | None]:
+    """Start a peer engine's target then initiator process; GB/s of the best timed write."""
     ctx = mp.get_context("spawn")
     a, b = ctx.Pipe()
     c, d = ctx.Pipe()
-    target = ctx.Process(target=_nixl_side, args=("target", nbytes, repeats, a), daemon=True)
+    target = ctx.Process(target=side, args=("target", nbytes, repeats, a), daemon=True)
     target.start()
     try:
         if not b.poll(120):
-            return None, "error: NIXL target did not start"
+            return None, f"error: {label} target did not start"
         first = b.recv()
         if first and first[0] == "error":
             return None, f"error: {first[1]}"
-        init = ctx.Process(target=_nixl_side, args=("initiator", nbytes, repeats, c), daemon=True)
+        init = ctx.Process(target=side, args=("initiator", nbytes, repeats, c), daemon=True)
         init.start()
         d.send(first)
         if not d.poll(600):
-            return None, "error: NIXL initiator timed out"
+            return None, f"error: {label} initiator timed out"
         kind, payload = d.recv()
         init.join(30)
         b.send("done")
@@ -810,12 +809,18 @@ def nixl_raw(nbytes: int, repeats: int) -> tuple[float | None, str | None]:
             return None, f"error: {payload}"
         ok = b.recv() if b.poll(30) else ("ok", False)
         if not ok[1]:
-            return None, "error: NIXL moved wrong bytes"
+            return None, f"error: {label} moved wrong bytes"
         return nbytes / min(payload) / 1e9, None
     finally:
         target.join(5)
         if target.is_alive():
             target.kill()
+
+
+def nixl_raw(nbytes: int, repeats: int) -> tuple[float | None, str | None]:
+    if _find("nixl_cu12") is None and _find("nixl") is None:
+        return None, "not installed"
+    return _run_peer_pair(_nixl_side, "NIXL", nbytes, repeats)
 
 
 def _mooncake_side(role: str, nbytes: int, repeats: int, conn: Any) -> None:
@@ -850,35 +855,7 @@ def _mooncake_side(role: str, nbytes: int, repeats: int, conn: Any) -> None:
 def mooncake_tcp(nbytes: int, repeats: int) -> tuple[float | None, str | None]:
     if _find("mooncake") is None or _find("mooncake.engine") is None:
         return None, "not installed"
-    ctx = mp.get_context("spawn")
-    a, b = ctx.Pipe()
-    c, d = ctx.Pipe()
-    target = ctx.Process(target=_mooncake_side, args=("target", nbytes, repeats, a), daemon=True)
-    target.start()
-    try:
-        if not b.poll(120):
-            return None, "error: Mooncake target did not start"
-        first = b.recv()
-        if first and first[0] == "error":
-            return None, f"error: {first[1]}"
-        init = ctx.Process(target=_mooncake_side, args=("initiator", nbytes, repeats, c), daemon=True)
-        init.start()
-        d.send(first)
-        if not d.poll(600):
-            return None, "error: Mooncake initiator timed out"
-        kind, payload = d.recv()
-        init.join(30)
-        b.send("done")
-        if kind != "times":
-            return None, f"error: {payload}"
-        ok = b.recv() if b.poll(30) else ("ok", False)
-        if not ok[1]:
-            return None, "error: Mooncake moved wrong bytes"
-        return nbytes / min(payload) / 1e9, None
-    finally:
-        target.join(5)
-        if target.is_alive():
-            target.kill()
+    return _run_peer_pair(_mooncake_side, "Mooncake", nbytes, repeats)
 
 
 def nixl_unavailable() -> str | None:
