@@ -136,6 +136,8 @@ class LimitsSection:
     max_pages_per_request: int = 1 << 20
     staging_bytes: int = 64 * 1024 * 1024  # bound on staging memory (slots are allocated on first use)
     staging_slot_bytes: int = 4 * 1024 * 1024  # one staged block; a token's head slice must fit
+    nixl_landing_slots: int = 4  # per source daemon: staged NIXL blocks in flight to this daemon (0: none)
+    nixl_landing_bytes: int = 256 * 1024 * 1024  # all landing rings together
     recent_failures: int = 32
 
 
@@ -286,7 +288,18 @@ def validate(cfg: Config) -> Config:
                               fix="pick a free TCP port (0 lets the OS choose)")
     for section in ("timeouts", "limits"):
         for f in dataclasses.fields(getattr(cfg, section)):
-            positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
+            if f.name != "nixl_landing_slots":  # 0 turns staged NIXL off
+                positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
+    lim = cfg.limits
+    if lim.nixl_landing_slots < 0:
+        raise ConfigError(f"limits.nixl_landing_slots must be >= 0, got {lim.nixl_landing_slots}",
+                          field="limits.nixl_landing_slots", fix="set 0 (no staged NIXL) or a slot count")
+    ring = lim.nixl_landing_slots * lim.staging_slot_bytes
+    if ring > lim.nixl_landing_bytes:
+        raise ConfigError(f"one landing ring (limits.nixl_landing_slots {lim.nixl_landing_slots} x "
+                          f"limits.staging_slot_bytes {lim.staging_slot_bytes} = {ring}) exceeds "
+                          f"limits.nixl_landing_bytes {lim.nixl_landing_bytes}", field="limits.nixl_landing_bytes",
+                          fix=f"raise limits.nixl_landing_bytes to at least {ring} (one ring per source daemon)")
     positive("peer.heartbeat_interval_s", cfg.peer.heartbeat_interval_s)
     positive("peer.peer_timeout_s", cfg.peer.peer_timeout_s)
     positive("peer.data_connections", cfg.peer.data_connections)

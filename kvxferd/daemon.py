@@ -197,7 +197,8 @@ class Daemon:
         self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
             cfg.daemon.instance_name or socket.gethostname(), transport_preference(cfg.peer), self.inbox,
             timeout_s=cfg.timeouts.transfer_s, max_header_bytes=cfg.limits.max_message_bytes,
-            max_pages=cfg.limits.max_pages_per_request,
+            max_pages=cfg.limits.max_pages_per_request, staging=self.staging,
+            landing_slots=cfg.limits.nixl_landing_slots, landing_bytes=cfg.limits.nixl_landing_bytes,
             on_received=lambda sink, moved: self.metrics.bytes_received.labels("nixl").inc(moved.nbytes),
             on_refused=self._nixl_refused_threadsafe,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
@@ -1039,8 +1040,10 @@ class Daemon:
             return {"op": "handshake_retry", "reason": f"decode instance {msg['decode_instance']!r} is bound to "
                                                        "another live peer link"}
         mode = msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode
-        transport, nixl_peer = self.nixl.choose(msg, decode_spec, mode)  # NIXL writes scatter natively: direct
-        plan = make_plan(spec, decode_spec, mode="direct" if transport == "nixl" and mode == "auto" else mode,
+        transport, nixl_peer = self.nixl.choose(msg, decode_spec, mode)
+        if nixl_peer is not None and nixl_peer.credits is None and mode == "auto":
+            mode = "direct"  # no landing ring to stage into: NIXL writes the head slices one by one
+        plan = make_plan(spec, decode_spec, mode=mode,
                          decode_tensors=msg.get("decode_tensors", True),
                          require_same_page_size=self.cfg.peer.require_same_page_size)
         host, port = split_address(msg["data_address"])
@@ -1107,6 +1110,7 @@ class Daemon:
         self.metrics.heartbeat_misses.inc()
         self._count_peers()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
+        self.nixl.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
         for entry in self.inbox.all():
             if entry.transport in ("tcp", "nixl") and entry.state not in TERMINAL:
                 if entry.source_address == link.address:

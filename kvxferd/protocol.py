@@ -222,11 +222,22 @@ def nixl_region(name: str, value: Any) -> list[Any]:
             integer(-1, 1 << 10)(name, value[6])]
 
 
+def landing_ring(name: str, value: Any) -> list[int]:
+    """``[ring, address, slot_bytes, count, device]``: where a prefill daemon writes staged blocks over NIXL."""
+    if not isinstance(value, (list, tuple)) or len(value) != 5:
+        raise ProtocolError(f"{name} must be [ring, address, slot_bytes, count, device]", field=name,
+                            fix="send one 5-entry list")
+    return [integer(0, 2**62)(name, value[0]), integer(1, 2**64 - 1)(name, value[1]),
+            integer(1, 1 << 34)(name, value[2]), integer(1, 1 << 20)(name, value[3]),
+            integer(-1, 1 << 10)(name, value[4])]
+
+
 #: what a decode daemon that offers NIXL adds to its handshake (and to an expect naming a new rank)
 NIXL_OFFER: dict[str, Checker] = {
     "nixl_agent": text(MAX_NAME_LEN),
     "nixl_md": list_of(blob(MAX_NIXL_MD), 4096),
     "nixl_regions": list_of(nixl_region, 1 << 20),
+    "nixl_landing": landing_ring,
 }
 
 PEER_SCHEMAS: dict[str, Schema] = {
@@ -253,8 +264,13 @@ DATA_HEADER = Schema(
     required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,
               "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
               "nbytes": integer(0, 1 << 48)},
-    optional={"aux": blob(), "token": blob(64)},
+    optional={"aux": blob(), "token": blob(64),
+              # staged over NIXL: the landing ring and slot the block was written into
+              "ring": integer(0, 2**62), "slot": integer(0, 1 << 20)},
 )
+
+#: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)
+NIXL_FREE = Schema(required={"ring": integer(0, 2**62), "slot": integer(0, 1 << 20)}, optional={})
 
 
 def check_engine(message: Mapping[str, Any]) -> dict[str, Any]:

@@ -105,6 +105,13 @@ class StagingPool:
             self._changed()
             return slot
 
+    def try_acquire(self) -> torch.Tensor | None:
+        """A slot if one is free (or may still be allocated) right now, else None; never waits."""
+        with self._cond:
+            if not self._free and self._allocated >= self.capacity:
+                return None
+        return self.acquire(0.0)
+
     def release(self, slot: torch.Tensor) -> None:
         with self._cond:
             self._free.append(slot)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 
 import msgpack
 import pytest

@@ -12,73 +12,36 @@ backend cannot start; ``make venv`` installs ``nixl-cu12`` (without dependencies
 
 from __future__ import annotations
 
-import itertools
 import os
-import random
 import signal
-import threading
 import time
-import urllib.request
 
 import msgpack
 import numpy as np
 import pytest
-import zmq
+from e2e_util import Cluster, close, finished, spec
+from nixl_util import (
+    NIXL_ENV,
+    NIXL_MISSING,
+    NUM_PAGES,
+    UCX_ENV,
+    FakePrefillDaemon,
+    instances,
+    metric,
+    needs_nixl,
+    run_case,
+)
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer, untouched_bytes
 from kvxferd import PROTOCOL_VERSION, config, protocol
 from kvxferd.client import EngineClient
-from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
-from kvxferd.geometry import RankGeometry
-from kvxferd.sim import Worker
+from kvxferd.errors import (
+    ConfigError,
+    PlanRefusal,
+    ProtocolError,
+    RequestError,
+    TransferError,
+)
 from kvxferd.transport import nixl as nixl_mod
-
-#: UCX on loopback TCP only: no RDMA devices, no shared-memory shortcut between the daemons
-UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
-NIXL_ENV = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl"}
-NUM_PAGES = 64
-_ids = itertools.count()
-
-
-def _probe() -> str:
-    """Empty if a NIXL agent with the UCX backend starts here, else why not."""
-    ok, why = nixl_mod.available()
-    if not ok:
-        return why
-    saved = {k: os.environ.get(k) for k in UCX_ENV}
-    os.environ.update(UCX_ENV)
-    try:
-        api = nixl_mod.load_api()
-        agent = api.nixl_agent("kvxferd-probe", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-        if "UCX" not in agent.backends:
-            return f"NIXL started without its UCX backend (plugins: {agent.get_plugin_list()})"
-    except Exception as exc:  # noqa: BLE001 - reported as the skip reason
-        return f"NIXL agent with UCX failed to start: {type(exc).__name__}: {exc}"
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-    return ""
-
-
-NIXL_MISSING = _probe()
-needs_nixl = pytest.mark.skipif(bool(NIXL_MISSING),
-                                reason=f"NIXL unusable here: {NIXL_MISSING} (make venv installs nixl-cu12)")
-
-
-def metric(daemon, name: str, **labels: str) -> float:
-    """Sum of a counter's samples on one daemon whose labels include ``labels``."""
-    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
-    total = 0.0
-    for line in text.splitlines():
-        if not line.startswith(name + "{"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            total += float(value)
-    return total
 
 
 @pytest.fixture(scope="module")
@@ -100,43 +63,6 @@ def cluster():
         yield c
     finally:
         c.close()
-
-
-def instances(cluster: Cluster, *wanted: tuple) -> list[list[Worker]]:
-    """Start the engine ranks of several instances at once (imports overlap), then wait for all."""
-    groups = []
-    for daemon, name, role, ispec in wanted:
-        group = [Worker(daemon, name, role, RankGeometry(ispec, tp, pp, NUM_PAGES), wait=False)
-                 for pp in range(ispec.pp_size) for tp in range(ispec.tp_size)]
-        cluster.workers.extend(group)
-        groups.append(group)
-    for group in groups:
-        for w in group:
-            w.wait_registered()
-    return groups
-
-
-def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", decode: str = "decode-nixl",
-             n_tokens: int, chunks=None, order: str = "expect_first", requests: int = 2) -> None:
-    rng = random.Random(n_tokens)
-    tag = next(_ids)
-    pd, dd = cluster.daemons[prefill], cluster.daemons[decode]
-    p_workers, d_workers = instances(cluster, (pd, f"p{tag}", "prefill", pspec), (dd, f"d{tag}", "decode", dspec))
-    try:
-        used: set[int] = set()
-        for i in range(requests):
-            src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
-            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
-            used.update(dst)
-            dec, pre = transfer(p_workers, d_workers, f"nx-{tag}-{i}", n_tokens, src_pages=src, dst_pages=dst,
-                                source_address=pd.address, chunks=chunks, order=order,
-                                aux=b"first-token" if i == 0 else None)
-            assert_verified(dec, pre)
-        never = [p for p in range(NUM_PAGES) if p not in used]
-        for w in d_workers:
-            assert untouched_bytes(w, never) == 0  # a WRITE never strays outside the request's pages
-    finally:
-        close(p_workers + d_workers)
 
 
 # -- byte-exact transfers over NIXL ----------------------------------------------------
@@ -264,58 +190,6 @@ def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():
 
 
 # -- a notification that fails validation --------------------------------------------
-
-class FakePrefillDaemon:
-    """Just enough of a prefill daemon's peer endpoint, with its own NIXL agent, to send notifications."""
-
-    def __init__(self, pspec) -> None:
-        self.pspec = pspec
-        self.ctx = zmq.Context()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        api = nixl_mod.load_api()
-        self.agent = api.nixl_agent(f"fake-prefill-{os.getpid()}", api.nixl_agent_config(
-            enable_prog_thread=True, backends=["UCX"]))
-        self.handshake: dict | None = None
-        self.expects: list[dict] = []
-        self.aborts: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    @property
-    def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
-
-    def _serve(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(50):
-                continue
-            identity, payload = self.sock.recv_multipart()
-            msg = msgpack.unpackb(payload)
-            reply = None
-            if msg["op"] == "ping":
-                reply = {"op": "pong", "daemon": self.address}
-            elif msg["op"] == "handshake":
-                self.handshake = msg
-                reply = {"op": "handshake_ok", "seq": msg["seq"], "prefill_spec": self.pspec.to_dict(),
-                         "mode": "direct", "transport": "nixl", "nixl_agent": self.agent.name}
-            elif msg["op"] == "expect":
-                self.expects.append(msg)
-            elif msg["op"] == "abort":
-                self.aborts.append(msg)
-            if reply is not None:
-                self.sock.send_multipart([identity, msgpack.packb(reply, use_bin_type=True)])
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(2)
-        self.sock.close(0)
-        self.ctx.term()
-
 
 @needs_nixl
 def test_notification_failing_validation_fails_the_request_with_the_reason(cluster, monkeypatch):

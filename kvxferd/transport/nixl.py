@@ -48,8 +48,11 @@ from ..errors import KvxferError, PlanRefusal, ProtocolError, RequestError, Tran
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank, rank_id
-from ..segments import as_pages, paired_segments, slots
+from ..copier import gather, scatter
+from ..segments import as_pages, chunk_bytes, paired_segments, slots
+from ..staging import StagingPool
 from .base import ChunkJob, Moved
+from .nixl_staging import Credits, LandingRing, LandingRings, RingInfo, block_tokens, sub_ranges
 
 log = logging.getLogger("kvxferd.nixl")
 
@@ -147,6 +150,7 @@ class NixlPeer:
         self.page_size = page_size
         self.page_bytes = page_bytes
         self.dead = ""  # set by the daemon when the peer stops answering heartbeats
+        self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
         self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
         self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
         self._lock = threading.Lock()
@@ -196,6 +200,7 @@ class NixlTransport:
     name = "nixl"
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
+                 staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
@@ -203,6 +208,7 @@ class NixlTransport:
         self.inbox = inbox
         self.timeout_s = timeout_s
         self.max_header_bytes = max_header_bytes
+        self.staging = staging
         self.on_received = on_received
         self.on_refused = on_refused
         self.on_invalid = on_invalid
@@ -221,6 +227,16 @@ class NixlTransport:
         self.source_agents: dict[str, str] = {}
         self._unreleased: list[Any] = []
         self._sending = 0  # WRITEs in flight from data threads
+        #: decode side: where staged blocks land, one ring per source daemon link
+        self.landing = LandingRings(landing_slots if staging is not None else 0,
+                                    staging.slot_bytes if staging is not None else 0, landing_bytes,
+                                    quarantine_s=2 * timeout_s, register=self._register_ring,
+                                    deregister=self._deregister_ring)
+        #: prefill side: credits for the landing ring of each decode agent
+        self._credits: dict[str, Credits] = {}
+        #: prefill side: registrations of local staging slots (the pool keeps its slots for good)
+        self._slot_regs: dict[int, Any] = {}
+        self._conn_md: bytes | None = None
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -265,8 +281,9 @@ class NixlTransport:
         return reg.metadata, [[tp, pp, layer, kind, addr, reg.rank.regions[(layer, kind)].nbytes, reg.device]
                               for (layer, kind), addr in reg.addresses.items()]
 
-    def offer(self, decode_instance: str) -> tuple[dict[str, Any], dict[str, int]]:
-        """Handshake fields describing this daemon's ranks of a decode instance, and their generations."""
+    def offer(self, decode_instance: str, source: str) -> tuple[dict[str, Any], dict[str, int]]:
+        """Handshake fields describing this daemon's ranks of a decode instance (and the landing
+        ring of the source daemon's link, where there is room for one), and the ranks' generations."""
         with self._lock:
             regs = [r for r in self._ranks.values() if r.rank.instance == decode_instance]
         mds, table, sent = [], [], {}
@@ -275,7 +292,38 @@ class NixlTransport:
             mds.append(md)
             table.extend(rows)
             sent[reg.rank.id] = reg.generation
-        return {"nixl_agent": self.agent_name, "nixl_md": mds, "nixl_regions": table}, sent
+        fields: dict[str, Any] = {"nixl_agent": self.agent_name, "nixl_md": mds, "nixl_regions": table}
+        try:
+            ring, why = self.landing.for_source(source)
+        except Exception as exc:  # noqa: BLE001 - NIXL refused the registration: sliced plans run direct
+            ring, why = None, _why(exc)
+        if ring is not None:
+            mds.append(ring.metadata)
+            fields["nixl_landing"] = ring.info.to_wire()
+        elif self.landing.slots_per_ring > 0:
+            log.warning("event=nixl_landing_unavailable peer=%s reason=%s fix=%s", q(source), q(why),
+                        q("raise limits.nixl_landing_bytes; until then sliced plans from this peer run direct"))
+        return fields, sent
+
+    def _register_ring(self, ring: LandingRing) -> None:
+        rows = np.array([[ring.buffer.data_ptr(), ring.nbytes, 0]], dtype=np.uint64)
+        ring.reg_descs = self.agent.register_memory(rows, "DRAM")
+        ring.metadata = bytes(self.agent.get_partial_agent_metadata(ring.reg_descs, True))
+
+    def _deregister_ring(self, ring: LandingRing) -> None:
+        try:
+            self.agent.deregister_memory(ring.reg_descs)
+        except Exception as exc:  # noqa: BLE001 - the memory stays quarantined either way
+            log.warning("event=nixl_deregister_failed ring=%s error=%s", ring.ring, _why(exc))
+
+    def connection_metadata(self) -> bytes:
+        """This agent's connection info without any memory: lets a decode daemon send ``free`` notifications
+        without being able to write anywhere here."""
+        if self._conn_md is None:
+            bindings = importlib.import_module(load_api().__name__ + "._bindings")
+            empty = bindings.nixlRegDList(self.agent.nixl_mems["DRAM"], np.zeros((0, 3), dtype=np.uint64))
+            self._conn_md = bytes(self.agent.get_partial_agent_metadata(empty, True))
+        return self._conn_md
 
     def describe_rank(self, rank: Rank, sent_generation: int | None) -> tuple[dict[str, Any], int | None]:
         """Expect fields for a rank the peer has not seen in this registration, else nothing."""
@@ -288,10 +336,17 @@ class NixlTransport:
 
     # -- prefill side: remote agents -------------------------------------------------
     def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], page_size: int,
-                 page_bytes: int) -> NixlPeer:
+                 page_bytes: int, landing: list[int] | None = None) -> NixlPeer:
         self.load(agent, metadata)
         peer = NixlPeer(agent, page_size, page_bytes)
         peer.update(regions)
+        if landing is not None:
+            info = RingInfo.from_wire(landing)
+            with self._lock:
+                credits = self._credits.get(agent)
+                if credits is None or credits.info != info:  # a new ring: every slot of it is free
+                    credits = self._credits[agent] = Credits(agent, info)
+            peer.credits = credits
         return peer
 
     def load(self, agent: str, metadata: list[bytes]) -> None:
@@ -309,9 +364,12 @@ class NixlTransport:
     # -- sending ---------------------------------------------------------------------
     def send(self, job: ChunkJob) -> Moved:
         peer = job.remote
-        if not isinstance(peer, NixlPeer) or job.dst_pages is None:
-            raise TransferError("nixl chunk without a remote agent or destination pages", field="transport",
-                                fix="handshake again")
+        if not isinstance(peer, NixlPeer):
+            raise TransferError("nixl chunk without a remote agent", field="transport", fix="handshake again")
+        if job.mode == "staged" and peer.credits is not None and self.staging is not None:
+            return self._send_staged(job, peer, peer.credits, self.staging)
+        if job.dst_pages is None:
+            raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
         kinds = job.kinds
         dst_slots = slots(job.dst_pages, peer.page_size, job.start, job.end, 0)
@@ -330,14 +388,99 @@ class NixlTransport:
                                fix="send pages inside both ranks' registered regions")
         local = _descs(src_bases, segs.src, segs.lengths, src_device)
         remote = _descs(dst_bases, segs.dst, segs.lengths, dst_device)
+        deadline = time.monotonic() + self.timeout_s
         with self._lock:
             self._sending += 1
         try:
-            self._write(local, _mem(src_device), remote, _mem(dst_device), peer, notif)
+            handle = self._post(local, _mem(src_device), remote, _mem(dst_device), peer.agent, notif)
+            try:
+                self._wait(handle, peer, deadline)
+            finally:
+                self._release(handle)
         finally:
             with self._lock:
                 self._sending -= 1
         return Moved(job.nbytes, int(local.shape[0]), "direct")
+
+    def _send_staged(self, job: ChunkJob, peer: NixlPeer, credits: Credits, pool: StagingPool) -> Moved:
+        """Gather blocks of tokens into local staging slots and WRITE each as one descriptor into a
+        landing slot of the peer; the next block is gathered while the previous one is on the wire."""
+        w = job.writer
+        regions = list(job.regions())
+        n_kinds = len(job.kinds)
+        per_block = block_tokens(min(pool.slot_bytes, credits.info.slot_bytes), len(regions), w.slice_bytes)
+        blocks = sub_ranges(job.start, job.end, per_block)
+        deadline = time.monotonic() + self.timeout_s
+        head = job.header()
+        aux = head.pop("aux", None)
+        in_flight: tuple[Any, Any] | None = None  # (handle, local slot) of the block on the wire
+        with self._lock:
+            self._sending += 1
+        try:
+            for lo, hi in blocks:
+                n = hi - lo
+                nbytes = n * len(regions) * w.slice_bytes
+                # wait for a slot only while holding none: threads that each hold a slot on the wire
+                # and wait for another would starve each other until the deadline
+                local = pool.try_acquire()
+                if local is None and in_flight is not None:
+                    pending, in_flight = in_flight, None
+                    self._finish(pending, peer, deadline, pool)
+                if local is None:
+                    local = pool.acquire(max(0.0, deadline - time.monotonic()))
+                try:
+                    picked = job.src_slots[lo - job.start:hi - job.start]
+                    for r, region in enumerate(regions):  # overlaps the previous block's WRITE
+                        out = local[r * n * w.slice_bytes:(r + 1) * n * w.slice_bytes]
+                        gather(region.flat, picked, w.src_row_bytes, job.head_offset, w.slice_bytes, out)
+                    address = self._slot_address(local)
+                    if in_flight is not None:
+                        pending, in_flight = in_flight, None
+                        self._finish(pending, peer, deadline, pool)
+                    remote_slot = credits.acquire(deadline, lambda: peer.dead or self._closed.is_set() and "shutdown")
+                except BaseException:
+                    pool.release(local)
+                    raise
+                last = hi == job.end
+                notif = protocol.encode({**head, "start": lo, "end": hi, "last": job.last and last,
+                                         "nbytes": chunk_bytes(w, n_kinds, n), "ring": credits.info.ring,
+                                         "slot": remote_slot, **({"aux": aux} if aux and last else {})})
+                try:
+                    handle = self._post(np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM",
+                                        np.array([[credits.info.slot_address(remote_slot), nbytes, 0]],
+                                                 dtype=np.uint64), "DRAM", peer.agent, notif,
+                                        after=lambda slot=local: pool.release(slot))
+                except TransferError as exc:
+                    if not getattr(exc, "posted", True):
+                        credits.release(remote_slot)  # nothing was posted: the landing slot is still ours
+                    raise  # else it stays taken: a WRITE that may still land there must not meet another
+                in_flight = (handle, local)
+            if in_flight is not None:
+                pending, in_flight = in_flight, None
+                self._finish(pending, peer, deadline, pool)
+        finally:
+            if in_flight is not None:  # an error while the block before was on the wire
+                handle, local = in_flight
+                self._release(handle, lambda: pool.release(local))
+            with self._lock:
+                self._sending -= 1
+        return Moved(job.nbytes, len(blocks), "staged")
+
+    def _finish(self, in_flight: tuple[Any, Any], peer: NixlPeer, deadline: float, pool: StagingPool) -> None:
+        handle, local = in_flight
+        try:
+            self._wait(handle, peer, deadline)
+        finally:
+            self._release(handle, lambda: pool.release(local))
+
+    def _slot_address(self, slot: Any) -> int:
+        """Address of a local staging slot, registered with NIXL on its first use (the pool keeps slots)."""
+        address = slot.data_ptr()
+        with self._lock:
+            if address not in self._slot_regs:
+                rows = np.array([[address, slot.numel(), 0]], dtype=np.uint64)
+                self._slot_regs[address] = self.agent.register_memory(rows, "DRAM")
+        return address
 
     def _local_bases(self, rank: Rank, layers: tuple[int, int], kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
         with self._lock:
@@ -356,19 +499,41 @@ class NixlTransport:
             raise TransferError(f"NIXL notification to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon is up") from None
 
-    def _write(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, peer: NixlPeer,
-               notif: bytes) -> None:
-        agent = peer.agent
-        deadline = time.monotonic() + self.timeout_s
+    def _post(self, local: np.ndarray, local_mem: str, remote: np.ndarray, remote_mem: str, agent: str,
+              notif: bytes, after: Callable[[], None] | None = None) -> Any:
+        """Start one WRITE; the notification reaches ``agent`` after its bytes.
+
+        ``after`` runs once nothing reads the local side any more. If preparing fails, nothing
+        was posted: TransferError with ``posted`` False. If starting fails, some bytes may still move.
+        """
         try:
             handle = self.agent.initialize_xfer("WRITE", self.agent.get_xfer_descs(local, local_mem),
                                                 self.agent.get_xfer_descs(remote, remote_mem), agent, notif)
         except Exception as exc:  # noqa: BLE001
-            raise TransferError(f"NIXL could not prepare a WRITE of {local.shape[0]} segments to {agent}: "
-                                f"{_why(exc)}", field="transport",
-                                fix="check the decode daemon is up and its regions registered") from None
+            if after is not None:
+                after()
+            error = TransferError(f"NIXL could not prepare a WRITE of {local.shape[0]} segments to {agent}: "
+                                  f"{_why(exc)}", field="transport",
+                                  fix="check the decode daemon is up and its regions registered")
+            error.posted = False  # type: ignore[attr-defined]
+            raise error from None
         try:
             state = self.agent.transfer(handle)
+        except Exception as exc:  # noqa: BLE001
+            self._release(handle, after)
+            raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
+                                fix="check the decode daemon and the network path to it") from None
+        if state not in ("PROC", "DONE"):
+            self._release(handle, after)
+            raise TransferError(f"NIXL WRITE to {agent} ended in state {state}", field="transport",
+                                fix="check the decode daemon and the network path to it")
+        return handle
+
+    def _wait(self, handle: Any, peer: NixlPeer, deadline: float) -> None:
+        """Drive a posted WRITE to DONE; raise if it errs, the peer dies, the daemon stops or time runs out."""
+        agent = peer.agent
+        try:
+            state = self.agent.check_xfer_state(handle)
             pause = 0.0
             while state == "PROC":
                 if time.monotonic() > deadline:
@@ -393,23 +558,32 @@ class NixlTransport:
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own types (remote disconnect, backend errors)
             raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon and the network path to it") from None
-        finally:
-            self._release(handle)
 
-    def _release(self, handle: Any) -> None:
+    def _release(self, handle: Any, after: Callable[[], None] | None = None) -> None:
+        """Release a transfer handle; ``after`` runs once NIXL has let go of it (at once, or on a retry).
+
+        A handle NIXL will not release yet may still be reading its source: a staging slot it
+        reads from must not be reused before then, or a late WRITE would carry another block's bytes.
+        """
         try:
             handle.release()
         except Exception as exc:  # noqa: BLE001 - an active transfer may not cancel at once
             log.info("event=nixl_release_deferred error=%s", _why(exc))
             with self._lock:
-                self._unreleased.append(handle)
+                self._unreleased.append((handle, after))
+                dropped = self._unreleased[:-MAX_UNRELEASED]
                 del self._unreleased[:-MAX_UNRELEASED]
+            if dropped:  # their slots stay out of the pool for good: a bounded leak, never a reuse
+                log.warning("event=nixl_release_abandoned handles=%d", len(dropped))
+            return
+        if after is not None:
+            after()
 
     def _retry_releases(self) -> None:
         with self._lock:
             pending, self._unreleased = self._unreleased, []
-        for handle in pending:
-            self._release(handle)
+        for handle, after in pending:
+            self._release(handle, after)
 
     # -- receiving -------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -436,22 +610,42 @@ class NixlTransport:
                 self._closed.wait(POLL_ACTIVE_S if self._sending or len(self.inbox) else POLL_IDLE_S)
 
     def _deliver(self, sender: str, message: bytes) -> None:
-        """One chunk notification: validate it as a data header and account the chunk."""
+        """One notification: a chunk's or staged block's data header, or a landing slot handed back."""
         try:
-            header = protocol.DATA_HEADER.check(protocol.decode(bytes(message), self.max_header_bytes))
+            msg = protocol.decode(bytes(message), self.max_header_bytes)
+            if msg["op"] == "free":
+                self._freed(sender, protocol.NIXL_FREE.check(msg))
+                return
+            if msg["op"] != "data":
+                raise ProtocolError(f"NIXL notification with op {msg['op'][:32]!r}", field="op",
+                                    fix="notify with data headers (and free) only")
+            header = protocol.DATA_HEADER.check(msg)
         except KvxferError as exc:
             log.warning("event=chunk_refused transport=nixl sender=%s code=%s msg=%s", q(sender), exc.code,
                         q(str(exc)[:300]))
             if self.on_invalid:
                 self.on_invalid(exc.code)
             return
+        if "slot" in header or "ring" in header:
+            self._land(sender, header)
+            return
         rid = rank_id(header["decode_instance"], *header["dst"])
+        sink = self._begin(sender, header, rid)
+        if sink is None:
+            return
+        moved = Moved(sink.nbytes, 0, "direct")
+        self.inbox.finish(sink, True)
+        if self.on_received:
+            self.on_received(sink, moved)
+
+    def _begin(self, sender: str, header: dict[str, Any], rid: str) -> Sink | None:
+        """The inbox checks of a data header, plus: only the request's own source agent may send it."""
         try:
             sink = self.inbox.begin(header, rid)
         except KvxferError as exc:
             self._refuse(sender, header, rid, "peer_refused",
                          f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
-            return
+            return None
         if self.source_agents.get(sink.entry.source_address) != sender:
             # not counted, and not allowed to fail the request either: that would let any peer
             # holding this daemon's metadata fail requests it does not serve
@@ -459,11 +653,66 @@ class NixlTransport:
             self._refuse(sender, header, rid, "peer_refused",
                          f"chunk notification from NIXL agent {sender!r}, which is not the agent of source "
                          f"daemon {sink.entry.source_address or '(local)'}")
-            return
-        moved = Moved(sink.nbytes, 0, "direct")
-        self.inbox.finish(sink, True)
-        if self.on_received:
-            self.on_received(sink, moved)
+            return None
+        return sink
+
+    def _land(self, sender: str, header: dict[str, Any]) -> None:
+        """A staged block sits in a landing slot: check it, scatter it into the decode pages, free the slot."""
+        ring = self.landing.by_agent(sender)
+        slot = header.get("slot", -1)
+        if ring is None or header.get("ring") != ring.ring or not 0 <= slot < ring.count:
+            log.warning("event=chunk_refused transport=nixl sender=%s code=protocol_error msg=%s", q(sender),
+                        q(f"staged block names ring {header.get('ring')} slot {slot}; agent {sender!r} "
+                          f"holds {f'ring {ring.ring} of {ring.count} slots' if ring else 'no ring here'}"))
+            if self.on_invalid:
+                self.on_invalid("protocol_error")
+            return  # not a slot of this sender's ring: nothing to free, nothing it may fail
+        try:
+            rid = rank_id(header["decode_instance"], *header["dst"])
+            if header["nbytes"] > ring.slot_bytes:
+                self._refuse(sender, header, rid, "peer_refused",
+                             f"staged block of {header['nbytes']} bytes exceeds the {ring.slot_bytes}-byte "
+                             "landing slot")
+                return
+            sink = self._begin(sender, header, rid)
+            if sink is None:
+                return
+            ok = False
+            try:
+                self._scatter(sink, ring.slot(slot, sink.nbytes))
+                ok = True
+            except Exception as exc:  # noqa: BLE001 - fail this request, keep receiving
+                log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), rid,
+                            q(_why(exc)))
+            finally:
+                self.inbox.finish(sink, ok)
+            if not ok:
+                self._refuse(sender, header, rid, "transfer", "scattering a staged block into the decode pages "
+                                                              "failed (see the decode daemon log)")
+                return
+            if self.on_received:
+                self.on_received(sink, Moved(sink.nbytes, 1, "staged"))
+        finally:
+            try:  # whatever became of the block, the slot is read: the sender may write it again
+                self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
+            except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
+                log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
+                            q(_why(exc)))
+
+    @staticmethod
+    def _scatter(sink: Sink, block: Any) -> None:
+        """Inverse of the sender's gather: region-major, then token, one head slice per token."""
+        w = sink.writer
+        n = sink.end - sink.start
+        for r, region in enumerate(sink.regions()):
+            part = block[r * n * w.slice_bytes:(r + 1) * n * w.slice_bytes]
+            scatter(region.flat, sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes, part)
+
+    def _freed(self, sender: str, msg: dict[str, Any]) -> None:
+        with self._lock:
+            credits = self._credits.get(sender)
+        if credits is None or credits.info.ring != msg["ring"] or not credits.release(msg["slot"]):
+            log.info("event=nixl_free_ignored peer=%s ring=%s slot=%s", q(sender), msg["ring"], msg["slot"])
 
     def _refuse(self, sender: str, header: dict[str, Any], rid: str, code: str, message: str) -> None:
         log.warning("event=chunk_refused transport=nixl sender=%s request=%s rank=%s code=%s msg=%s", q(sender),
@@ -480,6 +729,7 @@ class NixlTransport:
         self._closed.set()
         self._thread.join(timeout=2)
         self._retry_releases()
+        self.landing.close()
 
 
 class NixlSupport:
@@ -490,13 +740,16 @@ class NixlSupport:
     """
 
     def __init__(self, daemon_name: str, preference: list[str], inbox: Inbox, *, timeout_s: float,
-                 max_header_bytes: int, max_pages: int, on_received: Callable[[Sink, Moved], None] | None = None,
+                 max_header_bytes: int, max_pages: int, staging: StagingPool | None = None,
+                 landing_slots: int = 0, landing_bytes: int = 0,
+                 on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
         self.daemon_name = daemon_name
         self.preference = list(preference)
         self.max_pages = max_pages
-        self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, on_received=on_received,
+        self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, staging=staging,
+                          landing_slots=landing_slots, landing_bytes=landing_bytes, on_received=on_received,
                           on_refused=on_refused, on_invalid=on_invalid)
         self.inbox = inbox
         self.transport: NixlTransport | None = None
@@ -547,7 +800,7 @@ class NixlSupport:
         transport = self.get() if "nixl" in self.offered() else None
         if transport is None:
             return {}
-        fields, sent = transport.offer(decode)
+        fields, sent = transport.offer(decode, source)
         for rid, generation in sent.items():
             self._sent[(source, prefill, rid)] = generation
         return fields
@@ -558,10 +811,21 @@ class NixlSupport:
         agent = reply.get("nixl_agent")
         if chosen == "nixl" and self.transport is not None and isinstance(agent, str) and agent:
             self.transport.source_agents[source] = agent
+            self.transport.landing.bind(source, agent)
+            try:  # the source's connection info, so landing slots can be handed back to it
+                md = protocol.NIXL_OFFER["nixl_md"]("nixl_md", reply.get("nixl_md") or [])
+                self.transport.load(agent, md)
+            except KvxferError as exc:
+                log.warning("event=nixl_peer_failed peer=%s reason=%s", q(source), q(str(exc)[:300]))
         else:
             chosen = "tcp"
         self._chosen[(source, prefill, decode)] = chosen
         return chosen
+
+    def source_down(self, source: str) -> None:
+        """A source daemon link went down: its landing ring is retired (quarantined, then freed)."""
+        if self.transport is not None:
+            self.transport.landing.retire(source)
 
     def route_kind(self, source: str, prefill: str, decode: str) -> str:
         return self._chosen.get((source, prefill, decode), "tcp")
@@ -586,8 +850,9 @@ class NixlSupport:
                 continue
             if name != "nixl":
                 return name, None
-            if mode == "staged":
-                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"], q("staged mode runs over tcp"))
+            if mode == "staged" and not msg.get("nixl_landing"):
+                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
+                         q("staged mode needs a landing ring the decode daemon did not offer; using tcp"))
                 continue
             if not msg.get("nixl_agent") or not msg.get("nixl_md"):
                 continue
@@ -595,7 +860,7 @@ class NixlSupport:
             assert transport is not None
             try:
                 peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
-                                          decode_spec.page_size, decode_spec.page_bytes)
+                                          decode_spec.page_size, decode_spec.page_bytes, msg.get("nixl_landing"))
             except KvxferError as exc:
                 log.warning("event=nixl_peer_failed peer=%s reason=%s", msg["daemon"], q(str(exc)[:300]))
                 continue
@@ -607,7 +872,8 @@ class NixlSupport:
 
     def answer(self, transport: str) -> dict[str, Any]:
         if transport == "nixl" and self.transport is not None:
-            return {"transport": "nixl", "nixl_agent": self.transport.agent_name}
+            return {"transport": "nixl", "nixl_agent": self.transport.agent_name,
+                    "nixl_md": [self.transport.connection_metadata()]}
         return {"transport": transport}
 
     def expect_pages(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> np.ndarray:
