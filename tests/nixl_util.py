@@ -114,8 +114,9 @@ def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", d
 class FakePrefillDaemon:
     """Just enough of a prefill daemon's peer endpoint, with its own NIXL agent, to send notifications."""
 
-    def __init__(self, pspec) -> None:
+    def __init__(self, pspec, mode: str = "direct") -> None:
         self.pspec = pspec
+        self.mode = mode
         self.ctx = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -148,7 +149,8 @@ class FakePrefillDaemon:
             elif msg["op"] == "handshake":
                 self.handshake = msg
                 reply = {"op": "handshake_ok", "seq": msg["seq"], "prefill_spec": self.pspec.to_dict(),
-                         "mode": "direct", "transport": "nixl", "nixl_agent": self.agent.name}
+                         "mode": self.mode, "transport": "nixl", "nixl_agent": self.agent.name,
+                         "nixl_md": [self.agent.get_agent_metadata()]}  # so the decode side can notify us
             elif msg["op"] == "expect":
                 self.expects.append(msg)
             elif msg["op"] == "abort":

@@ -1,0 +1,314 @@
+"""Staged transfers over NIXL: byte-exact through running daemons, credits, landing-slot checks.
+
+The cluster runs with 4 KiB staging slots and one landing slot per source daemon, so a
+chunk travels as several blocks and every block after the first waits for the decode
+side to scatter the one before and hand its slot back. Metrics say which transport and
+mode moved the bytes. The pieces without processes (credits, rings, block cutting,
+schemas) are tested at the end.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+import msgpack
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from e2e_util import Cluster, close, finished, spec
+from kvxferd import config, protocol
+from kvxferd.errors import ConfigError, ProtocolError, TransferError
+from kvxferd.staging import StagingPool
+from kvxferd.transport.nixl_staging import Credits, LandingRings, RingInfo, block_tokens, sub_ranges
+from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, UCX_ENV, FakePrefillDaemon, instances, metric,
+                       needs_nixl, run_case)
+
+SLOT = 4096
+STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
+              "KVXFERD_LIMITS_STAGING_BYTES": str(4 * SLOT), "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    if NIXL_MISSING:
+        pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
+    c = Cluster()
+    try:
+        c.daemon("prefill-st", env=STAGED_ENV)
+        c.daemon("decode-st", env=STAGED_ENV)
+        # a decode daemon that gives no landing ring: sliced plans over NIXL must run direct
+        c.daemon("decode-no-ring", env={**STAGED_ENV, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"})
+        c.daemon("prefill-forced", env={**STAGED_ENV, "KVXFERD_PEER_MODE": "staged"})
+        yield c
+    finally:
+        c.close()
+
+
+def moved(cluster: Cluster) -> dict[tuple[str, str, str], float]:
+    pd, dd = cluster.daemons["prefill-st"], cluster.daemons["decode-st"]
+    out = {}
+    for t in ("nixl", "tcp"):
+        for m in ("staged", "direct"):
+            out[("sent", t, m)] = metric(pd, "kvxferd_sent_bytes_total", transport=t, mode=m)
+        out[("received", t, "")] = metric(dd, "kvxferd_received_bytes_total", transport=t)
+    return out
+
+
+def kv_bytes(s, n_tokens: int) -> int:
+    return n_tokens * s.num_layers * 2 * s.total_kv_heads * s.head_dim * 2  # bf16
+
+
+CASES = [
+    (spec(tp_size=2), spec(), 50, [[0, 7], [7, 30], [30, 50]], "expect_first"),
+    (spec(), spec(tp_size=2), 41, None, "send_first"),
+    (spec(tp_size=4, total_kv_heads=2), spec(total_kv_heads=2), 29, [[0, 8], [8, 29]], "expect_first"),
+]
+
+
+@needs_nixl
+@pytest.mark.parametrize("pspec,dspec,n_tokens,chunks,order", CASES,
+                         ids=["tp2-to-tp1-chunked", "tp1-to-tp2-send-first", "tp4-replicated-to-tp1-chunked"])
+def test_sliced_plans_stage_over_nixl_byte_exact(cluster, pspec, dspec, n_tokens, chunks, order):
+    before = moved(cluster)
+    run_case(cluster, pspec, dspec, prefill="prefill-st", decode="decode-st", n_tokens=n_tokens, chunks=chunks,
+             order=order, requests=2)
+    after = moved(cluster)
+    # replicated heads are written once per destination: the decode side's bytes are what moves
+    expected = 2 * kv_bytes(dspec, n_tokens)
+    assert after[("sent", "nixl", "staged")] - before[("sent", "nixl", "staged")] == expected
+    assert after[("received", "nixl", "")] - before[("received", "nixl", "")] == expected
+    for key in (("sent", "nixl", "direct"), ("sent", "tcp", "staged"), ("sent", "tcp", "direct")):
+        assert after[key] == before[key], key
+    # one landing slot and 4 KiB blocks: the sender had to wait for slots to come back
+    assert "mode=staged transport=nixl" in cluster.daemons["prefill-st"].log()
+
+
+@needs_nixl
+def test_without_a_landing_ring_auto_runs_direct_and_staged_falls_back_to_tcp(cluster):
+    pd, forced, dd = (cluster.daemons[n] for n in ("prefill-st", "prefill-forced", "decode-no-ring"))
+    direct0 = metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="direct")
+    run_case(cluster, spec(tp_size=2), spec(), prefill="prefill-st", decode="decode-no-ring", n_tokens=21, requests=1)
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="direct") - direct0 == kv_bytes(spec(), 21)
+    # mode=staged insists on staging: NIXL cannot give it here, tcp can
+    run_case(cluster, spec(tp_size=2), spec(), prefill="prefill-forced", decode="decode-no-ring", n_tokens=21,
+             requests=1)
+    assert metric(forced, "kvxferd_sent_bytes_total", transport="tcp", mode="staged") == kv_bytes(spec(), 21)
+    assert metric(forced, "kvxferd_sent_bytes_total", transport="nixl") == 0
+    assert "staged mode needs a landing ring" in forced.log()
+    assert "limits.nixl_landing_slots is 0" not in dd.log()  # a ring turned off is no warning
+
+
+@needs_nixl
+def test_explicit_staged_mode_uses_nixl_when_the_decode_side_offers_a_ring(cluster):
+    forced = cluster.daemons["prefill-forced"]
+    nixl0 = metric(forced, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
+    # whole rows (TP 1 -> 1) staged because the operator asked for it
+    run_case(cluster, spec(), spec(), prefill="prefill-forced", decode="decode-st", n_tokens=23, requests=1)
+    assert metric(forced, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") - nixl0 == kv_bytes(spec(), 23)
+
+
+# -- landing-slot checks against a stand-in prefill daemon ----------------------------------
+
+def _free_notifs(fake: FakePrefillDaemon, want: int, timeout: float) -> list[dict]:
+    got: list[dict] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < want and time.monotonic() < deadline:
+        for _agent, messages in fake.agent.get_new_notifs().items():
+            got.extend(msgpack.unpackb(m) for m in messages)
+        time.sleep(0.02)
+    return got
+
+
+@needs_nixl
+def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cluster, monkeypatch):
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    dd = cluster.daemons["decode-st"]
+    fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
+    decode = cluster.instance(dd, "fake-sd", "decode", spec(), NUM_PAGES)
+    try:
+        decode[0].command(cmd="expect", request_id="forged-1", pages=[1, 2], n=8, source_instance="fake-sp",
+                          source_address=fake.address)
+        deadline = time.monotonic() + 20
+        while not fake.expects:
+            assert time.monotonic() < deadline, "decode daemon never sent its expect"
+            time.sleep(0.02)
+        hs = fake.handshake
+        assert hs is not None
+        ring, address, slot_bytes, count, _device = hs["nixl_landing"]
+        assert (slot_bytes, count) == (SLOT, 1)
+        for md in hs["nixl_md"]:
+            fake.agent.add_remote_agent(md)
+        invalid0 = metric(dd, "kvxferd_invalid_messages_total", endpoint="data")
+        header = {"op": "data", "request_id": "forged-1", "decode_instance": "fake-sd", "dst": [0, 0],
+                  "src": [0, 0], "start": 0, "end": 8, "last": True, "nbytes": 8 * 8 * 2 * 16 * 2,
+                  "token": hs["data_token"], "ring": ring}
+        # a slot outside the ring, and a ring that is not this sender's: refused, the request lives on
+        for bad in ({"slot": count}, {"slot": 0, "ring": ring + 1000}):
+            fake.agent.send_notif(hs["nixl_agent"], msgpack.packb({**header, **bad}, use_bin_type=True))
+        deadline = time.monotonic() + 10
+        while metric(dd, "kvxferd_invalid_messages_total", endpoint="data") < invalid0 + 2:
+            assert time.monotonic() < deadline, "foreign slots were not refused"
+            time.sleep(0.05)
+        assert _free_notifs(fake, 1, 0.5) == []  # nothing of ours was taken, nothing is handed back
+        assert "holds ring" in dd.log() and "no ring here" not in dd.log()
+        # its own slot with a size the geometry contradicts: the request fails, the slot comes back
+        fake.agent.send_notif(hs["nixl_agent"], msgpack.packb({**header, "slot": 0, "nbytes": 999},
+                                                             use_bin_type=True))
+        ev = finished(decode[0], "forged-1", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "peer_refused", ev
+        assert "999" in ev["reason"] and "geometry says 4096" in ev["reason"], ev
+        assert _free_notifs(fake, 1, 10) == [{"op": "free", "ring": ring, "slot": 0}]
+    finally:
+        close(decode)
+        fake.close()
+
+
+# -- a frozen decode daemon while blocks wait for landing slots ----------------------------
+
+SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\ndrain_grace_s = 1.0\n"
+
+
+@needs_nixl
+def test_sender_waiting_for_landing_slots_of_a_frozen_decode_daemon_fails_within_the_deadline():
+    c = Cluster()
+    try:
+        pd = c.daemon("prefill-f", extra_toml=SLOW_TIMEOUTS, env=STAGED_ENV)
+        dd = c.daemon("decode-f", extra_toml=SLOW_TIMEOUTS, env=STAGED_ENV)
+        prefill, decode = instances(c, (pd, "fp", "prefill", spec(tp_size=2)), (dd, "fd", "decode", spec()))
+        decode[0].command(cmd="expect", request_id="frozen", pages=list(range(10)), n=40, source_instance="fp",
+                          source_address=pd.address)
+        for w in prefill:
+            w.command(cmd="send", request_id="frozen", pages=list(range(20, 30)), n=40, chunks=[[0, 4], [4, 40]],
+                      hold_last=True)
+        deadline = time.monotonic() + 20
+        while metric(dd, "kvxferd_received_bytes_total", transport="nixl") < kv_bytes(spec(), 4):
+            assert time.monotonic() < deadline, "first chunk never landed"
+            time.sleep(0.05)
+        dd.signal(signal.SIGSTOP)  # no scatter, no free: the second block of each writer waits for a slot
+        stopped = time.monotonic()
+        for w in prefill:  # 36 tokens x 512 bytes per writer: 5 blocks of 8 tokens through one landing slot
+            w.command(cmd="send_chunks", request_id="frozen", pages=list(range(20, 30)), n=40,
+                      chunks=[[4, 40, True]])
+        events = [finished(w, "frozen", timeout=15) for w in prefill]
+        took = time.monotonic() - stopped
+        dd.signal(signal.SIGKILL)
+        dd.proc.wait()
+        assert took < 10, f"failed only after {took:.1f}s"
+        for ev in events:
+            if ev["event"] == "finished":
+                assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+            else:  # the heartbeat failed it before the last chunk was handed over
+                assert ev["code"] == "request_finished" and "peer_dead" in ev["error"], ev
+    finally:
+        for w in c.workers:
+            w.kill()
+        c.close()
+
+
+# -- pieces without processes ------------------------------------------------------------------
+
+def test_credits_hand_out_each_slot_once_and_take_back_only_what_they_gave():
+    credits = Credits("decode-agent", RingInfo(7, 1 << 20, 4096, 2, -1))
+    a = credits.acquire(time.monotonic() + 1, lambda: "")
+    b = credits.acquire(time.monotonic() + 1, lambda: "")
+    assert {a, b} == {0, 1} and credits.outstanding == 2
+    assert credits.info.slot_address(b) == (1 << 20) + 4096 * b
+    with pytest.raises(TransferError) as err:
+        credits.acquire(time.monotonic() + 0.1, lambda: "")
+    assert err.value.code == "staging_timeout" and err.value.field == "limits.nixl_landing_slots"
+    with pytest.raises(TransferError) as err:
+        credits.acquire(time.monotonic() + 5, lambda: "decode daemon unresponsive")
+    assert err.value.code == "peer_dead" and "unresponsive" in str(err.value)
+    assert credits.release(a) is True
+    assert credits.release(a) is False  # a repeated free changes nothing
+    assert credits.release(5) is False
+    assert credits.acquire(time.monotonic() + 1, lambda: "") == a
+
+
+def test_a_credit_waiter_wakes_when_a_slot_comes_back():
+    credits = Credits("decode-agent", RingInfo(1, 4096, 4096, 1, -1))
+    first = credits.acquire(time.monotonic() + 1, lambda: "")
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(credits.acquire(time.monotonic() + 5, lambda: "")))
+    waiter.start()
+    time.sleep(0.1)
+    assert got == []  # still waiting: the only slot is out
+    credits.release(first)
+    waiter.join(5)
+    assert got == [first]
+
+
+@given(start=st.integers(0, 10_000), length=st.integers(0, 5_000), per_block=st.integers(1, 700))
+def test_sub_ranges_cover_the_chunk_in_order_without_overlap(start, length, per_block):
+    ranges = sub_ranges(start, start + length, per_block)
+    pos = start
+    for lo, hi in ranges:
+        assert lo == pos and 0 < hi - lo <= per_block
+        pos = hi
+    assert pos == start + length
+    assert len(ranges) == -(-length // per_block)
+
+
+def test_block_tokens_counts_every_region_of_a_token_and_names_the_fix():
+    assert block_tokens(4096, 8, 64) == 8
+    assert block_tokens(4096, 8, 512) == 1
+    with pytest.raises(TransferError) as err:
+        block_tokens(4096, 160, 256)
+    assert err.value.field == "limits.staging_slot_bytes" and err.value.code == "staging_too_small"
+    assert "40960" in str(err.value)
+
+
+def test_landing_rings_are_bounded_and_quarantined_before_their_memory_is_reused():
+    registered, deregistered = [], []
+    rings = LandingRings(2, 1024, budget_bytes=4096, quarantine_s=0.2,
+                         register=lambda r: registered.append(r.ring), deregister=lambda r: deregistered.append(r.ring))
+    a, _ = rings.for_source("10.0.0.1:5000")
+    b, _ = rings.for_source("10.0.0.2:5000")
+    assert a is not None and b is not None and a.ring != b.ring and a.nbytes == 2048
+    assert rings.for_source("10.0.0.1:5000")[0] is a  # one ring per source link
+    none, why = rings.for_source("10.0.0.3:5000")
+    assert none is None and "limits.nixl_landing_bytes" in why
+    rings.bind("10.0.0.1:5000", "agent-a")
+    assert rings.by_agent("agent-a") is a and rings.by_agent("agent-b") is None
+    rings.retire("10.0.0.1:5000")
+    assert deregistered == [a.ring] and rings.by_agent("agent-a") is None
+    assert rings.for_source("10.0.0.3:5000")[0] is None  # the retired ring still counts
+    time.sleep(0.25)
+    c, _ = rings.for_source("10.0.0.3:5000")
+    assert c is not None and c.ring not in (a.ring, b.ring)
+    assert registered == [a.ring, b.ring, c.ring]
+
+
+def test_staging_pool_try_acquire_never_waits():
+    pool = StagingPool(2048, 1024)
+    one, two = pool.try_acquire(), pool.try_acquire()
+    assert one is not None and two is not None
+    assert pool.try_acquire() is None
+    pool.release(one)
+    assert pool.try_acquire() is one
+
+
+def test_landing_fields_are_bounded_by_the_schemas():
+    hs = {"op": "handshake", "v": 1, "daemon": "a:1", "data_address": "a:2", "prefill_instance": "p",
+          "decode_instance": "d", "decode_spec": {}, "mode": "auto", "transports": ["nixl"]}
+    assert protocol.check_peer({**hs, "nixl_landing": [3, 4096, 4096, 4, -1]})["nixl_landing"] == [3, 4096, 4096, 4, -1]
+    for bad in ([3, 0, 4096, 4, -1], [3, 4096, 4096, 0, -1], [3, 4096], "ring"):
+        with pytest.raises(ProtocolError) as err:
+            protocol.check_peer({**hs, "nixl_landing": bad})
+        assert err.value.field == "nixl_landing"
+    assert protocol.NIXL_FREE.check({"op": "free", "ring": 3, "slot": 0}) == {"op": "free", "ring": 3, "slot": 0}
+    with pytest.raises(ProtocolError):
+        protocol.NIXL_FREE.check({"op": "free", "ring": 3, "slot": -1})
+
+
+def test_config_bounds_the_landing_rings():
+    cfg = config.load(None, {})
+    assert (cfg.limits.nixl_landing_slots, cfg.limits.nixl_landing_bytes) == (4, 256 << 20)
+    assert config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}).limits.nixl_landing_slots == 0
+    with pytest.raises(ConfigError) as err:
+        config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "100"})
+    assert err.value.field == "limits.nixl_landing_bytes" and "419430400" in str(err.value)
