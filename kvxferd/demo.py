@@ -117,23 +117,28 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
             if seen < requests:
                 verified = False
         lat.sort()
-        moved = _sent_by_transport(pd.metrics_url)
+        moved = _sent_by(pd.metrics_url, "transport")
+        by_mode = _sent_by(pd.metrics_url, "transport", "mode")
         if transport == "nixl" and not moved.get("nixl"):
             verified = False  # negotiation fell back to tcp: say so instead of passing as NIXL
             failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
                                                           f"{pd.log_path} for event=nixl_unavailable"})
+        if mode != "auto" and not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
+            verified = False  # the mode asked for was not the mode used
+            failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
         return {"requests": requests, "failed": len(failed), "verified": verified and not failed,
                 "bytes": total_bytes, "seconds": round(seconds, 4),
                 "gbps": round(total_bytes / seconds / 1e9, 4) if seconds else 0.0,
                 "p50_ms": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
                 "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3) if lat else None,
-                "transport": transport, "mode": mode, "bytes_by_transport": moved, "failures": failed[:5]}
+                "transport": transport, "mode": mode, "bytes_by_transport": moved,
+                "bytes_by_transport_mode": by_mode, "failures": failed[:5]}
     finally:
         cluster.close()
 
 
-def _sent_by_transport(metrics_url: str) -> dict[str, float]:
-    """KV bytes the prefill daemon sent, per transport (from its Prometheus endpoint)."""
+def _sent_by(metrics_url: str, *labels: str) -> dict[str, float]:
+    """KV bytes the prefill daemon sent, per value of ``labels`` joined by '/' (from its Prometheus endpoint)."""
     out: dict[str, float] = {}
     try:
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
@@ -141,7 +146,7 @@ def _sent_by_transport(metrics_url: str) -> dict[str, float]:
         return out
     for line in text.splitlines():
         if line.startswith("kvxferd_sent_bytes_total{"):
-            name = line.split('transport="', 1)[1].split('"', 1)[0]
+            name = "/".join(line.split(f'{label}="', 1)[1].split('"', 1)[0] for label in labels)
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
@@ -164,6 +169,8 @@ def main(args: Any) -> int:
         print(f"\nrequests {summary['requests']}  failed {summary['failed']}  verified {summary['verified']}")
         print(f"bytes {summary['bytes']}  seconds {summary['seconds']}  GB/s {summary['gbps']}")
         print(f"latency p50 {summary['p50_ms']} ms  p99 {summary['p99_ms']} ms")
+        print("moved   " + "  ".join(f"{k} {int(v)}" for k, v in sorted(summary["bytes_by_transport_mode"].items())
+                                     if v))
     return 0 if summary["verified"] else 1
 
 

@@ -8,8 +8,12 @@ import sys
 
 import pytest
 
+from nixl_util import NIXL_MISSING
 
-@pytest.mark.parametrize("transport, mode", [("tcp", "auto"), ("local", "direct")])
+
+@pytest.mark.parametrize("transport, mode", [
+    ("tcp", "auto"), ("local", "direct"),
+    pytest.param("nixl", "staged", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}"))])
 def test_demo_verifies_every_request(transport, mode):
     out = subprocess.run([sys.executable, "-m", "kvxferd", "demo", "--requests", "5", "--transport", transport,
                           "--mode", mode, "--json"], capture_output=True, text=True, timeout=300)
@@ -19,3 +23,5 @@ def test_demo_verifies_every_request(transport, mode):
     assert summary["bytes"] > 0 and summary["seconds"] > 0
     # the bytes the prefill daemon reports sending are exactly the requests' KV bytes
     assert summary["bytes_by_transport"] == {transport: float(summary["bytes"])}
+    if mode != "auto":
+        assert summary["bytes_by_transport_mode"] == {f"{transport}/{mode}": float(summary["bytes"])}
