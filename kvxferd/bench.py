@@ -1140,7 +1140,9 @@ def build_scenarios(quick: bool) -> list[Scenario]:
                 add("throughput", t, m, wl)
     # kvxferd's NIXL transport (UCX over TCP), next to the raw NIXL agent row
     add("throughput", "nixl", "direct", Workload("8B", 4096))
-    add("throughput", "nixl", "direct", Workload("70B", 2048, 2, 1))
+    for p_tp, d_tp in ((2, 1), (1, 2)):  # sliced plans: one descriptor per head slice vs staged blocks
+        for m in modes:
+            add("throughput", "nixl", m, Workload("70B", 2048, p_tp, d_tp))
     for t in ("local", "tcp"):
         for model in ("8B", "tiny"):
             add("latency", t, "direct", Workload(model, 16), requests=400, window=1, verify=1)

@@ -691,6 +691,8 @@ class Daemon:
             self._propagate_abort_upstream(entry, code, message)
         if entry.inflight and self.data_server is not None:
             self.data_server.cut(entry)  # end writes into its pages now, then tell the engine
+        if entry.inflight and entry.transport == "nixl":
+            self.nixl.abandon(entry)  # staged chunks still assembling end once no scatter touches them
         self._dest_changed(entry)
 
     def _finalize_dest(self, entry: DestEntry, state: str) -> None:

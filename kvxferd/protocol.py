@@ -265,8 +265,10 @@ DATA_HEADER = Schema(
               "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
               "nbytes": integer(0, 1 << 48)},
     optional={"aux": blob(), "token": blob(64),
-              # staged over NIXL: the landing ring and slot the block was written into
-              "ring": integer(0, 2**62), "slot": integer(0, 1 << 20)},
+              # staged over NIXL: the landing ring and slot the block was written into, the block's
+              # index in its chunk and the block size the chunk was cut into
+              "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
+              "pack": integer(1, 1 << 34)},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

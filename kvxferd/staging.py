@@ -34,27 +34,37 @@ def pack(n_regions: int, n_tokens: int, slice_bytes: int, slot_bytes: int) -> li
     Wire order is region-major then token, so concatenating the blocks gives exactly the
     direct mode's byte stream.
     """
+    per_slot = slices_per_slot(slice_bytes, slot_bytes)
+    return [block_pieces(k, n_regions, n_tokens, per_slot, slice_bytes)
+            for k in range(block_count(n_regions, n_tokens, per_slot))]
+
+
+def slices_per_slot(slice_bytes: int, slot_bytes: int) -> int:
     if slice_bytes > slot_bytes:
         raise TransferError(f"one token slice of {slice_bytes} bytes does not fit a staging slot of "
                             f"{slot_bytes} bytes", field="limits.staging_slot_bytes", code="staging_too_small",
                             fix="raise limits.staging_slot_bytes or use mode=direct")
-    per_slot = slot_bytes // slice_bytes  # token slices per slot
-    blocks: list[list[Piece]] = []
-    block: list[Piece] = []
-    used = 0  # token slices in the current block
-    for region in range(n_regions):
-        lo = 0
-        while lo < n_tokens:
-            take = min(n_tokens - lo, per_slot - used)
-            block.append(Piece(region, lo, lo + take, used * slice_bytes))
-            used += take
-            lo += take
-            if used == per_slot:
-                blocks.append(block)
-                block, used = [], 0
-    if block:
-        blocks.append(block)
-    return blocks
+    return slot_bytes // slice_bytes
+
+
+def block_count(n_regions: int, n_tokens: int, per_slot: int) -> int:
+    return -(-n_regions * n_tokens // per_slot)
+
+
+def block_pieces(k: int, n_regions: int, n_tokens: int, per_slot: int, slice_bytes: int) -> list[Piece]:
+    """Block ``k`` of a chunk without building the others: slices ``[k * per_slot, (k + 1) * per_slot)``
+    of the region-major sequence, cut at region boundaries. Both ends of a staged transfer
+    compute it from the chunk header alone."""
+    first = k * per_slot
+    last = min(first + per_slot, n_regions * n_tokens)
+    pieces = []
+    at = first
+    while at < last:
+        region, lo = divmod(at, n_tokens)
+        hi = min(n_tokens, lo + last - at)
+        pieces.append(Piece(region, lo, hi, (at - first) * slice_bytes))
+        at += hi - lo
+    return pieces
 
 
 def block_bytes(block: list[Piece], slice_bytes: int) -> int:

@@ -14,17 +14,28 @@ import threading
 import time
 
 import msgpack
+import numpy as np
 import pytest
+from e2e_util import Cluster, close, finished, spec
 from hypothesis import given
 from hypothesis import strategies as st
+from nixl_util import (
+    NIXL_ENV,
+    NIXL_MISSING,
+    NUM_PAGES,
+    UCX_ENV,
+    FakePrefillDaemon,
+    instances,
+    metric,
+    needs_nixl,
+    run_case,
+)
 
-from e2e_util import Cluster, close, finished, spec
 from kvxferd import config, protocol
-from kvxferd.errors import ConfigError, ProtocolError, TransferError
-from kvxferd.staging import StagingPool
-from kvxferd.transport.nixl_staging import Credits, LandingRings, RingInfo, block_tokens, sub_ranges
-from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, UCX_ENV, FakePrefillDaemon, instances, metric,
-                       needs_nixl, run_case)
+from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
+from kvxferd.inbox import Sink
+from kvxferd.staging import Piece, StagingPool, block_pieces, pack
+from kvxferd.transport.nixl_staging import Assemblies, Credits, LandingRings, RingInfo
 
 SLOT = 4096
 STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
@@ -145,12 +156,13 @@ def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cl
         invalid0 = metric(dd, "kvxferd_invalid_messages_total", endpoint="data")
         header = {"op": "data", "request_id": "forged-1", "decode_instance": "fake-sd", "dst": [0, 0],
                   "src": [0, 0], "start": 0, "end": 8, "last": True, "nbytes": 8 * 8 * 2 * 16 * 2,
-                  "token": hs["data_token"], "ring": ring}
-        # a slot outside the ring, and a ring that is not this sender's: refused, the request lives on
-        for bad in ({"slot": count}, {"slot": 0, "ring": ring + 1000}):
+                  "token": hs["data_token"], "ring": ring, "block": 0, "pack": SLOT}
+        # a slot outside the ring, a ring that is not this sender's, blocks larger than a slot:
+        # refused, the request lives on
+        for bad in ({"slot": count}, {"slot": 0, "ring": ring + 1000}, {"slot": 0, "pack": SLOT + 1}):
             fake.agent.send_notif(hs["nixl_agent"], msgpack.packb({**header, **bad}, use_bin_type=True))
         deadline = time.monotonic() + 10
-        while metric(dd, "kvxferd_invalid_messages_total", endpoint="data") < invalid0 + 2:
+        while metric(dd, "kvxferd_invalid_messages_total", endpoint="data") < invalid0 + 3:
             assert time.monotonic() < deadline, "foreign slots were not refused"
             time.sleep(0.05)
         assert _free_notifs(fake, 1, 0.5) == []  # nothing of ours was taken, nothing is handed back
@@ -242,24 +254,114 @@ def test_a_credit_waiter_wakes_when_a_slot_comes_back():
     assert got == [first]
 
 
-@given(start=st.integers(0, 10_000), length=st.integers(0, 5_000), per_block=st.integers(1, 700))
-def test_sub_ranges_cover_the_chunk_in_order_without_overlap(start, length, per_block):
-    ranges = sub_ranges(start, start + length, per_block)
-    pos = start
-    for lo, hi in ranges:
-        assert lo == pos and 0 < hi - lo <= per_block
-        pos = hi
-    assert pos == start + length
-    assert len(ranges) == -(-length // per_block)
+def test_block_pieces_cut_the_wire_stream_at_region_boundaries():
+    # 3 regions x 5 tokens = 15 slices of 10 bytes, 4 slices per block
+    assert block_pieces(0, 3, 5, 4, 10) == [Piece(0, 0, 4, 0)]
+    assert block_pieces(1, 3, 5, 4, 10) == [Piece(0, 4, 5, 0), Piece(1, 0, 3, 10)]
+    assert block_pieces(2, 3, 5, 4, 10) == [Piece(1, 3, 5, 0), Piece(2, 0, 2, 20)]
+    assert block_pieces(3, 3, 5, 4, 10) == [Piece(2, 2, 5, 0)]
+    assert pack(3, 5, 10, 40) == [block_pieces(k, 3, 5, 4, 10) for k in range(4)]
 
 
-def test_block_tokens_counts_every_region_of_a_token_and_names_the_fix():
-    assert block_tokens(4096, 8, 64) == 8
-    assert block_tokens(4096, 8, 512) == 1
-    with pytest.raises(TransferError) as err:
-        block_tokens(4096, 160, 256)
-    assert err.value.field == "limits.staging_slot_bytes" and err.value.code == "staging_too_small"
-    assert "40960" in str(err.value)
+@given(regions=st.integers(1, 12), tokens=st.integers(1, 300), per_slot=st.integers(1, 64))
+def test_any_block_can_be_cut_alone_and_the_blocks_tile_the_chunk(regions, tokens, per_slot):
+    seen = np.zeros((regions, tokens), dtype=int)
+    for k in range(-(-regions * tokens // per_slot)):
+        used = 0
+        for piece in block_pieces(k, regions, tokens, per_slot, 1):
+            assert piece.offset == used and piece.lo < piece.hi
+            seen[piece.region, piece.lo:piece.hi] += 1
+            used += piece.hi - piece.lo
+        assert 0 < used <= per_slot
+    assert (seen == 1).all()
+
+
+class _Rank:
+    id = "d/0/0"
+
+    class geometry:  # noqa: N801 - shaped like RankGeometry for Sink.regions()
+        class spec:  # noqa: N801
+            region_kinds = ("k", "v")
+
+    def region(self, layer, kind):
+        return (layer, kind)
+
+
+class _Entry:
+    rank = _Rank()
+
+
+class _Writer:
+    src = (0, 0)
+    layers = (0, 2)
+    slice_bytes = 64
+
+
+class _Inbox:
+    """Records what the assemblies reserve and release (the real inbox is exercised end to end above)."""
+
+    def __init__(self):
+        self.begun, self.finished = [], []
+
+    def begin(self, header, rid):
+        self.begun.append((header["start"], header["end"]))
+        return Sink(_Entry(), _Writer(), header["start"], header["end"], header["last"], header["nbytes"],
+                    np.arange(header["end"] - header["start"]), 0, None)
+
+    def finish(self, sink, ok):
+        self.finished.append(((sink.start, sink.end), ok))
+
+
+def _block(k, **extra):
+    # 4 regions x 10 tokens x 64 bytes, blocks of 1024 bytes (16 slices): 3 blocks
+    return {"request_id": "r", "src": [0, 0], "start": 0, "end": 10, "last": True, "nbytes": 2560,
+            "pack": 1024, "block": k, **extra}
+
+
+def test_a_staged_chunk_counts_as_received_only_when_its_last_block_is_scattered():
+    inbox = _Inbox()
+    asm_of = Assemblies(inbox)
+    ok = lambda sink: None  # noqa: E731 - the sender is the request's source
+    a2, pieces = asm_of.start_block(_block(2), "d/0/0", "agent", ok)
+    assert pieces == [Piece(3, 2, 10, 0)] and inbox.begun == [(0, 10)]
+    assert asm_of.end_block(a2, True) is None
+    a0, _ = asm_of.start_block(_block(0), "d/0/0", "agent", ok)
+    with pytest.raises(RequestError, match="out of range or repeated"):
+        asm_of.start_block(_block(0), "d/0/0", "agent", ok)
+    with pytest.raises(RequestError, match="out of range"):
+        asm_of.start_block(_block(3), "d/0/0", "agent", ok)
+    with pytest.raises(RequestError, match="disagrees"):
+        asm_of.start_block(_block(1), "d/0/0", "other-agent", ok)
+    with pytest.raises(RequestError, match="disagrees"):
+        asm_of.start_block(_block(1, nbytes=999), "d/0/0", "agent", ok)
+    assert asm_of.end_block(a0, True) is None
+    a1, _ = asm_of.start_block(_block(1), "d/0/0", "agent", ok)
+    assert inbox.finished == []
+    assert asm_of.end_block(a1, True) is True
+    assert inbox.begun == [(0, 10)] and inbox.finished == [((0, 10), True)] and len(asm_of) == 0
+
+
+def test_an_abandoned_chunk_is_released_as_failed_only_after_its_busy_blocks_return():
+    inbox = _Inbox()
+    asm_of = Assemblies(inbox)
+    busy, _ = asm_of.start_block(_block(1), "d/0/0", "agent", lambda sink: None)
+    assert asm_of.abandon(busy.sink.entry) == 0  # a scatter still writes its pages
+    assert inbox.finished == []
+    with pytest.raises(RequestError, match="already failed"):
+        asm_of.start_block(_block(0), "d/0/0", "agent", lambda sink: None)
+    assert asm_of.end_block(busy, True) is False
+    assert inbox.finished == [((0, 10), False)] and len(asm_of) == 0
+
+
+def test_a_first_block_from_a_stranger_releases_its_reservation():
+    inbox = _Inbox()
+
+    def not_the_source(sink):
+        raise RequestError("not the agent of the source daemon", field="sender")
+
+    with pytest.raises(RequestError, match="not the agent"):
+        Assemblies(inbox).start_block(_block(0), "d/0/0", "stranger", not_the_source)
+    assert inbox.finished == [((0, 10), False)]
 
 
 def test_landing_rings_are_bounded_and_quarantined_before_their_memory_is_reused():

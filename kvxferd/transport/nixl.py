@@ -38,6 +38,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -49,10 +50,10 @@ from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank, rank_id
 from ..copier import gather, scatter
-from ..segments import as_pages, chunk_bytes, paired_segments, slots
-from ..staging import StagingPool
+from ..segments import as_pages, paired_segments, slots
+from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
-from .nixl_staging import Credits, LandingRing, LandingRings, RingInfo, block_tokens, sub_ranges
+from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings, RingInfo
 
 log = logging.getLogger("kvxferd.nixl")
 
@@ -64,6 +65,7 @@ BACKEND = "UCX"
 POLL_BUSY_S, POLL_ACTIVE_S, POLL_IDLE_S = 5e-5, 2e-4, 1e-2
 POLL_BUSY_ROUNDS = 200  # short pauses after the last notification
 MAX_UNRELEASED = 4096
+SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
 _import_error: str | None = None
 _api: Any = None
@@ -232,6 +234,9 @@ class NixlTransport:
                                     staging.slot_bytes if staging is not None else 0, landing_bytes,
                                     quarantine_s=2 * timeout_s, register=self._register_ring,
                                     deregister=self._deregister_ring)
+        #: decode side: staged chunks whose blocks are arriving, and the threads that scatter them
+        self.assemblies = Assemblies(inbox)
+        self._scatterers = ThreadPoolExecutor(SCATTER_THREADS, thread_name_prefix="kvxferd-nixl-scatter")
         #: prefill side: credits for the landing ring of each decode agent
         self._credits: dict[str, Credits] = {}
         #: prefill side: registrations of local staging slots (the pool keeps its slots for good)
@@ -403,23 +408,25 @@ class NixlTransport:
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
     def _send_staged(self, job: ChunkJob, peer: NixlPeer, credits: Credits, pool: StagingPool) -> Moved:
-        """Gather blocks of tokens into local staging slots and WRITE each as one descriptor into a
-        landing slot of the peer; the next block is gathered while the previous one is on the wire."""
+        """Gather the chunk's wire stream block by block into local staging slots and WRITE each as
+        one descriptor into a landing slot of the peer; the next block is gathered while the
+        previous one is on the wire. Blocks are cut as :func:`~kvxferd.staging.pack` cuts them, so
+        the receiver derives every block's pieces from the header (``block``, ``pack``) alone."""
         w = job.writer
         regions = list(job.regions())
-        n_kinds = len(job.kinds)
-        per_block = block_tokens(min(pool.slot_bytes, credits.info.slot_bytes), len(regions), w.slice_bytes)
-        blocks = sub_ranges(job.start, job.end, per_block)
+        n_tokens = job.end - job.start
+        pack_bytes = min(pool.slot_bytes, credits.info.slot_bytes)
+        per_slot = slices_per_slot(w.slice_bytes, pack_bytes)
+        n_blocks = block_count(len(regions), n_tokens, per_slot)
         deadline = time.monotonic() + self.timeout_s
-        head = job.header()
-        aux = head.pop("aux", None)
+        head = {**job.header(), "ring": credits.info.ring, "pack": pack_bytes}
         in_flight: tuple[Any, Any] | None = None  # (handle, local slot) of the block on the wire
         with self._lock:
             self._sending += 1
         try:
-            for lo, hi in blocks:
-                n = hi - lo
-                nbytes = n * len(regions) * w.slice_bytes
+            for k in range(n_blocks):
+                pieces = block_pieces(k, len(regions), n_tokens, per_slot, w.slice_bytes)
+                nbytes = block_bytes(pieces, w.slice_bytes)
                 # wait for a slot only while holding none: threads that each hold a slot on the wire
                 # and wait for another would starve each other until the deadline
                 local = pool.try_acquire()
@@ -429,10 +436,10 @@ class NixlTransport:
                 if local is None:
                     local = pool.acquire(max(0.0, deadline - time.monotonic()))
                 try:
-                    picked = job.src_slots[lo - job.start:hi - job.start]
-                    for r, region in enumerate(regions):  # overlaps the previous block's WRITE
-                        out = local[r * n * w.slice_bytes:(r + 1) * n * w.slice_bytes]
-                        gather(region.flat, picked, w.src_row_bytes, job.head_offset, w.slice_bytes, out)
+                    for piece in pieces:  # overlaps the previous block's WRITE
+                        out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
+                        gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
+                               job.head_offset, w.slice_bytes, out)
                     address = self._slot_address(local)
                     if in_flight is not None:
                         pending, in_flight = in_flight, None
@@ -441,10 +448,7 @@ class NixlTransport:
                 except BaseException:
                     pool.release(local)
                     raise
-                last = hi == job.end
-                notif = protocol.encode({**head, "start": lo, "end": hi, "last": job.last and last,
-                                         "nbytes": chunk_bytes(w, n_kinds, n), "ring": credits.info.ring,
-                                         "slot": remote_slot, **({"aux": aux} if aux and last else {})})
+                notif = protocol.encode({**head, "slot": remote_slot, "block": k})
                 try:
                     handle = self._post(np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM",
                                         np.array([[credits.info.slot_address(remote_slot), nbytes, 0]],
@@ -464,7 +468,7 @@ class NixlTransport:
                 self._release(handle, lambda: pool.release(local))
             with self._lock:
                 self._sending -= 1
-        return Moved(job.nbytes, len(blocks), "staged")
+        return Moved(job.nbytes, n_blocks, "staged")
 
     def _finish(self, in_flight: tuple[Any, Any], peer: NixlPeer, deadline: float, pool: StagingPool) -> None:
         handle, local = in_flight
@@ -657,56 +661,76 @@ class NixlTransport:
         return sink
 
     def _land(self, sender: str, header: dict[str, Any]) -> None:
-        """A staged block sits in a landing slot: check it, scatter it into the decode pages, free the slot."""
+        """A staged block sits in a landing slot: claim the slot and hand the scatter to a scatter
+        thread, so this thread keeps driving UCX (over TCP, bytes land only while it progresses)."""
         ring = self.landing.by_agent(sender)
         slot = header.get("slot", -1)
+        problem = ""
         if ring is None or header.get("ring") != ring.ring or not 0 <= slot < ring.count:
+            problem = (f"staged block names ring {header.get('ring')} slot {slot}; agent {sender!r} holds "
+                       f"{f'ring {ring.ring} of {ring.count} slots' if ring else 'no ring here'}")
+        elif "block" not in header or not 0 < header.get("pack", 0) <= ring.slot_bytes:
+            problem = f"staged block without block index, or pack {header.get('pack')} outside (0, {ring.slot_bytes}]"
+        elif not ring.claim(slot):
+            problem = f"staged block into slot {slot}, which still holds a block being scattered"
+        if problem:
             log.warning("event=chunk_refused transport=nixl sender=%s code=protocol_error msg=%s", q(sender),
-                        q(f"staged block names ring {header.get('ring')} slot {slot}; agent {sender!r} "
-                          f"holds {f'ring {ring.ring} of {ring.count} slots' if ring else 'no ring here'}"))
+                        q(problem))
             if self.on_invalid:
                 self.on_invalid("protocol_error")
-            return  # not a slot of this sender's ring: nothing to free, nothing it may fail
+            return  # not a slot this sender may use now: nothing to free, nothing it may fail
+        assert ring is not None
+        self._scatterers.submit(self._scatter_block, sender, ring, slot, header)
+
+    def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
         try:
             rid = rank_id(header["decode_instance"], *header["dst"])
-            if header["nbytes"] > ring.slot_bytes:
-                self._refuse(sender, header, rid, "peer_refused",
-                             f"staged block of {header['nbytes']} bytes exceeds the {ring.slot_bytes}-byte "
-                             "landing slot")
-                return
-            sink = self._begin(sender, header, rid)
-            if sink is None:
-                return
-            ok = False
             try:
-                self._scatter(sink, ring.slot(slot, sink.nbytes))
+                asm, pieces = self.assemblies.start_block(header, rid, sender, lambda sink: self._check_source(
+                    sender, sink))
+            except KvxferError as exc:
+                self._refuse(sender, header, rid, "peer_refused", f"staged block {header['block']} of chunk "
+                             f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
+                return
+            sink = asm.sink
+            w = sink.writer
+            ok = False
+            block = ring.slot(slot, block_bytes(pieces, w.slice_bytes))
+            try:
+                for piece in pieces:
+                    part = block[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
+                    scatter(asm.regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
+                            sink.head_offset, w.slice_bytes, part)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - fail this request, keep receiving
                 log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), rid,
                             q(_why(exc)))
             finally:
-                self.inbox.finish(sink, ok)
+                self.assemblies.end_block(asm, ok)
             if not ok:
                 self._refuse(sender, header, rid, "transfer", "scattering a staged block into the decode pages "
                                                               "failed (see the decode daemon log)")
-                return
-            if self.on_received:
-                self.on_received(sink, Moved(sink.nbytes, 1, "staged"))
+            elif self.on_received:
+                self.on_received(sink, Moved(block.numel(), 1, "staged"))
+        except Exception as exc:  # noqa: BLE001 - a scatter thread must survive any one block
+            log.error("event=scatter_crashed sender=%s error=%s", q(sender), q(_why(exc)))
         finally:
+            ring.unclaim(slot)
             try:  # whatever became of the block, the slot is read: the sender may write it again
                 self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
             except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
                 log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
                             q(_why(exc)))
 
-    @staticmethod
-    def _scatter(sink: Sink, block: Any) -> None:
-        """Inverse of the sender's gather: region-major, then token, one head slice per token."""
-        w = sink.writer
-        n = sink.end - sink.start
-        for r, region in enumerate(sink.regions()):
-            part = block[r * n * w.slice_bytes:(r + 1) * n * w.slice_bytes]
-            scatter(region.flat, sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes, part)
+    def _check_source(self, sender: str, sink: Sink) -> None:
+        if self.source_agents.get(sink.entry.source_address) != sender:
+            raise RequestError(f"notification from NIXL agent {sender!r}, which is not the agent of source daemon "
+                               f"{sink.entry.source_address or '(local)'}", field="sender",
+                               fix="send blocks only for requests this daemon is the source of")
+
+    def abandon(self, entry: DestEntry) -> None:
+        """The request failed: staged chunks still assembling end as failed once no block of theirs is busy."""
+        self.assemblies.abandon(entry)
 
     def _freed(self, sender: str, msg: dict[str, Any]) -> None:
         with self._lock:
@@ -729,6 +753,7 @@ class NixlTransport:
         self._closed.set()
         self._thread.join(timeout=2)
         self._retry_releases()
+        self._scatterers.shutdown(wait=True, cancel_futures=True)
         self.landing.close()
 
 
@@ -821,6 +846,10 @@ class NixlSupport:
             chosen = "tcp"
         self._chosen[(source, prefill, decode)] = chosen
         return chosen
+
+    def abandon(self, entry: DestEntry) -> None:
+        if self.transport is not None:
+            self.transport.abandon(entry)
 
     def source_down(self, source: str) -> None:
         """A source daemon link went down: its landing ring is retired (quarantined, then freed)."""

@@ -2,11 +2,14 @@
 
 A sliced plan (TP mismatch) cuts every token row into head slices of a few hundred bytes.
 As one NIXL descriptor each, posting them costs more than moving them. Staged, the sender
-gathers a block of tokens (every layer and kind of its writer) into one registered
-staging slot and WRITEs it with one descriptor into a slot of the receiver's landing
-ring. The WRITE's notification is an ordinary data header plus ``ring`` and ``slot``: the
-receiver checks it like any chunk header, scatters the slot into the decode pages with
-its own page table, and hands the slot back with a ``free`` notification.
+cuts a chunk's wire stream into blocks exactly as :func:`~kvxferd.staging.pack` does,
+gathers each block into one registered staging slot and WRITEs it with one descriptor
+into a slot of the receiver's landing ring. The WRITE's notification is the chunk's data
+header plus ``ring``, ``slot``, ``block`` (its index) and ``pack`` (the block size): the
+receiver checks the chunk like any other on its first block, derives the block's pieces
+from the header, scatters them into the decode pages with its own page table, and hands
+the slot back with a ``free`` notification. The chunk counts as received when its last
+block is scattered (:class:`Assemblies`).
 
 - A **landing ring** belongs to one source daemon link: ``limits.nixl_landing_slots``
   slots of ``limits.staging_slot_bytes``, registered on its own so that a peer's remote
@@ -28,12 +31,18 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
+import numpy as np
 import torch
 
-from ..errors import TransferError
+from ..errors import RequestError, TransferError
+from ..inbox import DestEntry, Inbox, Sink
+from ..staging import Piece, block_count, block_pieces, slices_per_slot
+
+#: blocks one staged chunk may be cut into (bounds the receiver's bookkeeping per chunk)
+MAX_BLOCKS = 1 << 20
 
 #: a credit wait re-checks its abandon conditions (peer dead, shutdown) this often
 CREDIT_POLL_S = 0.05
@@ -60,23 +69,6 @@ class RingInfo:
         return self.address + slot * self.slot_bytes
 
 
-def block_tokens(slot_bytes: int, n_regions: int, slice_bytes: int) -> int:
-    """Tokens of one writer that fit a slot: every region's slice of each token travels together."""
-    per_token = n_regions * slice_bytes
-    if per_token > slot_bytes:
-        raise TransferError(f"one token of this writer ({n_regions} regions x {slice_bytes}-byte slices = "
-                            f"{per_token} bytes) does not fit a staging slot of {slot_bytes} bytes",
-                            field="limits.staging_slot_bytes", code="staging_too_small",
-                            fix=f"raise limits.staging_slot_bytes to at least {per_token} on both daemons, "
-                                "or use mode=direct")
-    return slot_bytes // per_token
-
-
-def sub_ranges(start: int, end: int, per_block: int) -> list[tuple[int, int]]:
-    """``[start, end)`` cut into consecutive ranges of at most ``per_block`` tokens."""
-    return [(lo, min(lo + per_block, end)) for lo in range(start, end, per_block)]
-
-
 class LandingRing:
     """Decode side: the slots one source daemon link writes staged blocks into."""
 
@@ -89,6 +81,8 @@ class LandingRing:
         self.agent = ""  # the source daemon's NIXL agent, once its handshake answer names it
         self.reg_descs: object = None  # the NIXL registration of ``buffer``
         self.metadata: bytes = b""  # partial agent metadata describing ``buffer`` only
+        self._busy: set[int] = set()  # slots whose block is being scattered
+        self._lock = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -101,6 +95,18 @@ class LandingRing:
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.slot_bytes
         return self.buffer[start:start + nbytes]
+
+    def claim(self, index: int) -> bool:
+        """Mark a slot as holding a block until it is scattered; False if it already does."""
+        with self._lock:
+            if index in self._busy:
+                return False
+            self._busy.add(index)
+            return True
+
+    def unclaim(self, index: int) -> None:
+        with self._lock:
+            self._busy.discard(index)
 
 
 class Credits:
@@ -226,3 +232,105 @@ class LandingRings:
             rings, self._rings = list(self._rings.values()), {}
         for ring in rings:
             self._deregister(ring)
+
+
+@dataclass
+class Assembly:
+    """One staged chunk on the decode side: its reserved token range and which blocks are in."""
+
+    key: tuple[Any, ...]
+    sink: Sink
+    sender: str
+    pack: int
+    per_slot: int
+    done: np.ndarray  # one flag per block: arrived (being scattered or scattered)
+    busy: int = 0  # blocks being scattered now
+    failed: bool = False
+    regions: list[Any] = field(default_factory=list)
+
+
+class Assemblies:
+    """Decode side: staged chunks whose blocks are still arriving, shared by the scatter threads.
+
+    The chunk's token range is reserved in the inbox when its first block (any block) arrives,
+    and released as received only when every block is scattered, or as failed once no block
+    of it is being scattered any more: an engine is never told about pages a thread still writes.
+    """
+
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+        self._open: dict[tuple[Any, ...], Assembly] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def start_block(self, header: dict[str, Any], rid: str, sender: str,
+                    check: Callable[[Sink], None]) -> tuple[Assembly, list[Piece]]:
+        """Reserve block ``header['block']`` of its chunk; raise RequestError/TransferError if it may not land."""
+        key = (header["request_id"], rid, tuple(header["src"]), header["start"], header["end"])
+        finish_failed: Sink | None = None
+        try:
+            with self._lock:
+                asm = self._open.get(key)
+                if asm is None:
+                    sink = self.inbox.begin(header, rid)
+                    try:
+                        check(sink)
+                        per_slot = slices_per_slot(sink.writer.slice_bytes, header["pack"])
+                        regions = sink.regions()
+                        n_blocks = block_count(len(regions), sink.end - sink.start, per_slot)
+                        if n_blocks > MAX_BLOCKS:
+                            raise RequestError(f"chunk cut into {n_blocks} blocks of {header['pack']} bytes; at "
+                                               f"most {MAX_BLOCKS} are accepted", field="pack",
+                                               fix="pack staged blocks into the landing slot size")
+                    except BaseException:
+                        finish_failed = sink
+                        raise
+                    asm = Assembly(key, sink, sender, header["pack"], per_slot, np.zeros(n_blocks, dtype=bool),
+                                   regions=regions)
+                    self._open[key] = asm
+                elif asm.sender != sender or asm.pack != header["pack"] or asm.sink.last != header["last"] \
+                        or asm.sink.nbytes != header["nbytes"]:
+                    raise RequestError("block header disagrees with earlier blocks of its chunk (sender, pack, "
+                                       "last or nbytes)", field="block", fix="send every block of a chunk alike")
+                if asm.failed:
+                    raise RequestError("chunk already failed", field="block", fix="abort and retry the request")
+                k = header["block"]
+                if not 0 <= k < asm.done.size or asm.done[k]:
+                    raise RequestError(f"block {k} of a chunk of {asm.done.size} blocks is out of range or repeated",
+                                       field="block", fix="send each block of a chunk once")
+                asm.done[k] = True
+                asm.busy += 1
+        finally:
+            if finish_failed is not None:
+                self.inbox.finish(finish_failed, False)
+        sink = asm.sink
+        return asm, block_pieces(k, len(asm.regions), sink.end - sink.start, asm.per_slot, sink.writer.slice_bytes)
+
+    def end_block(self, asm: Assembly, ok: bool) -> bool | None:
+        """A block is scattered (or failed): True when it completed its chunk, False when the chunk failed
+        and is now released, None while blocks remain."""
+        with self._lock:
+            asm.busy -= 1
+            asm.failed = asm.failed or not ok
+            if asm.busy or not (asm.failed or asm.done.all()) or self._open.get(asm.key) is not asm:
+                return None
+            del self._open[asm.key]
+        self.inbox.finish(asm.sink, not asm.failed)
+        return not asm.failed
+
+    def abandon(self, entry: DestEntry) -> int:
+        """The request failed: its chunks end as failed, at once or when their last scatter returns."""
+        released = []
+        with self._lock:
+            for key, asm in list(self._open.items()):
+                if asm.sink.entry is entry:
+                    asm.failed = True
+                    if not asm.busy:
+                        del self._open[key]
+                        released.append(asm)
+        for asm in released:
+            self.inbox.finish(asm.sink, False)
+        return len(released)
