@@ -147,6 +147,7 @@ class TimeoutsSection:
     waiting_for_input_s: float = 60.0
     transfer_s: float = 60.0
     drain_grace_s: float = 30.0
+    fence_s: float = 5.0  # a failed NIXL request waits this long for its source to confirm no WRITE is left
     handshake_retry_s: float = 0.5
 
 

@@ -180,6 +180,8 @@ class Daemon:
         self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         # (request, prefill instance) -> what its expects taught us; bounded, oldest dropped
         self.request_routes: OrderedDict[tuple[str, str], tuple[Plan, str, Route]] = OrderedDict()
+        #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
+        self.fence_waiters: dict[str, set[bytes]] = {}
         self.recent_failures: list[dict[str, Any]] = []
         self.started = time.time()
         self.ready = False
@@ -662,6 +664,11 @@ class Daemon:
                         self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
                                         f"source daemon {link.address}: {str(err.get('message'))[:300]}",
                                         propagate=False)
+            elif op == "fenced":
+                m = protocol.check_peer(msg)
+                for entry in self.inbox.for_request(m["request_id"]):
+                    if entry.source_address == link.address:
+                        self._fence_done(entry)
             elif op == "pong":
                 pass
         except KvxferError:
@@ -673,7 +680,7 @@ class Daemon:
 
     def _dest_changed(self, entry: DestEntry) -> None:
         if entry.failure is not None:
-            if entry.inflight == 0 and entry.state != "failed":
+            if entry.inflight == 0 and entry.state != "failed" and not entry.fence_until:
                 self._finalize_dest(entry, "failed")
             return
         if entry.state in TERMINAL:
@@ -693,6 +700,27 @@ class Daemon:
             self.data_server.cut(entry)  # end writes into its pages now, then tell the engine
         if entry.inflight and entry.transport == "nixl":
             self.nixl.abandon(entry)  # staged chunks still assembling end once no scatter touches them
+        if entry.transport == "nixl" and entry.source_address:
+            self._fence(entry)
+        self._dest_changed(entry)
+
+    def _fence(self, entry: DestEntry) -> None:
+        """One-sided WRITEs land without this daemon's help: before the engine hears that a request
+        failed (and reuses its pages), the source must say none of its WRITEs is left in flight."""
+        link = self.links.get(entry.source_address)
+        if link is None or link.state != "up":
+            return  # an unreachable source cannot answer; peer_dead failures are told at once
+        entry.fence_until = time.monotonic() + self.cfg.timeouts.fence_s
+        link.send({"op": "fence", "request_id": entry.request_id})
+
+    def _fence_done(self, entry: DestEntry, why: str = "") -> None:
+        if not entry.fence_until:
+            return
+        self.metrics.fences.labels("unconfirmed" if why else "confirmed").inc()
+        if why:
+            log.warning("event=fence_unconfirmed request=%s rank=%s source=%s reason=%s", q(entry.request_id),
+                        entry.rank.id, entry.source_address, q(why))
+        entry.fence_until = 0.0
         self._dest_changed(entry)
 
     def _finalize_dest(self, entry: DestEntry, state: str) -> None:
@@ -885,6 +913,7 @@ class Daemon:
     def _finalize_src(self, entry: SrcEntry, state: str) -> None:
         entry.state = state
         self.sources.pop((entry.request_id, entry.rid), None)
+        self._answer_fences(entry.request_id)
         mode = entry.plan.mode if entry.plan else "none"
         transport = entry.route.kind if entry.route else "none"
         self.metrics.transfers.labels("prefill", state, mode, transport).inc()
@@ -1023,7 +1052,34 @@ class Daemon:
                 if req == msg["request_id"] and (entry.route is None or entry.route.identity == identity):
                     self._fail_src(entry, msg.get("code") or "peer_aborted", msg["reason"], propagate=False)
             return None
+        if op == "fence":
+            request_id = msg["request_id"]
+            for (req, _rid), entry in list(self.sources.items()):
+                if req == request_id and entry.route is not None and entry.route.identity == identity:
+                    self._fail_src(entry, "peer_aborted", "the decode daemon failed the request", propagate=False)
+            if self._writing(request_id, identity):
+                waiters = self.fence_waiters.setdefault(request_id, set())
+                waiters.add(identity)
+                return None
+            return {"op": "fenced", "request_id": request_id}
         return None
+
+    def _writing(self, request_id: str, identity: bytes) -> bool:
+        """Whether a chunk job of the request towards that decode daemon has not returned yet."""
+        return any(req == request_id and entry.inflight and entry.route is not None
+                   and entry.route.identity == identity for (req, _rid), entry in self.sources.items())
+
+    def _answer_fences(self, request_id: str) -> None:
+        waiters = self.fence_waiters.get(request_id)
+        if not waiters:
+            return
+        for identity in list(waiters):
+            if not self._writing(request_id, identity):
+                waiters.discard(identity)
+                if self.peer_sock is not None:
+                    self._send_peer(identity, {"op": "fenced", "request_id": request_id})
+        if not waiters:
+            del self.fence_waiters[request_id]
 
     def _peer_handshake(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         protocol.check_version(msg["v"])
@@ -1114,6 +1170,8 @@ class Daemon:
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
         self.nixl.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
         for entry in self.inbox.all():
+            if entry.fence_until and entry.source_address == link.address:
+                self._fence_done(entry, f"source daemon {link.address} unresponsive")
             if entry.transport in ("tcp", "nixl") and entry.state not in TERMINAL:
                 if entry.source_address == link.address:
                     self._fail_dest(entry, "peer_dead",
@@ -1150,6 +1208,9 @@ class Daemon:
                         log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
                         self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
             for entry in self.inbox.all():
+                if entry.fence_until and now > entry.fence_until:
+                    self._fence_done(entry, f"no fenced answer from the source within {t.fence_s}s; a WRITE "
+                                            "still in flight may land in the request's pages")
                 limit = limits.get(entry.state)
                 if limit is not None and entry.failure is None and now - entry.phase_since > limit:
                     self._fail_dest(entry, f"{entry.state}_timeout",

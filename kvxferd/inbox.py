@@ -48,6 +48,7 @@ class DestEntry:
     transport: str = ""
     source_address: str = ""  # empty: the source instance is on this daemon
     data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
+    fence_until: float = 0.0  # failed over NIXL direct: wait (until then) for the source to say no WRITE is left
 
     @property
     def capacity(self) -> int:

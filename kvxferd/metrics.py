@@ -71,6 +71,10 @@ class Metrics:
         self.staging_bytes = Gauge(
             "kvxferd_staging_bytes_in_use", "Bytes of staging (bounce) memory currently held.",
             registry=r)
+        self.fences = Counter(
+            "kvxferd_fences", "Failed NIXL requests held back until the source confirmed that no WRITE of theirs "
+            "was left in flight, by outcome (confirmed, or unconfirmed: timeout or source unresponsive).",
+            ["outcome"], registry=r)
         self.staging_waits = Counter(
             "kvxferd_staging_waits", "Times a data thread had to wait for a free staging slot.", registry=r)
         self.auth_denied = Counter(

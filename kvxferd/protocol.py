@@ -254,6 +254,9 @@ PEER_SCHEMAS: dict[str, Schema] = {
                   "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
                     optional={"code": text(64)}),
+    # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
+    "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
+    "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),
     "ping": Schema(required={"daemon": ADDRESS}, optional={}),
     "pong": Schema(required={"daemon": ADDRESS}, optional={}),
 }

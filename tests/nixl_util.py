@@ -127,6 +127,7 @@ class FakePrefillDaemon:
         self.handshake: dict | None = None
         self.expects: list[dict] = []
         self.aborts: list[dict] = []
+        self.fences: list[dict] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
@@ -155,6 +156,8 @@ class FakePrefillDaemon:
                 self.expects.append(msg)
             elif msg["op"] == "abort":
                 self.aborts.append(msg)
+            elif msg["op"] == "fence":  # recorded, never answered: the decode side must not wait forever
+                self.fences.append(msg)
             if reply is not None:
                 self.sock.send_multipart([identity, msgpack.packb(reply, use_bin_type=True)])
 

@@ -189,6 +189,34 @@ def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():
         c.close()
 
 
+@needs_nixl
+def test_a_request_failed_on_the_decode_side_waits_for_its_source_to_fence_it(cluster):
+    pd, dd = cluster.daemons["prefill-nixl"], cluster.daemons["decode-nixl"]
+    confirmed0 = metric(dd, "kvxferd_fences_total", outcome="confirmed")
+    unconfirmed0 = metric(dd, "kvxferd_fences_total", outcome="unconfirmed")
+    received0 = metric(dd, "kvxferd_received_bytes_total", transport="nixl")
+    prefill, decode = instances(cluster, (pd, "fence-p", "prefill", spec()), (dd, "fence-d", "decode", spec()))
+    try:
+        decode[0].command(cmd="expect", request_id="fence-1", pages=[1, 2, 3, 4], n=16, source_instance="fence-p",
+                          source_address=pd.address)
+        prefill[0].command(cmd="send", request_id="fence-1", pages=[5, 6, 7, 8], n=16, chunks=[[0, 4], [4, 16]],
+                           hold_last=True)
+        deadline = time.monotonic() + 20
+        while metric(dd, "kvxferd_received_bytes_total", transport="nixl") < received0 + 4 * 4 * 2 * 4 * 16 * 2:
+            assert time.monotonic() < deadline, "first chunk never landed"
+            time.sleep(0.05)
+        decode[0].command(cmd="abort", request_id="fence-1", reason="client went away")
+        ev = finished(decode[0], "fence-1", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "aborted", ev
+        # told only after the prefill daemon answered the fence (no timeout, no silent source)
+        assert metric(dd, "kvxferd_fences_total", outcome="confirmed") == confirmed0 + 1
+        assert metric(dd, "kvxferd_fences_total", outcome="unconfirmed") == unconfirmed0
+        pre = finished(prefill[0], "fence-1", timeout=15)
+        assert pre["state"] == "failed", pre
+    finally:
+        close(prefill + decode)
+
+
 # -- a notification that fails validation --------------------------------------------
 
 @needs_nixl
@@ -223,6 +251,10 @@ def test_notification_failing_validation_fails_the_request_with_the_reason(clust
             assert time.monotonic() < deadline, "no abort reached the source"
             time.sleep(0.02)
         assert fake.aborts[0]["request_id"] == "bad-1"
+        # the source was asked to fence the request; it never answered, and the failure was told anyway
+        assert [f["request_id"] for f in fake.fences][:1] == ["bad-1"]
+        assert metric(dd, "kvxferd_fences_total", outcome="unconfirmed") >= 1
+        assert "event=fence_unconfirmed request=bad-1" in dd.log()
     finally:
         close(decode)
         fake.close()

@@ -65,6 +65,7 @@ BACKEND = "UCX"
 POLL_BUSY_S, POLL_ACTIVE_S, POLL_IDLE_S = 5e-5, 2e-4, 1e-2
 POLL_BUSY_ROUNDS = 200  # short pauses after the last notification
 MAX_UNRELEASED = 4096
+RELEASE_SETTLE_S = 2.0  # a failed WRITE's data thread waits this long for NIXL to let go of it
 SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
 _import_error: str | None = None
@@ -400,8 +401,10 @@ class NixlTransport:
             handle = self._post(local, _mem(src_device), remote, _mem(dst_device), peer.agent, notif)
             try:
                 self._wait(handle, peer, deadline)
-            finally:
-                self._release(handle)
+            except BaseException:
+                self._release(handle, settle_s=RELEASE_SETTLE_S)  # the fence counts on it: nothing moves after
+                raise
+            self._release(handle)
         finally:
             with self._lock:
                 self._sending -= 1
@@ -465,7 +468,7 @@ class NixlTransport:
         finally:
             if in_flight is not None:  # an error while the block before was on the wire
                 handle, local = in_flight
-                self._release(handle, lambda: pool.release(local))
+                self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S)
             with self._lock:
                 self._sending -= 1
         return Moved(job.nbytes, n_blocks, "staged")
@@ -475,7 +478,7 @@ class NixlTransport:
         try:
             self._wait(handle, peer, deadline)
         finally:
-            self._release(handle, lambda: pool.release(local))
+            self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S)
 
     def _slot_address(self, slot: Any) -> int:
         """Address of a local staging slot, registered with NIXL on its first use (the pool keeps slots)."""
@@ -563,25 +566,40 @@ class NixlTransport:
             raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon and the network path to it") from None
 
-    def _release(self, handle: Any, after: Callable[[], None] | None = None) -> None:
+    def _release(self, handle: Any, after: Callable[[], None] | None = None, settle_s: float = 0.0) -> None:
         """Release a transfer handle; ``after`` runs once NIXL has let go of it (at once, or on a retry).
 
         A handle NIXL will not release yet may still be reading its source: a staging slot it
         reads from must not be reused before then, or a late WRITE would carry another block's bytes.
+        After a failed WRITE the data thread keeps trying for ``settle_s`` (driving progress), so
+        that its job returns, and the request's fence is answered, only once nothing moves.
         """
-        try:
-            handle.release()
-        except Exception as exc:  # noqa: BLE001 - an active transfer may not cancel at once
-            log.info("event=nixl_release_deferred error=%s", _why(exc))
-            with self._lock:
-                self._unreleased.append((handle, after))
-                dropped = self._unreleased[:-MAX_UNRELEASED]
-                del self._unreleased[:-MAX_UNRELEASED]
-            if dropped:  # their slots stay out of the pool for good: a bounded leak, never a reuse
-                log.warning("event=nixl_release_abandoned handles=%d", len(dropped))
+        until = time.monotonic() + settle_s
+        while True:
+            try:
+                handle.release()
+            except Exception as exc:  # noqa: BLE001 - an active transfer may not cancel at once
+                if time.monotonic() < until:
+                    try:
+                        self.agent.check_xfer_state(handle)
+                    except Exception:  # noqa: BLE001 - only progress is wanted here
+                        pass
+                    time.sleep(1e-3)
+                    continue
+                self._defer(handle, after, _why(exc))
+                return
+            if after is not None:
+                after()
             return
-        if after is not None:
-            after()
+
+    def _defer(self, handle: Any, after: Callable[[], None] | None, why: str) -> None:
+        log.warning("event=nixl_release_deferred error=%s", q(why))
+        with self._lock:
+            self._unreleased.append((handle, after))
+            dropped = self._unreleased[:-MAX_UNRELEASED]
+            del self._unreleased[:-MAX_UNRELEASED]
+        if dropped:  # their slots stay out of the pool for good: a bounded leak, never a reuse
+            log.warning("event=nixl_release_abandoned handles=%d", len(dropped))
 
     def _retry_releases(self) -> None:
         with self._lock:
