@@ -211,6 +211,11 @@ class Daemon:
         self.control_port = cfg.peer.control_port
         self.tasks: list[asyncio.Task[Any]] = []
         self.metrics.start_time.set(self.started)
+        self._states_cache: tuple[float, dict[tuple[str, str], int]] | None = None
+        for side in ("decode", "prefill"):
+            for state in STATES:
+                self.metrics.inflight.labels(side, state).set_function(
+                    lambda key=(side, state): self._state_counts()[key])
 
     def _staging_changed(self, slots_in_use: int, bytes_in_use: int) -> None:
         self.metrics.staging_slots.set(slots_in_use)
@@ -522,7 +527,6 @@ class Daemon:
         entry.transport = "tcp" if source_address else "local"
         entry.source_address = source_address
         self.inbox.add(entry)
-        self._count_states()
         asyncio.ensure_future(self._bootstrap(entry, source_address))
         return {"ok": True, "state": entry.state}
 
@@ -560,7 +564,6 @@ class Daemon:
         entry.state = "waiting_for_input"
         entry.phase_since = time.monotonic()
         self.metrics.phase_latency.labels("bootstrap").observe(time.monotonic() - started)
-        self._count_states()
         num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
         if link is None:
             plan_route = self.src_plans[(entry.source_instance, entry.rank.instance)]
@@ -739,7 +742,6 @@ class Daemon:
             record.update(code=code, reason=message)
             self._record_failure("decode", entry.request_id, entry.rank.id, code, message)
         self._remember(entry.request_id, entry.rank.id, record)
-        self._count_states()
         self._send_engine(entry.rank.identity, {"op": "event", "rank_id": entry.rank.id,
                                                 "request_id": entry.request_id, **record})
 
@@ -784,7 +786,6 @@ class Daemon:
         entry.add_chunk(Chunk(start, end, msg["last"], chunk_slots, msg.get("aux")))
         self._pump(entry)
         self._check_src(entry)
-        self._count_states()
         return {"ok": True, "state": entry.state}
 
     def _routes_for(self, request_id: str, instance: str) -> tuple[Plan, str, Route] | None:
@@ -826,7 +827,6 @@ class Daemon:
                 self._pump(entry)
             if req == request_id:
                 self._check_src(entry)
-        self._count_states()
 
     def _late_expect(self, request_id: str, route: Route, record: dict[str, Any]) -> None:
         """An expect for a request this side already ended: a failure must reach the decode side,
@@ -923,7 +923,6 @@ class Daemon:
             record.update(code=code, reason=message)
             self._record_failure("prefill", entry.request_id, entry.rid, code, message)
         self._remember(entry.request_id, entry.rid, record)
-        self._count_states()
         rank = self.registry.get(entry.rid)
         if rank is not None:
             self._send_engine(rank.identity, {"op": "event", "rank_id": entry.rid,
@@ -1250,16 +1249,23 @@ class Daemon:
         raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
                            fix="poll a request this rank expected or sent")
 
-    def _count_states(self) -> None:
+    def _state_counts(self) -> dict[tuple[str, str], int]:
+        """Requests per (side, state), counted when Prometheus asks (from its thread) and reused for
+        the other label values of the same scrape. Counting on every state change instead made
+        the control loop's work grow with the number of requests in flight."""
+        now = time.monotonic()
+        cached = self._states_cache
+        if cached is not None and now - cached[0] < 0.05:
+            return cached[1]
         counts = {("decode", s): 0 for s in STATES} | {("prefill", s): 0 for s in STATES}
         for entry in self.inbox.all():
             if entry.state in STATES:
                 counts[("decode", entry.state)] += 1
-        for src in self.sources.values():
+        for src in list(self.sources.values()):  # one C-level copy: safe against the loop's changes
             if src.state in STATES:
                 counts[("prefill", src.state)] += 1
-        for (side, state), n in counts.items():
-            self.metrics.inflight.labels(side, state).set(n)
+        self._states_cache = (now, counts)
+        return counts
 
     def _count_peers(self) -> None:
         counts = {"up": 0, "down": 0, "connecting": 0}

@@ -23,8 +23,8 @@ from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
 from kvxferd.sim import Cluster
 
-from ops_support import (NUM_PAGES, Scrape, base_url, close_cluster, http_get, kv_bytes, pages, spec, start_pair,
-                         transfer)
+from ops_support import (NUM_PAGES, Scrape, base_url, close_cluster, http_get, kv_bytes, next_for, pages, spec,
+                         start_pair, transfer, wait_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -101,6 +101,20 @@ def test_gauges_and_handshakes(pair):
         assert s.value("kvxferd_heartbeat_misses_total") == 0
         assert s.value("kvxferd_up") == 1
         assert abs(s.value("kvxferd_start_time_seconds") - time.time()) < 24 * 3600
+
+
+def test_inflight_gauge_counts_waiting_requests_at_scrape_time(pair):
+    pd, dd, pw, dw = pair
+    for i in range(3):  # expected on the decode side, never sent: they wait for input
+        dw.command(cmd="expect", request_id=f"gauge-{i}", pages=pages(40 + 2 * i, 8), n=8,
+                   source_instance=pw.instance, source_address=pd.address)
+    wait_for(lambda: Scrape(dd).value("kvxferd_inflight_requests", side="decode", state="waiting_for_input") == 3,
+             what="three decode requests waiting for input")
+    assert Scrape(dd).value("kvxferd_inflight_requests", side="decode", state="transferring") == 0
+    for i in range(3):
+        dw.command(cmd="abort", request_id=f"gauge-{i}", reason="test done")
+        assert next_for(dw, f"gauge-{i}")["state"] == "failed"
+    wait_for(lambda: Scrape(dd).value("kvxferd_inflight_requests", side="decode") == 0, what="gauge back to 0")
 
 
 def test_incompatible_pair_is_refused_and_counted_by_field(pair, tmp_path):
