@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test plan bench venv clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, so the dependency range never pulls a CUDA build
@@ -17,6 +17,9 @@ $(STAMP): pyproject.toml
 	# installed (no wheel for this Python or platform), everything else still works and
 	# tests/test_nixl.py skips, saying why.
 	$(PY) -m pip install -q --no-deps "nixl-cu12==1.5.1" || echo "warning: nixl-cu12 not installed: the nixl transport is unavailable"
+	# Mooncake's transfer engine, only as a peer to compare against in `kvxferd bench`
+	# (it needs the system library libibverbs1 at import time; .ci/run installs it)
+	$(PY) -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" || echo "warning: Mooncake not installed: its bench row skips"
 	touch $(STAMP)
 
 venv: $(STAMP)

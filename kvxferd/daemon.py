@@ -1148,6 +1148,7 @@ class Daemon:
                     # nothing waits on it: without this every address an engine ever named keeps a socket
                     link.close()
                     self.links.pop(link.address, None)
+                    self.nixl.forget_source(link.address)
                     self._count_peers()
             for identity, peer in list(self.downstream.items()):
                 if now - peer.last_seen > timeout:
@@ -1187,6 +1188,7 @@ class Daemon:
                 del self.src_plans[key]
                 if route.nixl is not None:  # NIXL WRITEs in flight to it stop waiting for their completion
                     route.nixl.dead = f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s"
+                    self.nixl.forget_peer(route.nixl.agent)
         for entry in list(self.sources.values()):
             if entry.route is not None and entry.route.identity == peer.identity:
                 self._fail_src(entry, "peer_dead", f"decode daemon {peer.daemon} unresponsive for "

@@ -414,3 +414,39 @@ def test_config_bounds_the_landing_rings():
     with pytest.raises(ConfigError) as err:
         config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "100"})
     assert err.value.field == "limits.nixl_landing_bytes" and "419430400" in str(err.value)
+
+
+@needs_nixl
+def test_agents_of_peer_daemons_that_died_are_removed():
+    """Both directions: the decode daemon drops a dead source's agent, the prefill daemon a dead destination's."""
+    quick = "[timeouts]\ntransfer_s = 2.0\nwaiting_for_input_s = 10.0\nbootstrap_s = 10.0\ndrain_grace_s = 1.0\n"
+    c = Cluster()
+    try:
+        p1 = c.daemon("prefill-1", extra_toml=quick, env=STAGED_ENV)
+        p2 = c.daemon("prefill-2", extra_toml=quick, env=STAGED_ENV)
+        d1 = c.daemon("decode-1", extra_toml=quick, env=STAGED_ENV)
+        a, b, d = instances(c, (p1, "ga", "prefill", spec()), (p2, "gb", "prefill", spec()),
+                            (d1, "gd", "decode", spec()))
+        for n, (group, daemon) in enumerate(((a, p1), (b, p2))):
+            d[0].command(cmd="expect", request_id=f"gone-{n}", pages=[n], n=4, source_instance=group[0].instance,
+                         source_address=daemon.address)
+            group[0].command(cmd="send", request_id=f"gone-{n}", pages=[n], n=4)
+            assert finished(d[0], f"gone-{n}")["state"] == "done"
+        p2.signal(signal.SIGKILL)
+        p2.proc.wait()
+        deadline = time.monotonic() + 20
+        while "event=nixl_agent_removed" not in d1.log():
+            assert time.monotonic() < deadline, "the decode daemon kept the dead source's agent"
+            time.sleep(0.2)
+        d1.signal(signal.SIGKILL)
+        d1.proc.wait()
+        while "event=nixl_agent_removed" not in p1.log():
+            assert time.monotonic() < deadline + 20, "the prefill daemon kept the dead destination's agent"
+            time.sleep(0.2)
+        removed = d1.log().split("event=nixl_agent_removed agent=", 1)[1].split("\n", 1)[0]
+        assert "kvxferd-prefill-2-" in removed  # the dead source's agent, not the live one's
+        assert "kvxferd-decode-1-" in p1.log().split("event=nixl_agent_removed agent=", 1)[1].split("\n", 1)[0]
+    finally:
+        for w in c.workers:
+            w.kill()
+        c.close()

@@ -243,6 +243,8 @@ class NixlTransport:
         #: prefill side: registrations of local staging slots (the pool keeps its slots for good)
         self._slot_regs: dict[int, Any] = {}
         self._conn_md: bytes | None = None
+        #: remote agents of peers that went away, removed once no WRITE to them can be pending
+        self._forget_at: dict[str, float] = {}
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -356,6 +358,8 @@ class NixlTransport:
         return peer
 
     def load(self, agent: str, metadata: list[bytes]) -> None:
+        with self._lock:
+            self._forget_at.pop(agent, None)  # back before it was dropped: keep it
         for md in metadata:
             try:
                 loaded = self.agent.add_remote_agent(md)
@@ -402,9 +406,9 @@ class NixlTransport:
             try:
                 self._wait(handle, peer, deadline)
             except BaseException:
-                self._release(handle, settle_s=RELEASE_SETTLE_S)  # the fence counts on it: nothing moves after
+                self._release(handle, settle_s=RELEASE_SETTLE_S, agent=peer.agent)  # the fence counts on it
                 raise
-            self._release(handle)
+            self._release(handle, agent=peer.agent)
         finally:
             with self._lock:
                 self._sending -= 1
@@ -468,7 +472,7 @@ class NixlTransport:
         finally:
             if in_flight is not None:  # an error while the block before was on the wire
                 handle, local = in_flight
-                self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S)
+                self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S, agent=peer.agent)
             with self._lock:
                 self._sending -= 1
         return Moved(job.nbytes, n_blocks, "staged")
@@ -478,7 +482,7 @@ class NixlTransport:
         try:
             self._wait(handle, peer, deadline)
         finally:
-            self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S)
+            self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S, agent=peer.agent)
 
     def _slot_address(self, slot: Any) -> int:
         """Address of a local staging slot, registered with NIXL on its first use (the pool keeps slots)."""
@@ -527,11 +531,11 @@ class NixlTransport:
         try:
             state = self.agent.transfer(handle)
         except Exception as exc:  # noqa: BLE001
-            self._release(handle, after)
+            self._release(handle, after, agent=agent)
             raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon and the network path to it") from None
         if state not in ("PROC", "DONE"):
-            self._release(handle, after)
+            self._release(handle, after, agent=agent)
             raise TransferError(f"NIXL WRITE to {agent} ended in state {state}", field="transport",
                                 fix="check the decode daemon and the network path to it")
         return handle
@@ -566,7 +570,8 @@ class NixlTransport:
             raise TransferError(f"NIXL WRITE to {agent} failed: {_why(exc)}", field="transport",
                                 fix="check the decode daemon and the network path to it") from None
 
-    def _release(self, handle: Any, after: Callable[[], None] | None = None, settle_s: float = 0.0) -> None:
+    def _release(self, handle: Any, after: Callable[[], None] | None = None, settle_s: float = 0.0,
+                 agent: str = "") -> None:
         """Release a transfer handle; ``after`` runs once NIXL has let go of it (at once, or on a retry).
 
         A handle NIXL will not release yet may still be reading its source: a staging slot it
@@ -586,16 +591,16 @@ class NixlTransport:
                         pass
                     time.sleep(1e-3)
                     continue
-                self._defer(handle, after, _why(exc))
+                self._defer(handle, after, _why(exc), agent)
                 return
             if after is not None:
                 after()
             return
 
-    def _defer(self, handle: Any, after: Callable[[], None] | None, why: str) -> None:
-        log.warning("event=nixl_release_deferred error=%s", q(why))
+    def _defer(self, handle: Any, after: Callable[[], None] | None, why: str, agent: str) -> None:
+        log.warning("event=nixl_release_deferred agent=%s error=%s", q(agent), q(why))
         with self._lock:
-            self._unreleased.append((handle, after))
+            self._unreleased.append((handle, after, agent))
             dropped = self._unreleased[:-MAX_UNRELEASED]
             del self._unreleased[:-MAX_UNRELEASED]
         if dropped:  # their slots stay out of the pool for good: a bounded leak, never a reuse
@@ -604,8 +609,29 @@ class NixlTransport:
     def _retry_releases(self) -> None:
         with self._lock:
             pending, self._unreleased = self._unreleased, []
-        for handle, after in pending:
-            self._release(handle, after)
+        for handle, after, agent in pending:
+            self._release(handle, after, agent=agent)
+
+    def forget(self, agent: str) -> None:
+        """A peer daemon went away: drop its remote agent (connections, metadata, landing credits)
+        once no WRITE to it can still be pending. A handshake that loads it again first keeps it."""
+        with self._lock:
+            self._forget_at[agent] = time.monotonic() + self.timeout_s + RELEASE_SETTLE_S
+
+    def _drop_forgotten(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            busy = {agent for _h, _a, agent in self._unreleased}
+            due = [a for a, t in self._forget_at.items() if t <= now and a not in busy]
+            for agent in due:
+                del self._forget_at[agent]
+                self._credits.pop(agent, None)
+        for agent in due:
+            try:
+                self.agent.remove_remote_agent(agent)
+                log.info("event=nixl_agent_removed agent=%s", q(agent))
+            except Exception as exc:  # noqa: BLE001 - never loaded, or already gone
+                log.info("event=nixl_agent_remove_failed agent=%s error=%s", q(agent), q(_why(exc)))
 
     # -- receiving -------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -623,9 +649,10 @@ class NixlTransport:
                 for message in messages:
                     self._deliver(name, message)
             busy = 0 if notifs else busy + 1
-            if self._unreleased and time.monotonic() - last_retry > 1.0:
+            if (self._unreleased or self._forget_at) and time.monotonic() - last_retry > 1.0:
                 last_retry = time.monotonic()
                 self._retry_releases()
+                self._drop_forgotten()
             if busy < POLL_BUSY_ROUNDS:
                 self._closed.wait(POLL_BUSY_S)
             else:
@@ -853,6 +880,9 @@ class NixlSupport:
         chosen = reply.get("transport")
         agent = reply.get("nixl_agent")
         if chosen == "nixl" and self.transport is not None and isinstance(agent, str) and agent:
+            previous = self.transport.source_agents.get(source)
+            if previous and previous != agent:  # the source daemon restarted: its old agent is gone
+                self.transport.forget(previous)
             self.transport.source_agents[source] = agent
             self.transport.landing.bind(source, agent)
             try:  # the source's connection info, so landing slots can be handed back to it
@@ -868,6 +898,18 @@ class NixlSupport:
     def abandon(self, entry: DestEntry) -> None:
         if self.transport is not None:
             self.transport.abandon(entry)
+
+    def forget_peer(self, agent: str) -> None:
+        """Prefill side: a decode daemon stopped answering; its agent goes once nothing can write to it."""
+        if self.transport is not None and agent:
+            self.transport.forget(agent)
+
+    def forget_source(self, source: str) -> None:
+        """Decode side: the link to a source daemon is gone for good (no request waits on it)."""
+        if self.transport is not None:
+            agent = self.transport.source_agents.pop(source, None)
+            if agent:
+                self.transport.forget(agent)
 
     def source_down(self, source: str) -> None:
         """A source daemon link went down: its landing ring is retired (quarantined, then freed)."""
