@@ -395,14 +395,21 @@ class Cluster:
         return d
 
     def instance(self, daemon: DaemonProc, name: str, role: str, spec: InstanceSpec, num_pages: int) -> list[Worker]:
-        workers = []
-        for pp in range(spec.pp_size):
-            for tp in range(spec.tp_size):
-                workers.append(Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False))
-        self.workers.extend(workers)
-        for w in workers:  # started together, so imports overlap
-            w.wait_registered()
-        return workers
+        return self.instances((daemon, name, role, spec, num_pages))[0]
+
+    def instances(self, *wanted: tuple[DaemonProc, str, str, InstanceSpec, int]) -> list[list[Worker]]:
+        """The engine ranks of several (daemon, name, role, spec, num_pages) instances, registered.
+        Every engine process starts before any is waited for, so their imports overlap."""
+        groups = []
+        for daemon, name, role, spec, num_pages in wanted:
+            group = [Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False)
+                     for pp in range(spec.pp_size) for tp in range(spec.tp_size)]
+            self.workers.extend(group)
+            groups.append(group)
+        for group in groups:
+            for w in group:
+                w.wait_registered()
+        return groups
 
     def close(self) -> None:
         for w in self.workers:

@@ -13,16 +13,8 @@ import urllib.request
 import msgpack
 import pytest
 import zmq
-from e2e_util import (
-    Cluster,
-    assert_verified,
-    close,
-    pages_for,
-    transfer,
-    untouched_bytes,
-)
 
-from kvxferd.geometry import RankGeometry
+from e2e_util import Cluster, assert_verified, close, pages_for, transfer, untouched_bytes
 from kvxferd.sim import Worker
 from kvxferd.transport import nixl as nixl_mod
 
@@ -75,17 +67,12 @@ def metric(daemon, name: str, **labels: str) -> float:
 
 
 def instances(cluster: Cluster, *wanted: tuple) -> list[list[Worker]]:
-    """Start the engine ranks of several instances at once (imports overlap), then wait for all."""
-    groups = []
-    for daemon, name, role, ispec in wanted:
-        group = [Worker(daemon, name, role, RankGeometry(ispec, tp, pp, NUM_PAGES), wait=False)
-                 for pp in range(ispec.pp_size) for tp in range(ispec.tp_size)]
-        cluster.workers.extend(group)
-        groups.append(group)
-    for group in groups:
-        for w in group:
-            w.wait_registered()
-    return groups
+    """Several (daemon, name, role, spec) instances of NUM_PAGES pages, started together."""
+    return cluster.instances(*((d, name, role, ispec, NUM_PAGES) for d, name, role, ispec in wanted))
+
+
+#: long phase timeouts, so that only heartbeats or deadlines under test can end a request
+SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\ndrain_grace_s = 1.0\n"
 
 
 def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", decode: str = "decode-nixl",

@@ -31,7 +31,7 @@ from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
-from kvxferd.sim import CANARY, Worker
+from kvxferd.sim import CANARY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
@@ -57,21 +57,6 @@ def canary(worker, allowed: list[list[Any]]) -> dict[str, Any]:
             return ev
         if ev.get("event") == "exit":
             raise AssertionError("worker exited")
-
-
-def start_instances(cluster: Cluster, *instances: tuple[Any, str, str, Any, int]) -> list[list[Any]]:
-    """Like Cluster.instance for several (daemon, name, role, spec, num_pages) at once: every engine
-    process starts before any is waited for, so their imports overlap."""
-    groups = []
-    for daemon, name, role, spec_, num_pages in instances:
-        group = [Worker(daemon, name, role, RankGeometry(spec_, tp, pp, num_pages), wait=False)
-                 for pp in range(spec_.pp_size) for tp in range(spec_.tp_size)]
-        cluster.workers.extend(group)
-        groups.append(group)
-    for group in groups:
-        for w in group:
-            w.wait_registered()
-    return groups
 
 
 def local_canary(cache, allowed: list[list[Any]] = ()) -> dict[str, Any]:
@@ -291,7 +276,7 @@ def blast(sock: zmq.Socket, frames_list: list[list[bytes]], timeout_ms: int = 20
 def node():
     c = Cluster()
     d = c.daemon("fuzz-engine-node", extra_toml=CONFIG)
-    prefill, decode = start_instances(c, (d, "lp", "prefill", spec(), NUM_PAGES),
+    prefill, decode = c.instances((d, "lp", "prefill", spec(), NUM_PAGES),
                                       (d, "ld", "decode", spec(), NUM_PAGES))
     geo = RankGeometry(spec(), 0, 0, NUM_PAGES)
     dcache = allocate_cpu(geo, name="fz-d", fill=CANARY)

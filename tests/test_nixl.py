@@ -19,29 +19,14 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from e2e_util import Cluster, close, finished, spec
-from nixl_util import (
-    NIXL_ENV,
-    NIXL_MISSING,
-    NUM_PAGES,
-    UCX_ENV,
-    FakePrefillDaemon,
-    instances,
-    metric,
-    needs_nixl,
-    run_case,
-)
 
+from e2e_util import Cluster, close, finished, spec
 from kvxferd import PROTOCOL_VERSION, config, protocol
 from kvxferd.client import EngineClient
-from kvxferd.errors import (
-    ConfigError,
-    PlanRefusal,
-    ProtocolError,
-    RequestError,
-    TransferError,
-)
+from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
 from kvxferd.transport import nixl as nixl_mod
+from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
+                       metric, needs_nixl, run_case)
 
 
 @pytest.fixture(scope="module")
@@ -130,9 +115,6 @@ def test_falls_back_to_tcp_when_the_prefill_side_does_not_enable_nixl(cluster):
 
 
 # -- faults ----------------------------------------------------------------------------
-
-SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\ndrain_grace_s = 1.0\n"
-
 
 @needs_nixl
 def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():

@@ -16,26 +16,17 @@ import time
 import msgpack
 import numpy as np
 import pytest
-from e2e_util import Cluster, close, finished, spec
 from hypothesis import given
 from hypothesis import strategies as st
-from nixl_util import (
-    NIXL_ENV,
-    NIXL_MISSING,
-    NUM_PAGES,
-    UCX_ENV,
-    FakePrefillDaemon,
-    instances,
-    metric,
-    needs_nixl,
-    run_case,
-)
 
+from e2e_util import Cluster, close, finished, spec
 from kvxferd import config, protocol
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
 from kvxferd.inbox import Sink
 from kvxferd.staging import Piece, StagingPool, block_pieces, pack
 from kvxferd.transport.nixl_staging import Assemblies, Credits, LandingRings, RingInfo
+from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
+                       metric, needs_nixl, run_case)
 
 SLOT = 4096
 STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
@@ -180,9 +171,6 @@ def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cl
 
 
 # -- a frozen decode daemon while blocks wait for landing slots ----------------------------
-
-SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\ndrain_grace_s = 1.0\n"
-
 
 @needs_nixl
 def test_sender_waiting_for_landing_slots_of_a_frozen_decode_daemon_fails_within_the_deadline():
