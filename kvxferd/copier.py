@@ -7,6 +7,8 @@ divides the row, the slice offset, the slice length and the buffer's address.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 import torch
 
@@ -51,8 +53,22 @@ def scatter(flat: torch.Tensor, slots: np.ndarray, row_bytes: int, head_offset: 
     """Inverse of :func:`gather`: write consecutive slices of ``data`` into the slots."""
     size, dtype = word(row_bytes, head_offset, slice_bytes, flat.data_ptr(), data.data_ptr())
     dst = rows(flat, row_bytes, head_offset, slice_bytes, size, dtype)
-    src = data.view(dtype).view(slots.size, slice_bytes // size).to(flat.device, non_blocking=True)
+    # a blocking copy: ``data`` is a staging slot the caller reuses as soon as this returns
+    src = data.view(dtype).view(slots.size, slice_bytes // size).to(flat.device)
     dst.index_copy_(0, _index(slots, flat.device), src)
+
+
+def settle(tensors: Iterable[torch.Tensor]) -> None:
+    """Wait for the device work queued on these tensors' GPUs.
+
+    The engine that hears "done" reads its pages from another process, whose CUDA work is
+    not ordered after this process's stream: every kernel writing them must have finished.
+    """
+    seen = set()
+    for t in tensors:
+        if t.device.type == "cuda" and t.device not in seen:
+            seen.add(t.device)
+            torch.cuda.current_stream(t.device).synchronize()
 
 
 def copy_runs(src_flat: torch.Tensor, dst_flat: torch.Tensor, src_off: np.ndarray,

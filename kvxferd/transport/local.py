@@ -6,7 +6,7 @@ chunk, then the bytes move region to region with no socket and no staging.
 
 from __future__ import annotations
 
-from ..copier import FEW_RUNS, copy_runs, copy_slots
+from ..copier import FEW_RUNS, copy_runs, copy_slots, settle
 
 LONG_RUN = 8192  # average segment bytes from which per-run slice copies beat index copies
 from ..errors import KvxferError, TransferError
@@ -38,6 +38,7 @@ class LocalTransport:
                                dst.flat, sink.dst_slots, w.dst_row_bytes, sink.head_offset,
                                w.slice_bytes)
                 fragments += len(segs)
+            settle(r.flat for r in sink.regions())
             ok = True
             return Moved(job.nbytes, fragments, "direct")
         except KvxferError:

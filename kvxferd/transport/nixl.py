@@ -49,7 +49,7 @@ from ..errors import KvxferError, PlanRefusal, ProtocolError, RequestError, Tran
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank, rank_id
-from ..copier import gather, scatter
+from ..copier import gather, scatter, settle
 from ..segments import as_pages, paired_segments, slots
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
@@ -746,6 +746,7 @@ class NixlTransport:
                     part = block[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
                     scatter(asm.regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
                             sink.head_offset, w.slice_bytes, part)
+                settle(asm.regions[piece.region].flat for piece in pieces)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - fail this request, keep receiving
                 log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), rid,

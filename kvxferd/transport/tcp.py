@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import numpy as np
 from .. import protocol
-from ..copier import gather, scatter
+from ..copier import gather, scatter, settle
 from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
@@ -210,6 +210,7 @@ class TcpDataServer:
                     scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
                             sink.head_offset, w.slice_bytes,
                             slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+            settle(r.flat for r in regions)
         finally:
             self.staging.release(slot)
         return Moved(sink.nbytes, len(blocks), "staged")
