@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any, Sequence
@@ -103,14 +104,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
             "event=config_env_ignored var=%s hint=%s", name, "overrides_are_KVXFERD_<SECTION>_<KEY>")
     from .daemon import run
     try:
-        return run(cfg)
+        code = run(cfg)
     except KvxferError as exc:
         logging.getLogger("kvxferd").error("event=fatal code=%s field=%s msg=%s", exc.code, exc.field,
                                            logutil.q(str(exc)))
-        return 1
+        code = 1
     except Exception as exc:  # noqa: BLE001 - e.g. a port in use: one log line, not a bare traceback
         logging.getLogger("kvxferd").exception("event=fatal msg=%s", logutil.q(repr(exc)[:300]))
-        return 1
+        code = 1
+    return _exit_after_nixl(code)
+
+
+def _exit_after_nixl(code: int) -> int:
+    """Leave without running native static destructors once NIXL has been loaded.
+
+    The daemon has shut down and released everything by now. UCX (under NIXL) can crash in
+    its own teardown at process exit, e.g. its InfiniBand module on a host that has
+    libibverbs but no RDMA device, which would turn a clean stop into a SIGSEGV status.
+    """
+    from .transport import nixl
+    if not nixl.loaded():
+        return code
+    import logging
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _find_socket(args: argparse.Namespace) -> tuple[str | None, list[str]]:

@@ -25,7 +25,7 @@ import zmq
 from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
-from test_fuzz_engine import canary, start_instances, wait_idle
+from test_fuzz_engine import canary, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
@@ -121,7 +121,7 @@ def wait_first_chunk(d, request_id: str = "", timeout: float = 10) -> None:
 def test_paused_prefill_daemon_fails_its_requests_then_serves_again(cluster):
     started = time.monotonic()
     a, b, c = (cluster.daemons[n] for n in ("node-a", "node-b", "node-c"))
-    pa, pc, db, dc = start_instances(cluster, (a, "sp", "prefill", spec(), NUM_PAGES),
+    pa, pc, db, dc = cluster.instances((a, "sp", "prefill", spec(), NUM_PAGES),
                                      (c, "cp", "prefill", spec(), NUM_PAGES), (b, "sd", "decode", spec(), NUM_PAGES),
                                      (b, "cd", "decode", spec(), NUM_PAGES))
     try:
@@ -176,7 +176,7 @@ def test_killed_engine_with_requests_in_flight(short_cluster):
     a, b = c.daemons["short-a"], c.daemons["short-b"]
     workers = []
     try:
-        pa, db = start_instances(c, (a, "ep", "prefill", spec(), NUM_PAGES), (b, "ed", "decode", spec(), NUM_PAGES))
+        pa, db = c.instances((a, "ep", "prefill", spec(), NUM_PAGES), (b, "ed", "decode", spec(), NUM_PAGES))
         workers += pa + db
         verified_request(pa, db, "ek-warm", a.address)
         # 1. the prefill engine dies after its first chunk
@@ -232,7 +232,7 @@ def test_killed_engine_with_requests_in_flight(short_cluster):
 def test_decode_daemon_sigkilled_mid_transfer_fails_the_prefill_side_promptly(cluster):
     started = time.monotonic()
     a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
-    pa, db = start_instances(cluster, (a, "kp", "prefill", spec(), NUM_PAGES), (b, "kd", "decode", spec(), NUM_PAGES))
+    pa, db = cluster.instances((a, "kp", "prefill", spec(), NUM_PAGES), (b, "kd", "decode", spec(), NUM_PAGES))
     try:
         verified_request(pa, db, "dk-warm", a.address)
         hold(pa, db, "dk-1", a.address)
@@ -296,7 +296,7 @@ def no_more_events(worker, wait: float = 1.0) -> list[dict[str, Any]]:
 def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_complete(short_cluster):
     started = time.monotonic()
     a, b = short_cluster.daemons["short-a"], short_cluster.daemons["short-b"]
-    pa, db = start_instances(short_cluster, (a, "rp", "prefill", spec(), NUM_PAGES),
+    pa, db = short_cluster.instances((a, "rp", "prefill", spec(), NUM_PAGES),
                              (b, "rd", "decode", spec(), NUM_PAGES))
     sock = raw_peer(a.address)
     outcomes = []
@@ -365,7 +365,7 @@ def test_abort_while_bytes_are_moving(cluster):
     a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
     big = spec(head_dim=128, page_size=16)
     n, pages_per_req, num_pages = 1024, 64, 64 * 9
-    pa, db = start_instances(cluster, (a, "ap", "prefill", big, num_pages), (b, "ad", "decode", big, num_pages))
+    pa, db = cluster.instances((a, "ap", "prefill", big, num_pages), (b, "ad", "decode", big, num_pages))
     outcomes: dict[str, int] = {}
     allowed = []
     partial = 0
@@ -414,7 +414,7 @@ def test_prefill_abort_before_the_decode_side_expects_reaches_the_decode_side(sh
     expect must learn the request failed, not wait for bytes until its own phase timeout."""
     started = time.monotonic()
     a, b = short_cluster.daemons["short-a"], short_cluster.daemons["short-b"]
-    pa, db, pl = start_instances(short_cluster, (a, "lp", "prefill", spec(), NUM_PAGES),
+    pa, db, pl = short_cluster.instances((a, "lp", "prefill", spec(), NUM_PAGES),
                                  (b, "ld", "decode", spec(), NUM_PAGES), (b, "llp", "prefill", spec(), NUM_PAGES))
     codes = []
     try:

@@ -29,7 +29,7 @@ from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
 from kvxferd.sim import free_port
-from test_fuzz_engine import canary, encoded_mutations, junk, start_instances, value, wait_idle
+from test_fuzz_engine import canary, encoded_mutations, junk, value, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
@@ -173,7 +173,7 @@ def nodes():
     dd = c.daemon("fuzz-decode-node", extra_toml=CONFIG, start=False)
     pd.start()
     dd.start()
-    prefill, decode = start_instances(c, (pd, "pp", "prefill", spec(), NUM_PAGES),
+    prefill, decode = c.instances((pd, "pp", "prefill", spec(), NUM_PAGES),
                                       (dd, "pd", "decode", spec(), NUM_PAGES))
     state = {"cluster": c, "pd": pd, "dd": dd, "prefill": prefill, "decode": decode,
              "allowed_decode": [], "allowed_prefill": []}

@@ -22,7 +22,7 @@ import pytest
 
 from e2e_util import Cluster, spec
 from kvxferd.client import EngineClient
-from test_fuzz_engine import start_instances, wait_idle
+from test_fuzz_engine import wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
@@ -141,7 +141,7 @@ def run_requests(prefill, decodes, rng: random.Random, count: int, prefix: str, 
 
 def test_two_thousand_requests_across_two_daemons_stay_bounded(cluster):
     a, b = cluster.daemons["load-a"], cluster.daemons["load-b"]
-    prefill, decode, staged = start_instances(cluster, (a, "load-p", "prefill", spec(tp_size=2), NUM_PAGES),
+    prefill, decode, staged = cluster.instances((a, "load-p", "prefill", spec(tp_size=2), NUM_PAGES),
                                               (b, "load-d", "decode", spec(tp_size=2, page_size=8), NUM_PAGES),
                                               (b, "load-s", "decode", spec(), NUM_PAGES))
     decodes = [decode, staged]

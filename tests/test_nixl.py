@@ -199,6 +199,23 @@ def test_a_request_failed_on_the_decode_side_waits_for_its_source_to_fence_it(cl
         close(prefill + decode)
 
 
+@needs_nixl
+def test_a_daemon_that_ran_nixl_exits_cleanly_with_every_ucx_module_loaded():
+    # UCX_MODULES=all undoes the test-wide exclusion of UCX's InfiniBand module, which
+    # crashes at process exit where libibverbs is installed without an RDMA device
+    c = Cluster()
+    try:
+        d = c.daemon("exit-nixl", env={**NIXL_ENV, "UCX_MODULES": "all"})
+        ranks = c.instance(d, "exit-d", "decode", spec(), 8)  # the first rank starts the NIXL agent
+        with EngineClient(d.socket_path, timeout=5) as client:
+            assert client.status()["transports"]["nixl"].startswith("ready"), client.status()["transports"]
+        close(ranks)
+        d.signal(signal.SIGTERM)
+        assert d.proc.wait(30) == 0, d.log()[-2000:]
+    finally:
+        c.close()
+
+
 # -- a notification that fails validation --------------------------------------------
 
 @needs_nixl

@@ -94,6 +94,11 @@ def load_api() -> Any:
     raise ImportError(_import_error)
 
 
+def loaded() -> bool:
+    """Whether this process has loaded the NIXL module (and with it UCX)."""
+    return _api is not None
+
+
 def available() -> tuple[bool, str]:
     """Whether the NIXL Python API imports here, and why not."""
     try:
