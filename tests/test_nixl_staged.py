@@ -19,7 +19,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, close, finished, spec
+from e2e_util import Cluster, close, finished, spec, untouched_bytes
 from kvxferd import config, protocol
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
 from kvxferd.inbox import Sink
@@ -438,3 +438,67 @@ def test_agents_of_peer_daemons_that_died_are_removed():
         for w in c.workers:
             w.kill()
         c.close()
+
+
+def _mutations(valid: dict, ring: int, rng) -> list[bytes]:
+    """Notifications a confused or hostile source agent might send: valid ones with one field
+    dropped or replaced, unknown ops, frees of slots it never held, and bytes that are not msgpack."""
+    junk = [None, -1, 0, 1, 2, 3, 2**31, 2**63 - 1, "x" * 70, b"\x00" * 9, [1, 2], {"a": 1}, True, 1.5]
+    out = []
+    for _ in range(300):
+        msg = dict(valid)
+        for key in rng.sample(sorted(msg), rng.randint(1, 3)):
+            if key != "op" and rng.random() < 0.25:
+                del msg[key]
+            else:
+                msg[key] = rng.choice(junk + [ring, ring + 1, valid.get(key)])
+        out.append(msgpack.packb(msg, use_bin_type=True))
+    for _ in range(60):
+        out.append(msgpack.packb({"op": rng.choice(["free", "data", "fenced", "ack", ""]),
+                                  "ring": rng.choice(junk + [ring]), "slot": rng.choice(junk)}, use_bin_type=True))
+    out += [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))) for _ in range(40)]
+    return out
+
+
+@needs_nixl
+def test_fuzzed_staged_notifications_never_write_outside_the_request_and_the_daemon_keeps_serving(cluster,
+                                                                                                  monkeypatch):
+    import random
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    dd = cluster.daemons["decode-st"]
+    fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
+    decode = cluster.instance(dd, "fuzz-sd", "decode", spec(), NUM_PAGES)
+    try:
+        decode[0].command(cmd="expect", request_id="fuzz-1", pages=[1, 2, 3, 4], n=16, source_instance="fuzz-sp",
+                          source_address=fake.address)
+        deadline = time.monotonic() + 20
+        while not fake.expects:
+            assert time.monotonic() < deadline, "decode daemon never sent its expect"
+            time.sleep(0.02)
+        hs = fake.handshake
+        for md in hs["nixl_md"]:
+            fake.agent.add_remote_agent(md)
+        ring = hs["nixl_landing"][0]
+        valid = {"op": "data", "request_id": "fuzz-1", "decode_instance": "fuzz-sd", "dst": [0, 0], "src": [0, 0],
+                 "start": 0, "end": 16, "last": True, "nbytes": 16 * 8 * 2 * 16 * 2, "token": hs["data_token"],
+                 "ring": ring, "slot": 0, "block": 0, "pack": SLOT}
+        invalid0 = metric(dd, "kvxferd_invalid_messages_total", endpoint="data")
+        messages = _mutations(valid, ring, random.Random(7))
+        for message in messages:
+            fake.agent.send_notif(hs["nixl_agent"], message)
+        deadline = time.monotonic() + 30
+        while metric(dd, "kvxferd_invalid_messages_total", endpoint="data") < invalid0 + 100:
+            assert time.monotonic() < deadline, "the fuzzed notifications were not refused"
+            time.sleep(0.1)
+        # the daemon keeps serving: a real staged transfer through it is still byte-exact
+        run_case(cluster, spec(tp_size=2), spec(), prefill="prefill-st", decode="decode-st", n_tokens=19,
+                 requests=1)
+        log = dd.log()
+        assert "Traceback" not in log and "scatter_crashed" not in log
+        # whatever landed, landed only in the fuzzed request's own pages
+        assert untouched_bytes(decode[0], [p for p in range(NUM_PAGES) if p not in (1, 2, 3, 4)]) == 0
+        decode[0].command(cmd="abort", request_id="fuzz-1", reason="fuzz done")
+    finally:
+        close(decode)
+        fake.close()
