@@ -40,7 +40,7 @@ from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
 from .staging import StagingPool
 from .transport.tcp import TcpDataServer, TcpTransport
-from .transport.nixl import NixlSupport
+from .transport.nixl_support import NixlSupport
 
 log = logging.getLogger("kvxferd.daemon")
 

@@ -25,6 +25,7 @@ from kvxferd import PROTOCOL_VERSION, config, protocol
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
 from kvxferd.transport import nixl as nixl_mod
+from kvxferd.transport.nixl_support import NixlSupport
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
 
@@ -313,13 +314,13 @@ def test_remote_bases_and_descriptors_are_built_in_wire_order():
 
 
 def test_negotiation_refuses_a_pair_without_a_common_transport():
-    support = nixl_mod.NixlSupport("unit", ["nixl"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+    support = NixlSupport("unit", ["nixl"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                    max_pages=1 << 10)
     support.unavailable = "simulated: not installed"  # never starts an agent in this process
     with pytest.raises(PlanRefusal) as err:
         support.choose({"daemon": "d:1", "transports": ["tcp"]}, spec(), "auto")
     assert err.value.field == "peer.transports" and "simulated" in str(err.value)
-    tcp_only = nixl_mod.NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+    tcp_only = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                     max_pages=1 << 10)
     tcp_only.unavailable = "simulated"
     assert tcp_only.offered() == ["tcp"]
@@ -329,7 +330,7 @@ def test_negotiation_refuses_a_pair_without_a_common_transport():
 
 
 def test_expect_over_nixl_is_checked_before_any_write():
-    support = nixl_mod.NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+    support = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                    max_pages=8)
     loaded = []
     support.transport = type("Loader", (), {"load": lambda self, agent, mds: loaded.append((agent, mds))})()
