@@ -10,8 +10,10 @@ schemas) are tested at the end.
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 import time
+from pathlib import Path
 
 import msgpack
 import numpy as np
@@ -27,6 +29,9 @@ from kvxferd.staging import Piece, StagingPool, block_pieces, pack
 from kvxferd.transport.nixl_staging import Assemblies, Credits, LandingRings, RingInfo
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import reliability_report as rr  # noqa: E402
 
 SLOT = 4096
 STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
@@ -485,6 +490,7 @@ def test_fuzzed_staged_notifications_never_write_outside_the_request_and_the_dae
                  "ring": ring, "slot": 0, "block": 0, "pack": SLOT}
         invalid0 = metric(dd, "kvxferd_invalid_messages_total", endpoint="data")
         messages = _mutations(valid, ring, random.Random(7))
+        started = time.monotonic()
         for message in messages:
             fake.agent.send_notif(hs["nixl_agent"], message)
         deadline = time.monotonic() + 30
@@ -497,7 +503,13 @@ def test_fuzzed_staged_notifications_never_write_outside_the_request_and_the_dae
         log = dd.log()
         assert "Traceback" not in log and "scatter_crashed" not in log
         # whatever landed, landed only in the fuzzed request's own pages
-        assert untouched_bytes(decode[0], [p for p in range(NUM_PAGES) if p not in (1, 2, 3, 4)]) == 0
+        outside = untouched_bytes(decode[0], [p for p in range(NUM_PAGES) if p not in (1, 2, 3, 4)])
+        assert outside == 0
+        rr.record("fuzz", "nixl_staged_notifications", {
+            "endpoint": "nixl", "messages": len(messages), "answered": "n/a (one-sided)",
+            "invalid_metric_delta": int(metric(dd, "kvxferd_invalid_messages_total", endpoint="data") - invalid0),
+            "internal_errors": 0, "bytes_outside_destinations": outside, "daemon_alive": True,
+            "seconds": round(time.monotonic() - started, 2)})
         decode[0].command(cmd="abort", request_id="fuzz-1", reason="fuzz done")
     finally:
         close(decode)
