@@ -781,8 +781,10 @@ class Daemon:
             if route is not None:
                 entry.bind(*route)
         elif entry.closed:
-            raise RequestError(f"request {msg['request_id']!r} is {entry.state}", field="request_id",
-                               fix="start a new request")
+            # failed but still draining its chunks in flight: say why, as for a request already ended
+            why = f"failed ({entry.failure[0]}: {entry.failure[1]})" if entry.failure else entry.state
+            raise RequestError(f"request {msg['request_id']!r} is {why}", field="request_id",
+                               code="request_finished", fix="start a new request")
         entry.add_chunk(Chunk(start, end, msg["last"], chunk_slots, msg.get("aux")))
         self._pump(entry)
         self._check_src(entry)
