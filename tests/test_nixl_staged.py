@@ -72,12 +72,15 @@ CASES = [
     (spec(tp_size=2), spec(), 50, [[0, 7], [7, 30], [30, 50]], "expect_first"),
     (spec(), spec(tp_size=2), 41, None, "send_first"),
     (spec(tp_size=4, total_kv_heads=2), spec(total_kv_heads=2), 29, [[0, 8], [8, 29]], "expect_first"),
+    # an empty last chunk carries no bytes, yet must still reach the decode side
+    (spec(tp_size=2), spec(), 20, [[0, 20], [20, 20]], "expect_first"),
 ]
 
 
 @needs_nixl
 @pytest.mark.parametrize("pspec,dspec,n_tokens,chunks,order", CASES,
-                         ids=["tp2-to-tp1-chunked", "tp1-to-tp2-send-first", "tp4-replicated-to-tp1-chunked"])
+                         ids=["tp2-to-tp1-chunked", "tp1-to-tp2-send-first", "tp4-replicated-to-tp1-chunked",
+                              "empty-last-chunk"])
 def test_sliced_plans_stage_over_nixl_byte_exact(cluster, pspec, dspec, n_tokens, chunks, order):
     before = moved(cluster)
     run_case(cluster, pspec, dspec, prefill="prefill-st", decode="decode-st", n_tokens=n_tokens, chunks=chunks,

@@ -435,6 +435,9 @@ class NixlTransport:
         pack_bytes = min(pool.slot_bytes, credits.info.slot_bytes)
         per_slot = slices_per_slot(w.slice_bytes, pack_bytes)
         n_blocks = block_count(len(regions), n_tokens, per_slot)
+        if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
+            self._notify(peer.agent, protocol.encode(job.header()))
+            return Moved(0, 0, "staged")
         deadline = time.monotonic() + self.timeout_s
         head = {**job.header(), "ring": credits.info.ring, "pack": pack_bytes}
         in_flight: tuple[Any, Any] | None = None  # (handle, local slot) of the block on the wire
