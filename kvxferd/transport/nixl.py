@@ -660,7 +660,10 @@ class NixlTransport:
             for sender, messages in notifs.items():
                 name = sender.decode() if isinstance(sender, bytes) else str(sender)
                 for message in messages:
-                    self._deliver(name, message)
+                    try:
+                        self._deliver(name, message)
+                    except Exception as exc:  # noqa: BLE001 - one notification must not stop all receiving
+                        log.error("event=notification_crashed sender=%s error=%s", q(name), q(_why(exc)))
             busy = 0 if notifs else busy + 1
             if (self._unreleased or self._forget_at) and time.monotonic() - last_retry > 1.0:
                 last_retry = time.monotonic()
