@@ -116,6 +116,9 @@ class NixlSupport:
         else:
             chosen = "tcp"
         self._chosen[(source, prefill, decode)] = chosen
+        if self.transport is not None and not any(
+                t == "nixl" for (src, _p, _d), t in self._chosen.items() if src == source):
+            self.transport.landing.retire(source)  # offered, not taken by any pair of that link
         return chosen
 
     def abandon(self, entry: DestEntry) -> None:
