@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 from e2e_util import Cluster, close, finished, spec, untouched_bytes
 from kvxferd import config, protocol
+from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
 from kvxferd.inbox import Sink
 from kvxferd.staging import Piece, StagingPool, block_pieces, pack
@@ -92,8 +93,14 @@ def test_sliced_plans_stage_over_nixl_byte_exact(cluster, pspec, dspec, n_tokens
     assert after[("received", "nixl", "")] - before[("received", "nixl", "")] == expected
     for key in (("sent", "nixl", "direct"), ("sent", "tcp", "staged"), ("sent", "tcp", "direct")):
         assert after[key] == before[key], key
-    # one landing slot and 4 KiB blocks: the sender had to wait for slots to come back
     assert "mode=staged transport=nixl" in cluster.daemons["prefill-st"].log()
+    # operators see the rings (decode side) and that every landing slot came back (prefill side)
+    with EngineClient(cluster.daemons["decode-st"].socket_path, timeout=5) as client:
+        landing = client.status()["transports"]["landing"]
+    assert landing["rings"] >= 1 and landing["bytes_held"] >= SLOT and landing["budget_bytes"] > 0, landing
+    with EngineClient(cluster.daemons["prefill-st"].socket_path, timeout=5) as client:
+        credits_out = client.status()["transports"]["credits_out"]
+    assert credits_out and set(credits_out.values()) == {0}, credits_out
 
 
 @needs_nixl

@@ -625,6 +625,12 @@ class NixlTransport:
         for handle, after, agent in pending:
             self._release(handle, after, agent=agent)
 
+    def credits_out(self) -> dict[str, int]:
+        """Prefill side: per destination agent, landing slots written and not yet handed back."""
+        with self._lock:
+            credits = list(self._credits.items())
+        return {agent: c.outstanding for agent, c in credits}
+
     def forget(self, agent: str) -> None:
         """A peer daemon went away: drop its remote agent (connections, metadata, landing credits)
         once no WRITE to it can still be pending. A handshake that loads it again first keeps it."""

@@ -172,6 +172,11 @@ class LandingRings:
         self._lock = threading.Lock()
 
     @property
+    def ring_count(self) -> int:
+        with self._lock:
+            return len(self._rings)
+
+    @property
     def bytes_held(self) -> int:
         """Memory of live and quarantined rings: what counts against the budget."""
         with self._lock:

@@ -65,11 +65,17 @@ class NixlSupport:
 
     def describe(self) -> dict[str, Any]:
         """For ``status``: the configured preference and the state of NIXL here (starts nothing)."""
-        if self.transport is not None:
-            state = f"ready (agent {self.transport.agent_name}, {len(self.transport.source_agents)} sources)"
-        else:
-            state = self.unavailable or "not started (starts with the first rank or handshake)"
-        return {"preference": list(self.preference), "nixl": state}
+        if self.transport is None:
+            return {"preference": list(self.preference),
+                    "nixl": self.unavailable or "not started (starts with the first rank or handshake)"}
+        t = self.transport
+        return {"preference": list(self.preference),
+                "nixl": f"ready (agent {t.agent_name}, {len(t.source_agents)} sources)",
+                # decode side: landing rings offered to source links (live and quarantined memory);
+                # prefill side: landing slots of each destination agent written and not yet handed back
+                "landing": {"rings": t.landing.ring_count, "bytes_held": t.landing.bytes_held,
+                            "budget_bytes": t.landing.budget_bytes},
+                "credits_out": t.credits_out()}
 
     def offered(self) -> list[str]:
         """This daemon's transports in preference order, NIXL only where the agent works."""
