@@ -8,6 +8,7 @@ import itertools
 import os
 import random
 import threading
+import time
 import urllib.request
 
 import msgpack
@@ -147,6 +148,21 @@ class FakePrefillDaemon:
                 self.fences.append(msg)
             if reply is not None:
                 self.sock.send_multipart([identity, msgpack.packb(reply, use_bin_type=True)])
+
+    def engage(self, decode_worker: Worker, request_id: str, pages: list[int], n: int) -> dict:
+        """Have a decode rank expect a request from this stand-in; once the decode daemon's handshake
+        and expect have arrived, load its NIXL metadata (so notifications can be sent) and return
+        the handshake."""
+        decode_worker.command(cmd="expect", request_id=request_id, pages=pages, n=n,
+                              source_instance=f"{decode_worker.instance}-src", source_address=self.address)
+        deadline = time.monotonic() + 20
+        while not self.expects:
+            assert time.monotonic() < deadline, "decode daemon never sent its expect"
+            time.sleep(0.02)
+        assert self.handshake is not None
+        for md in self.handshake["nixl_md"]:
+            self.agent.add_remote_agent(md)
+        return self.handshake
 
     def close(self) -> None:
         self._stop.set()

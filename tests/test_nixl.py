@@ -227,19 +227,11 @@ def test_notification_failing_validation_fails_the_request_with_the_reason(clust
     fake = FakePrefillDaemon(spec())
     decode = cluster.instance(dd, "fake-d", "decode", spec(), NUM_PAGES)
     try:
-        decode[0].command(cmd="expect", request_id="bad-1", pages=[1, 2], n=8, source_instance="fake-p",
-                          source_address=fake.address)
-        deadline = time.monotonic() + 20
-        while not fake.expects:
-            assert time.monotonic() < deadline, "decode daemon never sent its expect"
-            time.sleep(0.02)
-        hs, expect = fake.handshake, fake.expects[0]
-        assert hs is not None and hs["transports"][0] == "nixl" and hs["nixl_agent"]
-        assert expect["dst_pages"] == [1, 2]
+        hs = fake.engage(decode[0], "bad-1", pages=[1, 2], n=8)
+        assert hs["transports"][0] == "nixl" and hs["nixl_agent"]
+        assert fake.expects[0]["dst_pages"] == [1, 2]
         assert {tuple(r[:4]) for r in hs["nixl_regions"]} == {(0, 0, layer, kind) for layer in range(4)
                                                                for kind in ("k", "v")}
-        for md in hs["nixl_md"]:
-            fake.agent.add_remote_agent(md)
         header = {"op": "data", "request_id": "bad-1", "decode_instance": "fake-d", "dst": [0, 0], "src": [0, 0],
                   "start": 0, "end": 8, "last": True, "nbytes": 12345, "token": hs["data_token"]}
         fake.agent.send_notif(hs["nixl_agent"], msgpack.packb(header, use_bin_type=True))

@@ -147,18 +147,9 @@ def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cl
     fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
     decode = cluster.instance(dd, "fake-sd", "decode", spec(), NUM_PAGES)
     try:
-        decode[0].command(cmd="expect", request_id="forged-1", pages=[1, 2], n=8, source_instance="fake-sp",
-                          source_address=fake.address)
-        deadline = time.monotonic() + 20
-        while not fake.expects:
-            assert time.monotonic() < deadline, "decode daemon never sent its expect"
-            time.sleep(0.02)
-        hs = fake.handshake
-        assert hs is not None
+        hs = fake.engage(decode[0], "forged-1", pages=[1, 2], n=8)
         ring, address, slot_bytes, count, _device = hs["nixl_landing"]
         assert (slot_bytes, count) == (SLOT, 1)
-        for md in hs["nixl_md"]:
-            fake.agent.add_remote_agent(md)
         invalid0 = metric(dd, "kvxferd_invalid_messages_total", endpoint="data")
         header = {"op": "data", "request_id": "forged-1", "decode_instance": "fake-sd", "dst": [0, 0],
                   "src": [0, 0], "start": 0, "end": 8, "last": True, "nbytes": 8 * 8 * 2 * 16 * 2,
@@ -485,15 +476,7 @@ def test_fuzzed_staged_notifications_never_write_outside_the_request_and_the_dae
     fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
     decode = cluster.instance(dd, "fuzz-sd", "decode", spec(), NUM_PAGES)
     try:
-        decode[0].command(cmd="expect", request_id="fuzz-1", pages=[1, 2, 3, 4], n=16, source_instance="fuzz-sp",
-                          source_address=fake.address)
-        deadline = time.monotonic() + 20
-        while not fake.expects:
-            assert time.monotonic() < deadline, "decode daemon never sent its expect"
-            time.sleep(0.02)
-        hs = fake.handshake
-        for md in hs["nixl_md"]:
-            fake.agent.add_remote_agent(md)
+        hs = fake.engage(decode[0], "fuzz-1", pages=[1, 2, 3, 4], n=16)
         ring = hs["nixl_landing"][0]
         valid = {"op": "data", "request_id": "fuzz-1", "decode_instance": "fuzz-sd", "dst": [0, 0], "src": [0, 0],
                  "start": 0, "end": 16, "last": True, "nbytes": 16 * 8 * 2 * 16 * 2, "token": hs["data_token"],
