@@ -6,6 +6,8 @@ import random
 import time
 from typing import Any
 
+import zmq
+
 from kvxferd.geometry import InstanceSpec
 from kvxferd.sim import Cluster, DaemonProc, Worker
 
@@ -104,3 +106,13 @@ def wait_in_flight(daemon, key: str, timeout: float = 20) -> None:
 
 __all__ = ["wait_in_flight", "Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
            "close", "untouched_bytes"]
+
+
+def peer_socket(address: str, recv_timeout_ms: int | None = 5000) -> zmq.Socket:
+    """A raw ZeroMQ DEALER on a daemon's peer port, for tests that speak the peer protocol by hand."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if recv_timeout_ms is not None:
+        sock.setsockopt(zmq.RCVTIMEO, recv_timeout_ms)
+    sock.connect(f"tcp://{address}")
+    return sock

@@ -11,9 +11,9 @@ import signal
 
 import msgpack
 import pytest
-import zmq
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer, wait_in_flight
+from e2e_util import (Cluster, assert_verified, close, finished, pages_for, peer_socket, spec, transfer,
+                      wait_in_flight)
 from kvxferd.client import DaemonError, EngineClient
 
 NUM_PAGES = 32
@@ -114,17 +114,9 @@ def test_register_refuses_regions_that_do_not_match_geometry(cluster):
             assert err.value.field == "regions.path"
 
 
-def _peer_socket(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"tcp://{address}")
-    return sock
-
-
 def test_malformed_peer_messages_get_errors(cluster):
     pd = cluster.daemons["prefill-node"]
-    sock = _peer_socket(pd.address)
+    sock = peer_socket(pd.address)
     try:
         cases = [
             (b"\x00\x01garbage", "message"),

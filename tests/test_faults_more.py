@@ -22,7 +22,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, spec, transfer
+from e2e_util import Cluster, assert_verified, close, finished, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
 from test_fuzz_engine import canary, wait_idle
@@ -267,14 +267,6 @@ def test_decode_daemon_sigkilled_mid_transfer_fails_the_prefill_side_promptly(cl
         "seconds": time.monotonic() - started})
 
 
-def raw_peer(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, 5000)
-    sock.connect(f"tcp://{address}")
-    return sock
-
-
 def drain_replies(sock: zmq.Socket, seq: int) -> list[dict[str, Any]]:
     sock.send(msgpack.packb({"op": "ping", "daemon": "127.0.0.1:1", "seq": seq}))
     out = []
@@ -298,7 +290,7 @@ def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_comple
     a, b = short_cluster.daemons["short-a"], short_cluster.daemons["short-b"]
     pa, db = short_cluster.instances((a, "rp", "prefill", spec(), NUM_PAGES),
                              (b, "rd", "decode", spec(), NUM_PAGES))
-    sock = raw_peer(a.address)
+    sock = peer_socket(a.address)
     outcomes = []
     try:
         verified_request(pa, db, "rp-1", a.address)

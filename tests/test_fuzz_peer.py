@@ -25,7 +25,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
+from e2e_util import Cluster, assert_verified, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
 from kvxferd.sim import free_port
@@ -40,13 +40,6 @@ BATCH = 400
 CONFIG = ("[timeouts]\nbootstrap_s = 3.0\nwaiting_for_input_s = 2.0\ntransfer_s = 4.0\ndrain_grace_s = 1.0\n"
           "handshake_retry_s = 0.2\n[limits]\nmax_message_bytes = 4194304\nmax_inflight_requests = 256\n")
 RETURNED = ("no_handshake", "draining", "busy", "request_bound")  # plain errors, not counted as invalid
-
-
-def peer_socket(address: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"tcp://{address}")
-    return sock
 
 
 def blast(sock: zmq.Socket, frames_list: list[list[bytes]], sentinel: int,
@@ -210,7 +203,7 @@ def test_peer_endpoint_survives_10k_hostile_messages(nodes):
     pd = nodes["pd"]
     legit(nodes, "before")
     invalid_before = rr.metric(pd.metrics_url, "kvxferd_invalid_messages_total", endpoint="peer")
-    sock = peer_socket(pd.address)
+    sock = peer_socket(pd.address, recv_timeout_ms=None)
     fuzzer = PeerFuzzer(random.Random(7), "pp", spec().to_dict(), f"127.0.0.1:{free_port()}")
     categories: Counter[str] = Counter()
     codes: Counter[str] = Counter()
@@ -279,7 +272,7 @@ def peer_message(draw) -> bytes:
 
 @pytest.fixture(scope="module")
 def hsock(nodes):
-    sock = peer_socket(nodes["pd"].address)
+    sock = peer_socket(nodes["pd"].address, recv_timeout_ms=None)
     yield sock
     sock.close(0)
 
@@ -324,7 +317,7 @@ def test_expects_from_one_peer_are_bounded_by_max_inflight_requests(nodes):
     creates must stay within limits.max_inflight_requests like every other request."""
     pd = nodes["pd"]
     started = time.monotonic()
-    sock = peer_socket(pd.address)
+    sock = peer_socket(pd.address, recv_timeout_ms=None)
     try:
         sock.send(msgpack.packb({"op": "handshake", "seq": 1, "v": PROTOCOL_VERSION, "daemon": "127.0.0.1:1",
                                  "data_address": f"127.0.0.1:{free_port()}", "prefill_instance": "pp",
