@@ -136,9 +136,15 @@ class EngineClient(_Base):
         self.call("unregister", rank_id=rank_id)
 
     def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
-               source_address: str | None = None, num_tokens: int | None = None) -> str:
+               source_address: str | None = None, num_tokens: int | None = None, start: int | None = None) -> str:
+        """Expect a request's KV into ``pages`` (they cover the request from token 0).
+
+        ``start``: tokens before it are already in those pages (a prefix cache hit); only
+        ``[start, num_tokens)`` moves and the request is done once that range arrived.
+        """
         return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
-                         source_address=source_address, pages=_pages(pages), num_tokens=num_tokens)["state"]
+                         source_address=source_address, pages=_pages(pages), num_tokens=num_tokens,
+                         start=start or None)["state"]
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
              last: bool = True, aux: bytes | None = None) -> str:
@@ -242,10 +248,11 @@ class AsyncEngineClient(_Base):
         return (await self.call("register", **self._register_msg(instance, role, geometry, regions)))["rank_id"]
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
-                     source_address: str | None = None, num_tokens: int | None = None) -> str:
+                     source_address: str | None = None, num_tokens: int | None = None,
+                     start: int | None = None) -> str:
         return (await self.call("expect", rank_id=rank_id, request_id=request_id,
                                 source_instance=source_instance, source_address=source_address,
-                                pages=_pages(pages), num_tokens=num_tokens))["state"]
+                                pages=_pages(pages), num_tokens=num_tokens, start=start or None))["state"]
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
                    last: bool = True, aux: bytes | None = None) -> str:

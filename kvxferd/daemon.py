@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .outbox import Chunk, Route, SrcEntry, Target
 from .planner import Plan, make_plan
 from .registry import ProcessRef, Rank, Registry, rank_id
-from .segments import as_pages, slots
+from .segments import as_pages, clip_slots, slots
 from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
 from .staging import StagingPool
@@ -517,13 +517,21 @@ class Daemon:
         if num_tokens is not None and num_tokens > capacity:
             raise RequestError(f"num_tokens {num_tokens} exceeds the {capacity} tokens of {pages.size} pages",
                                field="num_tokens", fix="allocate enough pages for the request")
+        start = msg.get("start", 0)
+        if num_tokens is not None and start >= num_tokens:
+            raise RequestError(f"start {start} is not below num_tokens {num_tokens}: nothing would move",
+                               field="start", fix="send start (tokens already in the decode pages) below "
+                                                  "num_tokens, or omit it")
+        if start >= max(capacity, 1):
+            raise RequestError(f"start {start} is not below the {capacity} tokens of {pages.size} pages",
+                               field="start", fix="send pages for the whole request from token 0, start below it")
         self._refuse_finished(msg["request_id"], rank.id)
         source_address = msg.get("source_address") or ""
         if source_address == self.address:
             source_address = ""
         if source_address:
             split_address(source_address)
-        entry = DestEntry(msg["request_id"], rank, msg["source_instance"], pages, num_tokens)
+        entry = DestEntry(msg["request_id"], rank, msg["source_instance"], pages, num_tokens, start)
         entry.transport = "tcp" if source_address else "local"
         entry.source_address = source_address
         self.inbox.add(entry)
@@ -568,11 +576,12 @@ class Daemon:
         if link is None:
             plan_route = self.src_plans[(entry.source_instance, entry.rank.instance)]
             self._on_expect(entry.request_id, entry.source_instance, entry.rank.instance, entry.rank.coords,
-                            plan_route[0], plan_route[1])
+                            plan_route[0], plan_route[1], start=entry.start)
         else:
             link.send({"op": "expect", "request_id": entry.request_id,
                        "prefill_instance": entry.source_instance, "decode_instance": entry.rank.instance,
                        "dst": list(entry.rank.coords), "num_tokens": num_tokens,
+                       **({"start": entry.start} if entry.start else {}),
                        **self.nixl.expect_fields(link.address, entry)})
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
@@ -799,7 +808,7 @@ class Daemon:
         return self.request_routes.get((request_id, instance))
 
     def _on_expect(self, request_id: str, prefill: str, decode: str, dst: tuple[int, int], plan: Plan,
-                   route: Route, dst_pages: Any = None) -> None:
+                   route: Route, dst_pages: Any = None, start: int = 0) -> None:
         dest = plan.destination(*dst)
         self.request_routes[(request_id, prefill)] = (plan, decode, route)
         self.request_routes.move_to_end((request_id, prefill))
@@ -820,7 +829,7 @@ class Daemon:
                                                           "reason": entry.failure[1]})
                 continue
             entry.bind(plan, decode, route)
-            entry.targets.setdefault(dst, Target(dst, w, dst_pages=dst_pages))
+            entry.targets.setdefault(dst, Target(dst, w, dst_pages=dst_pages, start=start))
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
         for (req, rid), entry in list(self.sources.items()):
@@ -848,8 +857,20 @@ class Daemon:
                 if idx in target.scheduled:
                     continue
                 target.scheduled.add(idx)
+                start, chunk_slots = chunk.start, chunk.slots
+                if target.start > chunk.start:  # the decode side holds a prefix already: only the rest moves
+                    if chunk.end <= target.start:
+                        if chunk.last:
+                            self._fail_src(entry, "request", f"the last chunk ends at token {chunk.end}, at or "
+                                                              f"before token {target.start} where the decode side "
+                                                              "starts; nothing is left to move")
+                            return
+                        target.acked.add(idx)  # nothing of it is wanted: done without a byte moved
+                        continue
+                    start = target.start
+                    chunk_slots = clip_slots(chunk_slots, rank.geometry.spec, chunk.start, start)
                 job = ChunkJob(entry.request_id, entry.decode_instance or "", target.dst, rank, target.writer,
-                               chunk.start, chunk.end, chunk.last, chunk.aux, chunk.slots, entry.plan.mode,
+                               start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.plan.mode,
                                entry.route.data_address, entry.route.token,
                                dst_pages=target.dst_pages, remote=entry.route.nixl)
                 kind = entry.route.kind
@@ -1029,6 +1050,10 @@ class Daemon:
             if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
                 raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
                                     field="dst", fix="send a rank of the decode instance")
+            start = msg.get("start", 0)
+            if msg["num_tokens"] and start >= msg["num_tokens"]:
+                raise ProtocolError(f"start {start} is not below num_tokens {msg['num_tokens']}", field="start",
+                                    fix="send a start below the request's length")
             if self.draining and not any(req == msg["request_id"] for req, _rid in self.sources):
                 # a request whose chunks this daemon already holds is in flight: let it finish
                 return {"op": "error", "request_id": msg["request_id"],
@@ -1045,7 +1070,7 @@ class Daemon:
                 except KvxferError as exc:
                     return {"op": "error", "request_id": msg["request_id"], "error": exc.to_wire()}
             self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route,
-                            dst_pages)
+                            dst_pages, start)
             return None
         if op == "abort":
             # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
@@ -1250,6 +1275,10 @@ class Daemon:
         done = self.finished.get((request_id, rank.id))
         if done is not None:
             return dict(done)
+        if rank.role == "prefill" and self._routes_for(request_id, rank.instance) is not None:
+            # the decode side's expect reached this daemon: the rank may send, whether or not the
+            # plan gives it anything to write (a head replica) and before it sent anything
+            return {"state": "waiting_for_input"}
         raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
                            fix="poll a request this rank expected or sent")
 

@@ -31,6 +31,7 @@ class DestEntry:
     source_instance: str
     pages: np.ndarray
     num_tokens: int | None
+    start: int = 0  # tokens before it are already in the decode pages (a prefix hit): only the rest moves
     created: float = field(default_factory=time.monotonic)
     state: str = "bootstrapping"
     phase_since: float = field(default_factory=time.monotonic)
@@ -67,15 +68,15 @@ class DestEntry:
         ends = set()
         for src in self.writers:
             end = self.last_end.get(src)
-            if end is None or _covered(self.received[src]) != end:
+            if end is None or _covered(self.received[src], self.start) != end:
                 return False
             ends.add(end)
         return len(ends) == 1
 
 
-def _covered(ranges: list[tuple[int, int]]) -> int:
-    """Length of the gap-free prefix [0, n) covered by ``ranges``."""
-    reach = 0
+def _covered(ranges: list[tuple[int, int]], origin: int = 0) -> int:
+    """End of the gap-free range [origin, n) covered by ``ranges``."""
+    reach = origin
     for start, end in sorted(ranges):
         if start > reach:
             break
@@ -176,6 +177,10 @@ class Inbox:
                 raise RequestError(f"token range [{start}, {end}) exceeds the {entry.capacity} tokens of "
                                    f"the destination pages", field="end",
                                    fix="send only tokens the decode side allocated pages for")
+            if start < entry.start:
+                raise RequestError(f"chunk [{start}, {end}) starts before token {entry.start}, the first "
+                                   "token the decode side expects", field="start",
+                                   fix="send only tokens at or after the expect's start")
             if entry.num_tokens is not None and end > entry.num_tokens:
                 raise RequestError(f"token range ends at {end}, request has {entry.num_tokens} tokens",
                                    field="end", fix="send only the request's tokens")

@@ -285,3 +285,7 @@ class MemoryMapper:
 
 def shm_dir_usable(path: str = "/dev/shm") -> bool:
     return Path(path).is_dir() and os.access(path, os.W_OK)
+
+
+# engine-owned tensors (kept in their own module; re-exported here for one import path)
+from .engine_memory import SharedPool, describe_tensors, share_in_place  # noqa: E402,F401

@@ -47,6 +47,7 @@ class Target:
     scheduled: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
     dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
+    start: int = 0  # the decode side holds tokens before it already: chunks are clipped to >= start
 
 
 @dataclass

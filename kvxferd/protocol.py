@@ -195,7 +195,7 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
         required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
                   "pages": int_list()},
         optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
-                  "timeout_s": number(0.001, 86400)}),
+                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400)}),
     "send": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
                   "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
@@ -250,7 +250,8 @@ PEER_SCHEMAS: dict[str, Schema] = {
     "expect": Schema(
         required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
-        optional={"dst_pages": int_list(MAX_DST_PAGES), "nixl_md": NIXL_OFFER["nixl_md"],
+        optional={"start": integer(0, 1 << 40),
+                  "dst_pages": int_list(MAX_DST_PAGES), "nixl_md": NIXL_OFFER["nixl_md"],
                   "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
                     optional={"code": text(64)}),

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .errors import RequestError
+from .geometry import InstanceSpec
 from .planner import Writer
 
 INDEX_DTYPE = np.int64
@@ -63,6 +64,15 @@ def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int =
     every = (touched[:, None] * page_size + np.arange(page_size, dtype=INDEX_DTYPE)).ravel()
     skip = start % page_size
     return every[skip:skip + (end - start)]
+
+
+def clip_slots(chunk_slots: np.ndarray, spec: InstanceSpec, chunk_start: int, start: int) -> np.ndarray:
+    """The slots of a chunk that begins at ``chunk_start``, from token ``start`` on.
+
+    Used when the decode side already holds the tokens before ``start`` (a prefix hit) and
+    the prefill engine sent the whole prompt.
+    """
+    return chunk_slots[start - chunk_start:]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,233 @@
+"""Registering KV tensors an engine already owns.
+
+kvxferd's own engines allocate their cache with :func:`kvxferd.memory.allocate_cpu`, so
+the file behind every region is known. A real engine (SGLang, vLLM) allocates its KV pool
+itself and hands its attention layers the tensors. Two helpers bridge that:
+
+- :func:`share_in_place` moves CPU tensors into one kvxferd shared-memory file and rebinds
+  the very tensor objects to it (``Tensor.set_``), so the layers that hold them compute
+  into memory the daemon can map. Tensors that shared a storage keep sharing it.
+- :func:`describe_tensors` turns existing tensors into the region descriptors ``register``
+  takes: for CPU it finds the file and offset behind the data pointer in
+  ``/proc/self/maps`` (the daemon maps files, not pointers); for CUDA it sends the
+  storage's IPC handle plus the tensor's offset inside it.
+
+Kept apart from :mod:`kvxferd.memory` (which re-exports these names) and free of imports
+from it at module level, so either module can be imported first.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import uuid
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .errors import RegistrationError
+
+_ALIGN = 4096  # each moved storage starts on a page of the file (keeps every dtype aligned)
+SHARE_FIX = "place the pool in shared memory first: kvxferd.memory.share_in_place(tensors, name=...)"
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+@dataclass
+class SharedPool:
+    """The shared-memory file an engine's tensors were moved into.
+
+    :meth:`close` unlinks the file (idempotent); the mapping itself lives as long as any
+    tensor uses it. Without close() the file is unlinked once no tensor uses the mapping
+    any more, or when the process exits normally. Register the tensors before closing: the
+    daemon opens the file by its path (a daemon that already mapped it keeps its mapping).
+    """
+
+    path: str | None
+    size: int
+    _finalizer: Any = field(default=None, repr=False)
+
+    def close(self) -> None:
+        if self._finalizer is not None:
+            self._finalizer()  # runs _unlink once; later calls are no-ops
+        self.path = None
+
+    def __enter__(self) -> "SharedPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _align(n: int) -> int:
+    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+
+
+def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str = "/dev/shm") -> SharedPool:
+    """Move CPU tensors' storages into one kvxferd shared-memory file, rebinding them in place.
+
+    Every storage is copied once (current contents kept) to its own page-aligned range of
+    the file; every tensor is then pointed at the same byte offset of that range with its
+    own size and stride. Views of one storage therefore still alias each other, and every
+    holder of a given tensor object sees the shared memory. A holder of a *different*
+    tensor object over the old storage (a base tensor the engine also keeps) does not:
+    pass every tensor the engine uses.
+    """
+    tensors = list(tensors)
+    for i, t in enumerate(tensors):
+        if not isinstance(t, torch.Tensor):
+            raise RegistrationError(f"tensors[{i}] is a {type(t).__name__}, not a torch.Tensor",
+                                    field="tensors", fix="pass the engine's KV tensors")
+        if t.device.type != "cpu":
+            fix = ("register CUDA tensors as they are: describe_tensors() sends their CUDA IPC handle, no "
+                   "move is needed" if t.device.type == "cuda" else "pass CPU tensors only")
+            raise RegistrationError(
+                f"tensors[{i}] is on device {t.device}; only CPU tensors move into shared memory",
+                field="tensors", fix=fix)
+    storages: dict[int, torch.UntypedStorage] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        storages.setdefault(s.data_ptr(), s)
+    spans = sorted((ptr, s.nbytes()) for ptr, s in storages.items())
+    for (p0, n0), (p1, _n1) in zip(spans, spans[1:]):
+        if p0 + n0 > p1:
+            raise RegistrationError("two different storages overlap in memory; moving them apart would "
+                                    "break their aliasing", field="tensors",
+                                    fix="pass tensors that are views of whole storages")
+    offsets: dict[int, int] = {}
+    total = 0
+    for ptr, nbytes in spans:
+        offsets[ptr] = total
+        total += _align(max(nbytes, 1))
+    total = max(total, _ALIGN)
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
+    path = os.path.join(shm_dir, f"kvxferd-{safe}-{uuid.uuid4().hex[:12]}")
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    try:
+        try:
+            os.ftruncate(fd, total)
+            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        array = np.frombuffer(mm, dtype=np.uint8)
+        base = torch.from_numpy(array)  # the storage keeps ``array`` and so the mapping alive
+        for ptr, s in storages.items():
+            old = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
+            base[offsets[ptr]:offsets[ptr] + s.nbytes()].copy_(old)
+        shared = base.untyped_storage()
+        for t in tensors:
+            size = t.element_size()
+            byte_offset = offsets[t.untyped_storage().data_ptr()] + t.storage_offset() * size
+            with torch.no_grad():
+                t.set_(shared, byte_offset // size, t.size(), t.stride())
+    except BaseException:
+        _unlink(path)
+        raise
+    # the name goes when close() is called, when no tensor uses the mapping any more, or at
+    # normal interpreter exit, whichever comes first
+    return SharedPool(path, total, weakref.finalize(array, _unlink, path))
+
+
+# -- describing existing tensors ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    shared: bool
+    offset: int  # file offset of ``start``
+    path: str  # "" for anonymous memory
+
+
+def _read_maps() -> list[_Mapping]:
+    """This process's mappings, adjacent pieces of one file merged (the kernel may split them)."""
+    out: list[_Mapping] = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            parts = line.rstrip("\n").split(maxsplit=5)
+            if len(parts) < 5:
+                continue
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            path = parts[5] if len(parts) == 6 else ""
+            m = _Mapping(lo, hi, parts[1][3] == "s", int(parts[2], 16), path)
+            prev = out[-1] if out else None
+            if (prev is not None and prev.end == m.start and prev.path == m.path and m.path.startswith("/")
+                    and prev.shared == m.shared and prev.offset + (prev.end - prev.start) == m.offset):
+                out[-1] = _Mapping(prev.start, m.end, m.shared, prev.offset, m.path)
+            else:
+                out.append(m)
+    return out
+
+
+def _find(maps: list[_Mapping], ptr: int) -> _Mapping | None:
+    for m in maps:
+        if m.start <= ptr < m.end:
+            return m
+    return None
+
+
+def _describe_cpu(key: tuple[int, str], t: torch.Tensor, maps: list[_Mapping]) -> dict[str, Any]:
+    layer, kind = key
+    nbytes = t.numel() * t.element_size()
+    ptr = t.data_ptr()
+    m = _find(maps, ptr)
+    where = f"tensor (layer {layer}, kind {kind!r})"
+    if m is None or not m.path.startswith("/") or not m.shared:
+        what = "anonymous" if m is None or not m.path.startswith("/") else f"a private mapping of {m.path}"
+        raise RegistrationError(
+            f"{where} at 0x{ptr:x} lives in private memory ({what}); the daemon can only map a "
+            "shared-memory file", field="tensors", fix=SHARE_FIX)
+    if m.path.endswith(" (deleted)"):
+        raise RegistrationError(f"{where} lives in file {m.path[:-10]} which was unlinked, so the daemon "
+                                "cannot open it", field="tensors", fix=SHARE_FIX)
+    if ptr + nbytes > m.end:
+        raise RegistrationError(f"{where} of {nbytes} bytes runs past the end of its mapping of {m.path}",
+                                field="tensors", fix=SHARE_FIX)
+    return {"layer": layer, "kind": kind, "mem": "shm", "path": m.path, "offset": m.offset + ptr - m.start,
+            "nbytes": nbytes}
+
+
+def _describe_cuda(key: tuple[int, str], t: torch.Tensor) -> dict[str, Any]:  # pragma: no cover - needs a GPU
+    from .memory import cuda_ipc_handle
+
+    # the handle opens the tensor's whole storage; its "storage_offset" already includes this
+    # tensor's byte offset, so several tensors of one allocation each get their own region
+    return {"layer": key[0], "kind": key[1], "mem": "cuda_ipc", "offset": 0,
+            "nbytes": t.numel() * t.element_size(), "handle": cuda_ipc_handle(t)}
+
+
+def describe_tensors(tensors: Mapping[tuple[int, str], torch.Tensor]) -> list[dict[str, Any]]:
+    """Region descriptors for an engine's existing tensors, keyed by (global layer, kind).
+
+    Each tensor's bytes must be contiguous (a region is one byte range). CPU tensors must
+    live in a shared-memory file mapping (see :func:`share_in_place`); CUDA tensors are
+    described by their storage's IPC handle.
+    """
+    maps: list[_Mapping] | None = None
+    out = []
+    for key, t in tensors.items():
+        layer, kind = key
+        if not t.is_contiguous():
+            raise RegistrationError(
+                f"tensor (layer {layer}, kind {kind!r}) of shape {list(t.shape)} has strides "
+                f"{list(t.stride())}, not contiguous; a region must be one byte range", field="tensors",
+                fix="register the contiguous tensor the engine allocated (one per layer and kind), "
+                    "not a permuted or sliced view")
+        if t.device.type == "cuda":
+            out.append(_describe_cuda(key, t))  # pragma: no cover - needs a GPU
+            continue
+        if t.device.type != "cpu":
+            raise RegistrationError(f"tensor (layer {layer}, kind {kind!r}) is on device {t.device}",
+                                    field="tensors", fix="register CPU (shared memory) or CUDA tensors")
+        if maps is None:
+            maps = _read_maps()
+        out.append(_describe_cpu(key, t, maps))
+    return out
