@@ -234,6 +234,13 @@ def test_packed_tp1_to_tp2(cluster):
     run_case(cluster, packed(), packed(tp_size=2), n_tokens=21)
 
 
+def test_packed_tp2_to_tp1_wide_head_slices(cluster):
+    """Head slices of 8 KiB: the plan goes direct and tcp moves them straight from page views."""
+    wide = dict(head_dim=64, dtype="float32", page_size=16, num_layers=2)
+    assert make_plan(packed(tp_size=2, **wide), packed(**wide)).mode == "direct"
+    run_case(cluster, packed(tp_size=2, **wide), packed(**wide), n_tokens=40)
+
+
 def test_packed_tp2_to_tp1_chunked_on_page_boundaries(cluster):
     run_case(cluster, packed(tp_size=2), packed(), n_tokens=37, chunks=[[0, 16], [16, 37]])
 
@@ -324,6 +331,21 @@ def test_vllm_cpu_cache_shared_and_described_moves_byte_exact(cluster):
                 assert torch.equal(dst[db], src[sb])  # whole blocks, every head, K^T and V
             for other in (0, 1, 3, 4):
                 assert int(dst[other].count_nonzero()) == 0
+        # a prefix of one block already on the decode side: the prefill sends all three blocks in
+        # chunks on block boundaries, only blocks 2 and 3 of the request land
+        for t in dst_layers:
+            t.fill_(7.0)
+        n, src_blocks, dst_blocks = 80, [0, 3, 5], [4, 1, 3]
+        dc.expect(d_rank, "pk-v2", source_instance="pk-vllm-p", source_address=pd.address, pages=dst_blocks,
+                  num_tokens=n, start=32)
+        for a, b, last in ((0, 32, False), (32, 64, False), (64, 80, True)):
+            pc.send(p_rank, "pk-v2", pages=src_blocks[a // 32:-(-b // 32)], start=a, end=b, last=last)
+        assert dc.wait(d_rank, "pk-v2", timeout=60)["state"] == "done"
+        assert pc.wait(p_rank, "pk-v2", timeout=60)["state"] == "done"
+        for src, dst in zip(src_layers, dst_layers):
+            assert bool((dst[4] == 7.0).all())  # the cached block is untouched
+            assert torch.equal(dst[1], src[3]) and torch.equal(dst[3], src[5])
+            assert all(bool((dst[b] == 7.0).all()) for b in (0, 2, 5))
     finally:
         pc.close()
         dc.close()
