@@ -209,6 +209,7 @@ def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, r
     decode = cluster.instance(dd, f"pd{tag}", "decode", dspec, NUM_PAGES)
     try:
         used: set[int] = set()
+        allowed: list[list] = []
         for i in range(requests):
             src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
             dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
@@ -218,11 +219,26 @@ def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, r
                                 aux=b"pk" if i == 0 else None)
             assert_verified(dec, pre)
             assert all(ev["aux"] == (b"pk".hex() if i == 0 else None) for ev in dec)
+            allowed.append([dst, n_tokens])
         never = [p for p in range(NUM_PAGES) if p not in used]
         for w in decode:
             assert untouched_bytes(w, never) == 0
+            # nothing outside the requests' whole pages changed: not the padding between regions,
+            # not another layer's region, not another page
+            report = canary(w, allowed)
+            assert report["outside_bytes"] == 0, report
+            assert set(report["changed_pages"]) == used
     finally:
         close(prefill + decode)
+
+
+def canary(worker, allowed):
+    worker.command(cmd="canary", allowed=allowed)
+    while True:
+        ev = worker.next_event(60)
+        if ev.get("event") == "canary":
+            return ev
+        assert ev.get("event") != "exit", "worker exited"
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
