@@ -24,6 +24,7 @@ import zmq
 import zmq.asyncio
 
 from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
+from .binding import binding
 from .config import Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
 from .geometry import InstanceSpec, RankGeometry
@@ -207,6 +208,7 @@ class Daemon:
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
         self.engine_sock: zmq.asyncio.Socket | None = None
+        self._engine_bound = False
         self.peer_sock: zmq.asyncio.Socket | None = None
         self.control_port = cfg.peer.control_port
         self.tasks: list[asyncio.Task[Any]] = []
@@ -251,7 +253,9 @@ class Daemon:
         self.engine_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         old = os.umask(0o077)
         try:
-            self.engine_sock.bind(f"ipc://{path}")
+            with binding("engine.socket_path", f"ipc://{path}"):
+                self.engine_sock.bind(f"ipc://{path}")
+            self._engine_bound = True  # from here on the socket file is ours to remove
         finally:
             os.umask(old)
         os.chmod(path, int(self.cfg.engine.socket_mode, 8))
@@ -276,11 +280,16 @@ class Daemon:
         elif host not in ("127.0.0.1", "::1", "localhost"):
             log.warning("event=unauthenticated_peer_endpoint bind=%s fix=%s", host,
                         q("enable [auth] with `kvxferd keygen` keys, or bind to loopback"))
-        if self.cfg.peer.control_port == 0:
-            self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.peer_sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
-        self.data_server = TcpDataServer(
+        with binding("peer.control_port", f"{host}:{self.cfg.peer.control_port}"):
+            if self.cfg.peer.control_port == 0:
+                self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.peer_sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
+        with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
+            self.data_server = self._data_server(host)
+
+    def _data_server(self, host: str) -> TcpDataServer:
+        return TcpDataServer(
             host, self.cfg.peer.data_port, self.inbox,
             max_header_bytes=self.cfg.limits.max_message_bytes, timeout_s=self.cfg.timeouts.transfer_s,
             staging=self.staging, on_received=self._on_received_threadsafe,
@@ -289,10 +298,16 @@ class Daemon:
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self._bind_engine()
-        self._bind_peer()
-        if self.cfg.metrics.bind:
-            self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+        try:
+            # the engine socket last: engines never find one whose daemon then fails to start
+            self._bind_peer()
+            if self.cfg.metrics.bind:
+                with binding("metrics.bind", self.cfg.metrics.bind):
+                    self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+            self._bind_engine()
+        except BaseException:
+            await self.close()  # no socket, file or port of a failed start outlives it
+            raise
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self.loop.add_signal_handler(sig, self.request_stop)
@@ -369,10 +384,11 @@ class Daemon:
                 sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts
         if self.authenticator is not None:
             self.authenticator.stop()
-        try:
-            os.unlink(self.cfg.socket_path)
-        except OSError:
-            pass
+        if self._engine_bound:  # never another daemon's socket, found in place at start-up
+            try:
+                os.unlink(self.cfg.socket_path)
+            except OSError:
+                pass
         self.ctx.term()
 
     def _inflight_jobs(self) -> int:
