@@ -94,6 +94,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"warning: {name} names no setting and is ignored (overrides are "
                   f"KVXFERD_<SECTION>_<KEY>, e.g. KVXFERD_DAEMON_LOG_FORMAT)", file=sys.stderr)
         print(f"config ok: {path or '(embedded defaults)'}")
+        for note in config.mode_notes(cfg.peer):
+            print(f"note: {note}")
         print(f"engine socket {cfg.socket_path}  peer {cfg.peer.bind_host}:{cfg.peer.control_port}  "
               f"data {cfg.peer.bind_host}:{cfg.peer.data_port}  metrics {cfg.metrics.bind or '-'}")
         return 0

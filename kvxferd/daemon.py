@@ -25,7 +25,7 @@ import zmq.asyncio
 
 from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
 from .binding import binding
-from .config import Config, transport_preference
+from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
 from .geometry import InstanceSpec, RankGeometry
 from .httpserver import OpsServer
@@ -321,6 +321,8 @@ class Daemon:
         metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
         log.info("event=listening engine=%s peer=%s data=%s metrics=%s version=%s", q(self.cfg.socket_path),
                  self.address, self.data_address, q(metrics_url), __version__)
+        if self.cfg.peer.mode == "staged":
+            log.info("event=mode_scope mode=staged local=direct reason=%s", q(LOCAL_MODE_NOTE))
         sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.address}")
         await self._stop.wait()
         await self._drain()
@@ -598,7 +600,7 @@ class Daemon:
                 return cached[0]
             prefill_spec = self.registry.spec(prefill, "prefill")
             if prefill_spec is not None:
-                plan = make_plan(prefill_spec, spec, mode=self.cfg.peer.mode,
+                plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
                                  require_same_page_size=self.cfg.peer.require_same_page_size)
                 self.src_plans[(prefill, decode)] = (plan, Route("local", daemon=self.address))
                 self.metrics.handshakes.labels("ok").inc()

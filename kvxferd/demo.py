@@ -16,6 +16,7 @@ import time
 import urllib.request
 from typing import Any
 
+from .errors import ConfigError
 from .geometry import InstanceSpec
 from .sim import Cluster
 
@@ -25,6 +26,9 @@ DEMO_SPEC = dict(attention="mha", num_layers=8, total_kv_heads=4, head_dim=64, d
 
 def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", seed: int = 1,
              progress: Any = None) -> dict[str, Any]:
+    if transport == "local" and mode == "staged":
+        raise ConfigError("local copies are always direct; mode staged needs a link between daemons",
+                          field="mode", fix="use mode direct or auto with transport local, or transport tcp or nixl")
     rng = random.Random(seed)
     cluster = Cluster()
     env = {"KVXFERD_PEER_MODE": mode}
@@ -153,6 +157,12 @@ def _sent_by(metrics_url: str, *labels: str) -> dict[str, float]:
 
 def main(args: Any) -> int:
     progress = None if args.json else (lambda line: print(line, flush=True))
+    if args.transport == "local" and args.mode == "staged":
+        print("kvxferd demo: --transport local --mode staged: local copies are always direct (one index copy "
+              "per layer and kind, region to region; staging would only add a copy)\n"
+              "  use --mode direct or auto with --transport local, or --mode staged with --transport tcp or nixl",
+              file=sys.stderr)
+        return 2
     if args.transport == "nixl":
         from .transport.nixl import available
         ok, why = available()
