@@ -208,6 +208,15 @@ def format_status(status: dict[str, Any]) -> str:
     out += ["", f"requests in flight ({sum(requests.values())})"]
     for state, n in sorted(requests.items()):
         out.append(f"  {state:<32} {n}")
+    refusals = status.get("auth") or {}
+    if refusals.get("refused_here") or refusals.get("refused_by_peers"):
+        out += ["", "authentication"]
+        for r in refusals.get("refused_here", []):
+            out.append(f"  refused here: key {r['key']} from {r['address']} ({r['reason']}) x{r['count']}, "
+                       f"last {time.strftime('%H:%M:%S', time.localtime(r['last']))}")
+        for r in refusals.get("refused_by_peers", []):
+            out.append(f"  refused by {r['address']} x{r['count']}, last "
+                       f"{time.strftime('%H:%M:%S', time.localtime(r['last']))}: {r['reason']}")
     failures = status["recent_failures"]
     out += ["", f"recent failures ({len(failures)}, newest last)"]
     for f in failures[-10:]:

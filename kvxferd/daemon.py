@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
+from . import PROTOCOL_VERSION, __version__, auth, linkwatch, protocol, sdnotify
 from .binding import binding
 from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
@@ -88,6 +88,8 @@ class PeerLink:
         self.sock.setsockopt(zmq.SNDHWM, 10000)
         self.sock.setsockopt(zmq.RCVHWM, 10000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, daemon.cfg.limits.max_message_bytes)
+        self.monitor: zmq.Socket | None = None  # CURVE links: handshake outcomes (linkwatch)
+        self.auth_error = ""
         host, port = split_address(address)
         if daemon.keys is not None:
             server_key = daemon.peer_keys.get(address)
@@ -98,6 +100,7 @@ class PeerLink:
             self.sock.curve_secretkey = daemon.keys.secret.encode()
             self.sock.curve_publickey = daemon.keys.public.encode()
             self.sock.curve_serverkey = server_key.encode()
+            self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
         self.sock.connect(f"tcp://{host}:{port}")
         # ties our data connections to this authenticated link; sent inside the handshake
         self.token = os.urandom(16)
@@ -107,6 +110,10 @@ class PeerLink:
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.plans: dict[tuple[str, str], asyncio.Future[Plan]] = {}
         self.reader = asyncio.ensure_future(self._read())
+        self.watcher = None if self.monitor is None or daemon.keys is None else asyncio.ensure_future(
+            linkwatch.watch(self.monitor, address, daemon.keys.public,
+                            lambda message: daemon.peer_auth_failed(self, message),
+                            lambda: setattr(self, "auth_error", "")))
 
     def send(self, message: dict[str, Any]) -> None:
         fut = self.sock.send(protocol.encode(message))
@@ -147,6 +154,11 @@ class PeerLink:
         for fut in self.waiting.values():
             if not fut.done():
                 fut.cancel()
+        if self.monitor is not None:
+            if self.watcher is not None:
+                self.watcher.cancel()
+            self.sock.disable_monitor()
+            self.monitor.close(0)
         self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
 
 
@@ -184,6 +196,8 @@ class Daemon:
         #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
         self.fence_waiters: dict[str, set[bytes]] = {}
         self.recent_failures: list[dict[str, Any]] = []
+        self.auth_refusals = auth.RefusalBook()  # peers this daemon's ZAP handler refused
+        self.auth_refused_by = auth.RefusalBook()  # peers that refused this daemon
         self.started = time.time()
         self.ready = False
         self.draining = False
@@ -269,11 +283,10 @@ class Daemon:
         self.peer_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         host = self.cfg.peer.bind_host
         if self.keys is not None:
-            from zmq.auth.asyncio import AsyncioAuthenticator
-            self.authenticator = AsyncioAuthenticator(self.ctx)
+            self.authenticator = auth.ZapAuthenticator(self.ctx, self._auth_refused)
             self.authenticator.start()
             self.authenticator.configure_curve_callback(
-                "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys, self.metrics.auth_denied.inc))
+                "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys))
             self.peer_sock.curve_secretkey = self.keys.secret.encode()
             self.peer_sock.curve_publickey = self.keys.public.encode()
             self.peer_sock.curve_server = True
@@ -294,6 +307,28 @@ class Daemon:
             max_header_bytes=self.cfg.limits.max_message_bytes, timeout_s=self.cfg.timeouts.transfer_s,
             staging=self.staging, on_received=self._on_received_threadsafe,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
+
+    def _auth_refused(self, address: str, key: str, reason: str) -> None:
+        """ZAP refused a peer: count it, log it (bounded), keep it for ``status``."""
+        self.metrics.auth_denied.inc()
+        record, log_now = self.auth_refusals.note(reason, address=address, key=key)
+        if log_now:
+            log.warning("event=auth_refused peer=%s key=%s reason=%s count=%s fix=%s", address, key, q(reason),
+                        record["count"], q("add the key to auth.allowed_keys if that daemon is one of yours"))
+
+    def peer_auth_failed(self, link: PeerLink, message: str) -> None:
+        """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
+        link.auth_error = message
+        self.metrics.peer_auth_failures.inc()
+        record, log_now = self.auth_refused_by.note(message, address=link.address)
+        if log_now:
+            log.warning("event=peer_auth_failed peer=%s count=%s msg=%s", link.address, record["count"], q(message))
+        for fut in link.waiting.values():  # the handshake in progress ends with it
+            if not fut.done():
+                fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
+        for entry in self.inbox.all():
+            if entry.source_address == link.address and entry.failure is None:
+                self._fail_dest(entry, "auth_failed", message, propagate=False)
 
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
@@ -611,6 +646,9 @@ class Daemon:
 
     def _link(self, address: str) -> PeerLink:
         link = self.links.get(address)
+        if link is not None and link.auth_error:
+            link.close()  # libzmq does not retry a refused key: a new link tries again
+            link = None
         if link is None:
             link = self.links[address] = PeerLink(self, address)
             self._count_peers()
@@ -628,6 +666,8 @@ class Daemon:
     async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                          deadline: float) -> Plan:
         while True:
+            if link.auth_error:
+                raise TransferError(link.auth_error, field="auth", code="auth_failed")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.handshakes.labels("timeout").inc()
@@ -1315,12 +1355,13 @@ class Daemon:
             "data_endpoint": self.data_address, "metrics_url": metrics_url,
             "ranks": [r.describe() for r in self.registry],
             "peers": [{"address": l.address, "state": l.state, "side": "prefill",
-                       "last_seen_s": round(time.monotonic() - l.last_seen, 3),
+                       "last_seen_s": round(time.monotonic() - l.last_seen, 3), "auth_error": l.auth_error,
                        "plans": sorted(f"{p}->{d}" for p, d in l.plans)} for l in self.links.values()]
                      + [{"address": p.daemon, "state": "up", "side": "decode",
                          "last_seen_s": round(time.monotonic() - p.last_seen, 3)} for p in self.downstream.values()],
             "requests": by_state,
             "recent_failures": list(self.recent_failures),
+            "auth": {"refused_here": self.auth_refusals.describe(), "refused_by_peers": self.auth_refused_by.describe()},
             "transports": self.nixl.describe(),
         }
 
