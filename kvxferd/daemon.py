@@ -106,6 +106,7 @@ class PeerLink:
         self.token = os.urandom(16)
         self.state = "connecting"
         self.last_seen = time.monotonic()
+        self.peer_incarnation = ""  # learnt from its pongs and handshake answers
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.plans: dict[tuple[str, str], asyncio.Future[Plan]] = {}
@@ -170,9 +171,10 @@ def _ignore(fut: asyncio.Future[Any]) -> None:
 class DownstreamPeer:
     """A decode daemon that handshook with this daemon (known by its routing id)."""
 
-    def __init__(self, identity: bytes, daemon: str) -> None:
+    def __init__(self, identity: bytes, daemon: str, incarnation: str = "") -> None:
         self.identity = identity
         self.daemon = daemon
+        self.incarnation = incarnation
         self.last_seen = time.monotonic()
 
 
@@ -199,6 +201,7 @@ class Daemon:
         self.auth_refusals = auth.RefusalBook()  # peers this daemon's ZAP handler refused
         self.auth_refused_by = auth.RefusalBook()  # peers that refused this daemon
         self.started = time.time()
+        self.incarnation = os.urandom(8).hex()  # this process start; peers tell a restart by it
         self.ready = False
         self.draining = False
         self._hurry = False
@@ -677,11 +680,13 @@ class Daemon:
                     "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
                     "data_address": self.data_address, "prefill_instance": prefill,
                     "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": self.nixl.offered(), "data_token": link.token,
+                    "transports": self.nixl.offered(), "data_token": link.token, "incarnation": self.incarnation,
                     **self.nixl.handshake_fields(link.address, prefill, decode)}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
+            if op == "handshake_ok" and self._note_incarnation(link, reply.get("incarnation")):
+                continue  # a restarted source: what this handshake offered (a landing ring) went with the old one
             if op == "handshake_ok":
                 try:
                     prefill_spec = InstanceSpec.from_dict(bounded_geometry(reply.get("prefill_spec"),
@@ -720,8 +725,10 @@ class Daemon:
                 err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
                 if err.get("code") == "no_handshake":
                     link.plans.clear()
+                    self._handshake_again(link, rid)
+                    self._note_incarnation(link, msg.get("incarnation"))
                 for entry in self.inbox.for_request(rid):
-                    if entry.source_address == link.address:
+                    if entry.source_address == link.address and entry.state != "bootstrapping":
                         self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
                                         f"source daemon {link.address}: {str(err.get('message'))[:300]}",
                                         propagate=False)
@@ -731,7 +738,7 @@ class Daemon:
                     if entry.source_address == link.address:
                         self._fence_done(entry)
             elif op == "pong":
-                pass
+                self._note_incarnation(link, msg.get("incarnation"))
         except KvxferError:
             self.metrics.invalid_messages.labels("peer").inc()
 
@@ -1062,17 +1069,19 @@ class Daemon:
         peer = self.downstream.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
+        if op in ("ping", "handshake") and msg.get("incarnation"):
+            self._downstream_incarnation(identity, msg["daemon"], msg["incarnation"])
         if op == "ping":
             if peer is None:
-                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
                 self._count_peers()
-            return {"op": "pong", "daemon": self.address}
+            return {"op": "pong", "daemon": self.address, "incarnation": self.incarnation}
         if op == "handshake":
             return self._peer_handshake(identity, msg)
         if op == "expect":
             found = self.src_plans.get((msg["prefill_instance"], msg["decode_instance"]))
             if found is None or found[1].identity != identity:
-                return {"op": "error", "request_id": msg["request_id"],
+                return {"op": "error", "request_id": msg["request_id"], "incarnation": self.incarnation,
                         "error": {"code": "no_handshake", "message": "no handshake for this instance pair; "
                                   "handshake again"}}
             plan, route = found
@@ -1167,13 +1176,13 @@ class Daemon:
         route = Route(transport, (host, port), identity, msg["daemon"], msg.get("data_token"), nixl=nixl_peer)
         self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
         if identity not in self.downstream:
-            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
             self._count_peers()
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg["daemon"],
                  prefill, msg["decode_instance"], plan.mode, transport)
         return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode,
-                **self.nixl.answer(transport)}
+                "incarnation": self.incarnation, **self.nixl.answer(transport)}
 
     def peer_seen(self, link: PeerLink) -> None:
         link.last_seen = time.monotonic()
@@ -1198,7 +1207,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             for link in list(self.links.values()):
-                link.send({"op": "ping", "daemon": self.address})
+                link.send({"op": "ping", "daemon": self.address, "incarnation": self.incarnation})
                 if link.state == "up" and now - link.last_seen > timeout:
                     self._link_down(link, now - link.last_seen)
                 elif link.state == "connecting" and now - link.last_seen > timeout:
@@ -1239,20 +1248,98 @@ class Daemon:
                                     propagate=False)
 
     def _downstream_down(self, peer: DownstreamPeer, silent_for: float) -> None:
-        del self.downstream[peer.identity]
         self.metrics.heartbeat_misses.inc()
-        self._count_peers()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
+        self._drop_downstream(peer, "peer_dead", f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s")
+
+    def _drop_downstream(self, peer: DownstreamPeer, code: str, why: str) -> None:
+        """Forget a decode daemon's link: its plans, NIXL agent, data connections; fail its requests."""
+        self.downstream.pop(peer.identity, None)
+        self._count_peers()
         for key, (plan, route) in list(self.src_plans.items()):
             if route.identity == peer.identity:
                 del self.src_plans[key]
                 if route.nixl is not None:  # NIXL WRITEs in flight to it stop waiting for their completion
-                    route.nixl.dead = f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s"
+                    route.nixl.dead = why
                     self.nixl.forget_peer(route.nixl.agent)
+                if route.data_address is not None:
+                    self.tcp.forget(route.data_address)
+        for key, (_plan, _decode, route) in list(self.request_routes.items()):
+            if route.identity == peer.identity:
+                del self.request_routes[key]
+        for request_id, waiters in list(self.fence_waiters.items()):
+            waiters.discard(peer.identity)
+            if not waiters:
+                del self.fence_waiters[request_id]
         for entry in list(self.sources.values()):
             if entry.route is not None and entry.route.identity == peer.identity:
-                self._fail_src(entry, "peer_dead", f"decode daemon {peer.daemon} unresponsive for "
-                                                   f"{silent_for:.1f}s", propagate=False)
+                self._fail_src(entry, code, why, propagate=False)
+
+    # -- incarnations: a restarted peer is a new one ------------------------------------
+    def _note_incarnation(self, link: PeerLink, incarnation: Any) -> bool:
+        """Decode side: a message of the source daemon named its incarnation; True if it changed."""
+        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
+            return False
+        old, link.peer_incarnation = link.peer_incarnation, incarnation
+        if not old or old == incarnation:
+            return False
+        self.metrics.peer_restarts.labels("prefill").inc()
+        log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
+        link.plans.clear()  # its handshakes went with it; the next request handshakes again
+        self.nixl.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
+        self.nixl.forget_source(link.address)  # and its agent, once nothing can be in flight
+        why = (f"source daemon {link.address} restarted (incarnation {old} -> {incarnation}); "
+               "the request's source side went with the old process")
+        for entry in self.inbox.all():
+            # an entry still bootstrapping has told the old process nothing: its handshake goes to the new one
+            if entry.source_address == link.address and entry.failure is None and entry.state != "bootstrapping":
+                self._fail_dest(entry, "peer_restarted", why, propagate=False)
+        return True
+
+    def _handshake_again(self, link: PeerLink, request_id: str) -> None:
+        """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
+        again and send the expect anew, once per request, while nothing of it has arrived yet."""
+        for entry in self.inbox.for_request(request_id):
+            if (entry.source_address == link.address and entry.failure is None and entry.rehandshakes == 0
+                    and entry.state == "waiting_for_input" and entry.bytes_received == 0):
+                entry.rehandshakes += 1
+                entry.state = "bootstrapping"
+                entry.phase_since = time.monotonic()
+                log.info("event=handshake_again peer=%s request=%s rank=%s", link.address, q(request_id),
+                         entry.rank.id)
+                asyncio.ensure_future(self._bootstrap(entry, link.address))
+
+    def _downstream_incarnation(self, identity: bytes, daemon: str, incarnation: str) -> None:
+        """Prefill side: a decode daemon named its incarnation on a ping or handshake. Another link of
+        the same daemon address with another incarnation belongs to a process that is gone, once
+        ZeroMQ has seen its connection close (a live link is never taken over by a stranger's claim)."""
+        peer = self.downstream.get(identity)
+        if peer is not None and not peer.incarnation:
+            peer.incarnation = incarnation
+        for other in list(self.downstream.values()):
+            if (other.identity != identity and other.daemon == daemon and other.incarnation
+                    and other.incarnation != incarnation and self._identity_gone(other.identity)):
+                self.metrics.peer_restarts.labels("decode").inc()
+                log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", daemon, other.incarnation,
+                            incarnation)
+                self._drop_downstream(other, "peer_restarted",
+                                      f"decode daemon {daemon} restarted (incarnation {other.incarnation} -> "
+                                      f"{incarnation}); the request's decode side went with the old process")
+
+    def _identity_gone(self, identity: bytes) -> bool:
+        """Whether the peer socket has no connection with this routing id any more (ROUTER_MANDATORY probe)."""
+        if self.peer_sock is None:
+            return False
+        probe = zmq.Socket.shadow(self.peer_sock.underlying)
+        probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            probe.send_multipart([identity, protocol.encode({"op": "pong", "daemon": self.address,
+                                                             "incarnation": self.incarnation})], flags=zmq.NOBLOCK)
+            return False
+        except zmq.ZMQError as exc:
+            return exc.errno == zmq.EHOSTUNREACH
+        finally:
+            probe.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     async def _sweeper(self) -> None:
         t = self.cfg.timeouts
@@ -1348,7 +1435,7 @@ class Daemon:
             host = self.cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
             metrics_url = f"http://{host}:{self.ops.port}/metrics"
         return {
-            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "incarnation": self.incarnation,
             "name": self.cfg.daemon.instance_name or socket.gethostname(),
             "uptime_s": round(time.time() - self.started, 3), "ready": self.ready, "draining": self.draining,
             "engine_endpoint": f"ipc://{self.cfg.socket_path}", "peer_endpoint": f"tcp://{self.address}",
@@ -1356,8 +1443,9 @@ class Daemon:
             "ranks": [r.describe() for r in self.registry],
             "peers": [{"address": l.address, "state": l.state, "side": "prefill",
                        "last_seen_s": round(time.monotonic() - l.last_seen, 3), "auth_error": l.auth_error,
+                       "incarnation": l.peer_incarnation,
                        "plans": sorted(f"{p}->{d}" for p, d in l.plans)} for l in self.links.values()]
-                     + [{"address": p.daemon, "state": "up", "side": "decode",
+                     + [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
                          "last_seen_s": round(time.monotonic() - p.last_seen, 3)} for p in self.downstream.values()],
             "requests": by_state,
             "recent_failures": list(self.recent_failures),
