@@ -10,10 +10,14 @@ must carry.
 from __future__ import annotations
 
 import os
+import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import zmq
+from zmq.auth.asyncio import AsyncioAuthenticator
 from zmq.utils import z85
 
 from .errors import ConfigError
@@ -93,3 +97,63 @@ class AllowList:
         if not allowed and self.on_deny:
             self.on_deny()
         return allowed
+
+
+class RefusalBook:
+    """Authentication refusals seen, by who was refused: a bounded record for logs and status.
+
+    A refused ZeroMQ peer may try again every few hundred milliseconds; the first refusal of
+    each (address, key) is logged at once, repeats at most every ``log_every_s`` with their
+    count, so an operator sees every distinct problem without a log flood.
+    """
+
+    def __init__(self, limit: int = 32, log_every_s: float = 60.0) -> None:
+        self.limit = limit
+        self.log_every_s = log_every_s
+        self._seen: "OrderedDict[tuple[tuple[str, str], ...], dict[str, object]]" = OrderedDict()
+
+    def note(self, reason: str, **who: str) -> tuple[dict[str, object], bool]:
+        """Record one refusal; return its record and whether to log it now."""
+        now = time.time()
+        key = tuple(sorted(who.items()))
+        record = self._seen.pop(key, None)
+        if record is None:
+            record = {**who, "reason": reason, "count": 0, "first": now, "last": now, "logged": 0.0}
+        self._seen[key] = record
+        while len(self._seen) > self.limit:
+            self._seen.popitem(last=False)
+        record["count"] = int(record["count"]) + 1  # type: ignore[call-overload]
+        record["last"] = now
+        record["reason"] = reason
+        log_now = now - float(record["logged"]) >= self.log_every_s  # type: ignore[arg-type]
+        if log_now:
+            record["logged"] = now
+        return record, log_now
+
+    def describe(self) -> list[dict[str, object]]:
+        return [{k: v for k, v in r.items() if k != "logged"} for r in self._seen.values()]
+
+
+class ZapAuthenticator(AsyncioAuthenticator):
+    """pyzmq's ZAP handler, telling ``on_refused(address, key, reason)`` whom it refused.
+
+    pyzmq hands credentials providers only the domain and the key; the client's address
+    is in the ZAP request, which this class remembers while that request is checked (the
+    handler takes one request at a time on the loop).
+    """
+
+    def __init__(self, ctx: zmq.Context, on_refused: Callable[[str, str, str], None]) -> None:
+        super().__init__(ctx)
+        self.on_refused = on_refused
+        self._address = ""
+
+    async def handle_zap_message(self, msg: list[bytes]) -> None:
+        self._address = msg[3].decode("utf-8", "replace") if len(msg) > 3 else ""
+        await super().handle_zap_message(msg)
+
+    async def _authenticate_curve(self, domain: str, client_key: bytes) -> tuple[bool, bytes]:
+        allowed, reason = await super()._authenticate_curve(domain, client_key)
+        if not allowed:
+            self.on_refused(self._address, z85.encode(client_key).decode("ascii", "replace"),
+                            reason.decode("utf-8", "replace"))
+        return allowed, reason

@@ -1002,6 +1002,33 @@ def _children_cpu() -> float:
     return ru.ru_utime + ru.ru_stime
 
 
+def _tag(sc: Scenario) -> str:
+    """Names the scenario's instances and cache files; unique per bench process, so its files can be
+    told from those of another bench running beside it."""
+    return f"b{os.getpid()}s{sc.order}"
+
+
+def _run_engine(cfg: dict[str, Any], timeout: float) -> tuple[int, str, str]:
+    """Run one scenario's engine process. However this ends (timeout, a signal to the bench), the
+    engine is stopped with SIGTERM first, so it unlinks its caches, and any cache file it could
+    not unlink (killed) is removed here."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvxferd.bench", "engine", json.dumps(cfg)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return proc.returncode, stdout, stderr
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        for path in Path("/dev/shm").glob(f"kvxferd-bench-{cfg['tag']}-*"):
+            path.unlink(missing_ok=True)
+
+
 def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quiet_wait: float = 0.0,
                  rounds: int = 3) -> Row:
     wl = sc.workload
@@ -1017,7 +1044,7 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
         reps = max(5, min(64, -(-GiB // wl.nbytes)))
         adjacent = memcpy_limit(wl.nbytes, reps) if sc.transport == "local" else socket_limit(wl.nbytes, reps)
     cfg = {"workload": asdict(wl), "window": sc.window, "requests": sc.requests, "verify": sc.verify,
-           "gate": sc.gate, "seed": seed, "tag": f"s{sc.order}", "client": sc.client, "rounds": rounds,
+           "gate": sc.gate, "seed": seed, "tag": _tag(sc), "client": sc.client, "rounds": rounds,
            "prefill_socket": pd.socket_path, "decode_socket": dd.socket_path,
            "source_address": None if sc.transport == "local" else pd.address}
     row = Row(sc.name, {"throughput": "kvxferd", "latency": "latency", "rate": "rate"}[sc.kind],
@@ -1028,11 +1055,9 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
     cpu0 = {k: _proc_cpu(d.proc.pid) for k, d in daemons.items()}
     busy0, child0, own0 = _machine_busy(), _children_cpu(), time.process_time()
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvxferd.bench", "engine", json.dumps(cfg)],
-                              capture_output=True, text=True, timeout=timeout)
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-        res = json.loads(lines[-1]) if lines else {"error": f"engine exited {proc.returncode}: "
-                                                             f"{proc.stderr.strip()[-400:]}"}
+        returncode, stdout, stderr = _run_engine(cfg, timeout)
+        lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
+        res = json.loads(lines[-1]) if lines else {"error": f"engine exited {returncode}: {stderr.strip()[-400:]}"}
     except subprocess.TimeoutExpired:
         res = {"error": f"engine timed out after {timeout:.0f}s"}
     wall = time.perf_counter() - t
@@ -1470,8 +1495,10 @@ def main(args: Any) -> int:
         print("kvxferd bench: --plot needs matplotlib, which is not installed (pip install matplotlib)",
               file=sys.stderr)
         return 2
-    report = run_all(bool(getattr(args, "quick", False)), getattr(args, "only", None),
-                     int(getattr(args, "seed", 1) or 1))
+    from .signals import cleanup_on_signals
+    with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
+        report = run_all(bool(getattr(args, "quick", False)), getattr(args, "only", None),
+                         int(getattr(args, "seed", 1) or 1))
     rows: list[Row] = report.pop("_rows")
     if plot_path:
         plot(rows, plot_path)
@@ -1496,7 +1523,9 @@ def main(args: Any) -> int:
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "engine":
-        out = engine_main(json.loads(sys.argv[2]))
+        from .signals import cleanup_on_signals
+        with cleanup_on_signals():  # SIGTERM from the bench: engine_main's finally unlinks the caches
+            out = engine_main(json.loads(sys.argv[2]))
         print(json.dumps(out, default=str), flush=True)
         sys.exit(0 if out.get("verified") else 1)
     print("usage: python -m kvxferd.bench engine CONFIG_JSON  (run the bench with `kvxferd bench`)",

@@ -96,6 +96,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"warning: {name} names no setting and is ignored (overrides are "
                   f"KVXFERD_<SECTION>_<KEY>, e.g. KVXFERD_DAEMON_LOG_FORMAT)", file=sys.stderr)
         print(f"config ok: {path or '(embedded defaults)'}")
+        for note in config.mode_notes(cfg.peer):
+            print(f"note: {note}")
         print(f"engine socket {cfg.socket_path}  peer {cfg.peer.bind_host}:{cfg.peer.control_port}  "
               f"data {cfg.peer.bind_host}:{cfg.peer.data_port}  metrics {cfg.metrics.bind or '-'}")
         return 0
@@ -208,6 +210,15 @@ def format_status(status: dict[str, Any]) -> str:
     out += ["", f"requests in flight ({sum(requests.values())})"]
     for state, n in sorted(requests.items()):
         out.append(f"  {state:<32} {n}")
+    refusals = status.get("auth") or {}
+    if refusals.get("refused_here") or refusals.get("refused_by_peers"):
+        out += ["", "authentication"]
+        for r in refusals.get("refused_here", []):
+            out.append(f"  refused here: key {r['key']} from {r['address']} ({r['reason']}) x{r['count']}, "
+                       f"last {time.strftime('%H:%M:%S', time.localtime(r['last']))}")
+        for r in refusals.get("refused_by_peers", []):
+            out.append(f"  refused by {r['address']} x{r['count']}, last "
+                       f"{time.strftime('%H:%M:%S', time.localtime(r['last']))}: {r['reason']}")
     failures = status["recent_failures"]
     out += ["", f"recent failures ({len(failures)}, newest last)"]
     for f in failures[-10:]:

@@ -115,6 +115,17 @@ class PeerSection:
 TRANSPORTS = ("tcp", "nixl")
 
 
+#: a local copy moves page runs region to region in one index copy per (layer, kind); staging
+#: would only add a copy, so peer.mode governs links between daemons and local plans are direct
+LOCAL_MODE_NOTE = ("peer.mode = staged applies to links between daemons; "
+                   "same-daemon (local) copies are always direct")
+
+
+def mode_notes(peer: PeerSection) -> list[str]:
+    """What an operator should know about where peer.mode applies (printed by --check-config, logged at start)."""
+    return [LOCAL_MODE_NOTE] if peer.mode == "staged" else []
+
+
 def transport_preference(peer: PeerSection) -> list[str]:
     """Transports this daemon offers and accepts, most preferred first."""
     if peer.transports:

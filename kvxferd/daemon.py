@@ -23,8 +23,9 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import PROTOCOL_VERSION, __version__, auth, protocol, sdnotify
-from .config import Config, transport_preference
+from . import PROTOCOL_VERSION, __version__, auth, linkwatch, protocol, sdnotify
+from .binding import binding
+from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
 from .geometry import InstanceSpec, RankGeometry
 from .httpserver import OpsServer
@@ -87,6 +88,8 @@ class PeerLink:
         self.sock.setsockopt(zmq.SNDHWM, 10000)
         self.sock.setsockopt(zmq.RCVHWM, 10000)
         self.sock.setsockopt(zmq.MAXMSGSIZE, daemon.cfg.limits.max_message_bytes)
+        self.monitor: zmq.Socket | None = None  # CURVE links: handshake outcomes (linkwatch)
+        self.auth_error = ""
         host, port = split_address(address)
         if daemon.keys is not None:
             server_key = daemon.peer_keys.get(address)
@@ -97,15 +100,21 @@ class PeerLink:
             self.sock.curve_secretkey = daemon.keys.secret.encode()
             self.sock.curve_publickey = daemon.keys.public.encode()
             self.sock.curve_serverkey = server_key.encode()
+            self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
         self.sock.connect(f"tcp://{host}:{port}")
         # ties our data connections to this authenticated link; sent inside the handshake
         self.token = os.urandom(16)
         self.state = "connecting"
         self.last_seen = time.monotonic()
+        self.peer_incarnation = ""  # learnt from its pongs and handshake answers
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         self.plans: dict[tuple[str, str], asyncio.Future[Plan]] = {}
         self.reader = asyncio.ensure_future(self._read())
+        self.watcher = None if self.monitor is None or daemon.keys is None else asyncio.ensure_future(
+            linkwatch.watch(self.monitor, address, daemon.keys.public,
+                            lambda message: daemon.peer_auth_failed(self, message),
+                            lambda: setattr(self, "auth_error", "")))
 
     def send(self, message: dict[str, Any]) -> None:
         fut = self.sock.send(protocol.encode(message))
@@ -146,6 +155,11 @@ class PeerLink:
         for fut in self.waiting.values():
             if not fut.done():
                 fut.cancel()
+        if self.monitor is not None:
+            if self.watcher is not None:
+                self.watcher.cancel()
+            self.sock.disable_monitor()
+            self.monitor.close(0)
         self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
 
 
@@ -157,9 +171,10 @@ def _ignore(fut: asyncio.Future[Any]) -> None:
 class DownstreamPeer:
     """A decode daemon that handshook with this daemon (known by its routing id)."""
 
-    def __init__(self, identity: bytes, daemon: str) -> None:
+    def __init__(self, identity: bytes, daemon: str, incarnation: str = "") -> None:
         self.identity = identity
         self.daemon = daemon
+        self.incarnation = incarnation
         self.last_seen = time.monotonic()
 
 
@@ -183,7 +198,10 @@ class Daemon:
         #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
         self.fence_waiters: dict[str, set[bytes]] = {}
         self.recent_failures: list[dict[str, Any]] = []
+        self.auth_refusals = auth.RefusalBook()  # peers this daemon's ZAP handler refused
+        self.auth_refused_by = auth.RefusalBook()  # peers that refused this daemon
         self.started = time.time()
+        self.incarnation = os.urandom(8).hex()  # this process start; peers tell a restart by it
         self.ready = False
         self.draining = False
         self._hurry = False
@@ -207,6 +225,7 @@ class Daemon:
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
         self.engine_sock: zmq.asyncio.Socket | None = None
+        self._engine_bound = False
         self.peer_sock: zmq.asyncio.Socket | None = None
         self.control_port = cfg.peer.control_port
         self.tasks: list[asyncio.Task[Any]] = []
@@ -251,7 +270,9 @@ class Daemon:
         self.engine_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         old = os.umask(0o077)
         try:
-            self.engine_sock.bind(f"ipc://{path}")
+            with binding("engine.socket_path", f"ipc://{path}"):
+                self.engine_sock.bind(f"ipc://{path}")
+            self._engine_bound = True  # from here on the socket file is ours to remove
         finally:
             os.umask(old)
         os.chmod(path, int(self.cfg.engine.socket_mode, 8))
@@ -265,34 +286,66 @@ class Daemon:
         self.peer_sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         host = self.cfg.peer.bind_host
         if self.keys is not None:
-            from zmq.auth.asyncio import AsyncioAuthenticator
-            self.authenticator = AsyncioAuthenticator(self.ctx)
+            self.authenticator = auth.ZapAuthenticator(self.ctx, self._auth_refused)
             self.authenticator.start()
             self.authenticator.configure_curve_callback(
-                "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys, self.metrics.auth_denied.inc))
+                "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys))
             self.peer_sock.curve_secretkey = self.keys.secret.encode()
             self.peer_sock.curve_publickey = self.keys.public.encode()
             self.peer_sock.curve_server = True
         elif host not in ("127.0.0.1", "::1", "localhost"):
             log.warning("event=unauthenticated_peer_endpoint bind=%s fix=%s", host,
                         q("enable [auth] with `kvxferd keygen` keys, or bind to loopback"))
-        if self.cfg.peer.control_port == 0:
-            self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
-        else:
-            self.peer_sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
-        self.data_server = TcpDataServer(
+        with binding("peer.control_port", f"{host}:{self.cfg.peer.control_port}"):
+            if self.cfg.peer.control_port == 0:
+                self.control_port = self.peer_sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self.peer_sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
+        with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
+            self.data_server = self._data_server(host)
+
+    def _data_server(self, host: str) -> TcpDataServer:
+        return TcpDataServer(
             host, self.cfg.peer.data_port, self.inbox,
             max_header_bytes=self.cfg.limits.max_message_bytes, timeout_s=self.cfg.timeouts.transfer_s,
             staging=self.staging, on_received=self._on_received_threadsafe,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
 
+    def _auth_refused(self, address: str, key: str, reason: str) -> None:
+        """ZAP refused a peer: count it, log it (bounded), keep it for ``status``."""
+        self.metrics.auth_denied.inc()
+        record, log_now = self.auth_refusals.note(reason, address=address, key=key)
+        if log_now:
+            log.warning("event=auth_refused peer=%s key=%s reason=%s count=%s fix=%s", address, key, q(reason),
+                        record["count"], q("add the key to auth.allowed_keys if that daemon is one of yours"))
+
+    def peer_auth_failed(self, link: PeerLink, message: str) -> None:
+        """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
+        link.auth_error = message
+        self.metrics.peer_auth_failures.inc()
+        record, log_now = self.auth_refused_by.note(message, address=link.address)
+        if log_now:
+            log.warning("event=peer_auth_failed peer=%s count=%s msg=%s", link.address, record["count"], q(message))
+        for fut in link.waiting.values():  # the handshake in progress ends with it
+            if not fut.done():
+                fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
+        for entry in self.inbox.all():
+            if entry.source_address == link.address and entry.failure is None:
+                self._fail_dest(entry, "auth_failed", message, propagate=False)
+
     async def run(self) -> None:
         self.loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        self._bind_engine()
-        self._bind_peer()
-        if self.cfg.metrics.bind:
-            self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+        try:
+            # the engine socket last: engines never find one whose daemon then fails to start
+            self._bind_peer()
+            if self.cfg.metrics.bind:
+                with binding("metrics.bind", self.cfg.metrics.bind):
+                    self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+            self._bind_engine()
+        except BaseException:
+            await self.close()  # no socket, file or port of a failed start outlives it
+            raise
         for sig in (signal.SIGTERM, signal.SIGINT):
             try:
                 self.loop.add_signal_handler(sig, self.request_stop)
@@ -306,6 +359,8 @@ class Daemon:
         metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
         log.info("event=listening engine=%s peer=%s data=%s metrics=%s version=%s", q(self.cfg.socket_path),
                  self.address, self.data_address, q(metrics_url), __version__)
+        if self.cfg.peer.mode == "staged":
+            log.info("event=mode_scope mode=staged local=direct reason=%s", q(LOCAL_MODE_NOTE))
         sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.address}")
         await self._stop.wait()
         await self._drain()
@@ -369,10 +424,11 @@ class Daemon:
                 sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts
         if self.authenticator is not None:
             self.authenticator.stop()
-        try:
-            os.unlink(self.cfg.socket_path)
-        except OSError:
-            pass
+        if self._engine_bound:  # never another daemon's socket, found in place at start-up
+            try:
+                os.unlink(self.cfg.socket_path)
+            except OSError:
+                pass
         self.ctx.term()
 
     def _inflight_jobs(self) -> int:
@@ -597,7 +653,7 @@ class Daemon:
                 return cached[0]
             prefill_spec = self.registry.spec(prefill, "prefill")
             if prefill_spec is not None:
-                plan = make_plan(prefill_spec, spec, mode=self.cfg.peer.mode,
+                plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
                                  require_same_page_size=self.cfg.peer.require_same_page_size)
                 self.src_plans[(prefill, decode)] = (plan, Route("local", daemon=self.address))
                 self.metrics.handshakes.labels("ok").inc()
@@ -608,6 +664,9 @@ class Daemon:
 
     def _link(self, address: str) -> PeerLink:
         link = self.links.get(address)
+        if link is not None and link.auth_error:
+            link.close()  # libzmq does not retry a refused key: a new link tries again
+            link = None
         if link is None:
             link = self.links[address] = PeerLink(self, address)
             self._count_peers()
@@ -625,6 +684,8 @@ class Daemon:
     async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                          deadline: float) -> Plan:
         while True:
+            if link.auth_error:
+                raise TransferError(link.auth_error, field="auth", code="auth_failed")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 self.metrics.handshakes.labels("timeout").inc()
@@ -634,11 +695,13 @@ class Daemon:
                     "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
                     "data_address": self.data_address, "prefill_instance": prefill,
                     "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": self.nixl.offered(), "data_token": link.token,
+                    "transports": self.nixl.offered(), "data_token": link.token, "incarnation": self.incarnation,
                     **self.nixl.handshake_fields(link.address, prefill, decode)}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
+            if op == "handshake_ok" and self._note_incarnation(link, reply.get("incarnation")):
+                continue  # a restarted source: what this handshake offered (a landing ring) went with the old one
             if op == "handshake_ok":
                 try:
                     prefill_spec = InstanceSpec.from_dict(bounded_geometry(reply.get("prefill_spec"),
@@ -677,8 +740,10 @@ class Daemon:
                 err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
                 if err.get("code") == "no_handshake":
                     link.plans.clear()
+                    self._handshake_again(link, rid)
+                    self._note_incarnation(link, msg.get("incarnation"))
                 for entry in self.inbox.for_request(rid):
-                    if entry.source_address == link.address:
+                    if entry.source_address == link.address and entry.state != "bootstrapping":
                         self._fail_dest(entry, str(err.get("code", "peer_error"))[:64],
                                         f"source daemon {link.address}: {str(err.get('message'))[:300]}",
                                         propagate=False)
@@ -688,7 +753,7 @@ class Daemon:
                     if entry.source_address == link.address:
                         self._fence_done(entry)
             elif op == "pong":
-                pass
+                self._note_incarnation(link, msg.get("incarnation"))
         except KvxferError:
             self.metrics.invalid_messages.labels("peer").inc()
 
@@ -1032,17 +1097,19 @@ class Daemon:
         peer = self.downstream.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
+        if op in ("ping", "handshake") and msg.get("incarnation"):
+            self._downstream_incarnation(identity, msg["daemon"], msg["incarnation"])
         if op == "ping":
             if peer is None:
-                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
                 self._count_peers()
-            return {"op": "pong", "daemon": self.address}
+            return {"op": "pong", "daemon": self.address, "incarnation": self.incarnation}
         if op == "handshake":
             return self._peer_handshake(identity, msg)
         if op == "expect":
             found = self.src_plans.get((msg["prefill_instance"], msg["decode_instance"]))
             if found is None or found[1].identity != identity:
-                return {"op": "error", "request_id": msg["request_id"],
+                return {"op": "error", "request_id": msg["request_id"], "incarnation": self.incarnation,
                         "error": {"code": "no_handshake", "message": "no handshake for this instance pair; "
                                   "handshake again"}}
             plan, route = found
@@ -1141,13 +1208,13 @@ class Daemon:
         route = Route(transport, (host, port), identity, msg["daemon"], msg.get("data_token"), nixl=nixl_peer)
         self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
         if identity not in self.downstream:
-            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"])
+            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
             self._count_peers()
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg["daemon"],
                  prefill, msg["decode_instance"], plan.mode, transport)
         return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode,
-                **self.nixl.answer(transport)}
+                "incarnation": self.incarnation, **self.nixl.answer(transport)}
 
     def peer_seen(self, link: PeerLink) -> None:
         link.last_seen = time.monotonic()
@@ -1172,7 +1239,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             for link in list(self.links.values()):
-                link.send({"op": "ping", "daemon": self.address})
+                link.send({"op": "ping", "daemon": self.address, "incarnation": self.incarnation})
                 if link.state == "up" and now - link.last_seen > timeout:
                     self._link_down(link, now - link.last_seen)
                 elif link.state == "connecting" and now - link.last_seen > timeout:
@@ -1213,20 +1280,98 @@ class Daemon:
                                     propagate=False)
 
     def _downstream_down(self, peer: DownstreamPeer, silent_for: float) -> None:
-        del self.downstream[peer.identity]
         self.metrics.heartbeat_misses.inc()
-        self._count_peers()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
+        self._drop_downstream(peer, "peer_dead", f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s")
+
+    def _drop_downstream(self, peer: DownstreamPeer, code: str, why: str) -> None:
+        """Forget a decode daemon's link: its plans, NIXL agent, data connections; fail its requests."""
+        self.downstream.pop(peer.identity, None)
+        self._count_peers()
         for key, (plan, route) in list(self.src_plans.items()):
             if route.identity == peer.identity:
                 del self.src_plans[key]
                 if route.nixl is not None:  # NIXL WRITEs in flight to it stop waiting for their completion
-                    route.nixl.dead = f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s"
+                    route.nixl.dead = why
                     self.nixl.forget_peer(route.nixl.agent)
+                if route.data_address is not None:
+                    self.tcp.forget(route.data_address)
+        for key, (_plan, _decode, route) in list(self.request_routes.items()):
+            if route.identity == peer.identity:
+                del self.request_routes[key]
+        for request_id, waiters in list(self.fence_waiters.items()):
+            waiters.discard(peer.identity)
+            if not waiters:
+                del self.fence_waiters[request_id]
         for entry in list(self.sources.values()):
             if entry.route is not None and entry.route.identity == peer.identity:
-                self._fail_src(entry, "peer_dead", f"decode daemon {peer.daemon} unresponsive for "
-                                                   f"{silent_for:.1f}s", propagate=False)
+                self._fail_src(entry, code, why, propagate=False)
+
+    # -- incarnations: a restarted peer is a new one ------------------------------------
+    def _note_incarnation(self, link: PeerLink, incarnation: Any) -> bool:
+        """Decode side: a message of the source daemon named its incarnation; True if it changed."""
+        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
+            return False
+        old, link.peer_incarnation = link.peer_incarnation, incarnation
+        if not old or old == incarnation:
+            return False
+        self.metrics.peer_restarts.labels("prefill").inc()
+        log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
+        link.plans.clear()  # its handshakes went with it; the next request handshakes again
+        self.nixl.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
+        self.nixl.forget_source(link.address)  # and its agent, once nothing can be in flight
+        why = (f"source daemon {link.address} restarted (incarnation {old} -> {incarnation}); "
+               "the request's source side went with the old process")
+        for entry in self.inbox.all():
+            # an entry still bootstrapping has told the old process nothing: its handshake goes to the new one
+            if entry.source_address == link.address and entry.failure is None and entry.state != "bootstrapping":
+                self._fail_dest(entry, "peer_restarted", why, propagate=False)
+        return True
+
+    def _handshake_again(self, link: PeerLink, request_id: str) -> None:
+        """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
+        again and send the expect anew, once per request, while nothing of it has arrived yet."""
+        for entry in self.inbox.for_request(request_id):
+            if (entry.source_address == link.address and entry.failure is None and entry.rehandshakes == 0
+                    and entry.state == "waiting_for_input" and entry.bytes_received == 0):
+                entry.rehandshakes += 1
+                entry.state = "bootstrapping"
+                entry.phase_since = time.monotonic()
+                log.info("event=handshake_again peer=%s request=%s rank=%s", link.address, q(request_id),
+                         entry.rank.id)
+                asyncio.ensure_future(self._bootstrap(entry, link.address))
+
+    def _downstream_incarnation(self, identity: bytes, daemon: str, incarnation: str) -> None:
+        """Prefill side: a decode daemon named its incarnation on a ping or handshake. Another link of
+        the same daemon address with another incarnation belongs to a process that is gone, once
+        ZeroMQ has seen its connection close (a live link is never taken over by a stranger's claim)."""
+        peer = self.downstream.get(identity)
+        if peer is not None and not peer.incarnation:
+            peer.incarnation = incarnation
+        for other in list(self.downstream.values()):
+            if (other.identity != identity and other.daemon == daemon and other.incarnation
+                    and other.incarnation != incarnation and self._identity_gone(other.identity)):
+                self.metrics.peer_restarts.labels("decode").inc()
+                log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", daemon, other.incarnation,
+                            incarnation)
+                self._drop_downstream(other, "peer_restarted",
+                                      f"decode daemon {daemon} restarted (incarnation {other.incarnation} -> "
+                                      f"{incarnation}); the request's decode side went with the old process")
+
+    def _identity_gone(self, identity: bytes) -> bool:
+        """Whether the peer socket has no connection with this routing id any more (ROUTER_MANDATORY probe)."""
+        if self.peer_sock is None:
+            return False
+        probe = zmq.Socket.shadow(self.peer_sock.underlying)
+        probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            probe.send_multipart([identity, protocol.encode({"op": "pong", "daemon": self.address,
+                                                             "incarnation": self.incarnation})], flags=zmq.NOBLOCK)
+            return False
+        except zmq.ZMQError as exc:
+            return exc.errno == zmq.EHOSTUNREACH
+        finally:
+            probe.setsockopt(zmq.ROUTER_MANDATORY, 0)
 
     async def _sweeper(self) -> None:
         t = self.cfg.timeouts
@@ -1326,19 +1471,21 @@ class Daemon:
             host = self.cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
             metrics_url = f"http://{host}:{self.ops.port}/metrics"
         return {
-            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(), "incarnation": self.incarnation,
             "name": self.cfg.daemon.instance_name or socket.gethostname(),
             "uptime_s": round(time.time() - self.started, 3), "ready": self.ready, "draining": self.draining,
             "engine_endpoint": f"ipc://{self.cfg.socket_path}", "peer_endpoint": f"tcp://{self.address}",
             "data_endpoint": self.data_address, "metrics_url": metrics_url,
             "ranks": [r.describe() for r in self.registry],
             "peers": [{"address": l.address, "state": l.state, "side": "prefill",
-                       "last_seen_s": round(time.monotonic() - l.last_seen, 3),
+                       "last_seen_s": round(time.monotonic() - l.last_seen, 3), "auth_error": l.auth_error,
+                       "incarnation": l.peer_incarnation,
                        "plans": sorted(f"{p}->{d}" for p, d in l.plans)} for l in self.links.values()]
-                     + [{"address": p.daemon, "state": "up", "side": "decode",
+                     + [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
                          "last_seen_s": round(time.monotonic() - p.last_seen, 3)} for p in self.downstream.values()],
             "requests": by_state,
             "recent_failures": list(self.recent_failures),
+            "auth": {"refused_here": self.auth_refusals.describe(), "refused_by_peers": self.auth_refused_by.describe()},
             "transports": self.nixl.describe(),
         }
 

@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import sys
 import time
 import urllib.request
 from typing import Any
 
+from .errors import ConfigError
 from .geometry import InstanceSpec
 from .sim import Cluster
 
@@ -25,8 +27,12 @@ DEMO_SPEC = dict(attention="mha", num_layers=8, total_kv_heads=4, head_dim=64, d
 
 def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", seed: int = 1,
              progress: Any = None) -> dict[str, Any]:
+    if transport == "local" and mode == "staged":
+        raise ConfigError("local copies are always direct; mode staged needs a link between daemons",
+                          field="mode", fix="use mode direct or auto with transport local, or transport tcp or nixl")
     rng = random.Random(seed)
     cluster = Cluster()
+    keep_logs = False
     env = {"KVXFERD_PEER_MODE": mode}
     if transport == "nixl":  # both daemons offer NIXL; UCX stays on loopback unless told otherwise
         env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
@@ -126,6 +132,7 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
         if mode != "auto" and not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
             verified = False  # the mode asked for was not the mode used
             failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
+        keep_logs = not (verified and not failed)  # the daemons' logs of a failed run stay for a look
         return {"requests": requests, "failed": len(failed), "verified": verified and not failed,
                 "bytes": total_bytes, "seconds": round(seconds, 4),
                 "gbps": round(total_bytes / seconds / 1e9, 4) if seconds else 0.0,
@@ -135,6 +142,8 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
                 "bytes_by_transport_mode": by_mode, "failures": failed[:5]}
     finally:
         cluster.close()
+        if not keep_logs:
+            shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 def _sent_by(metrics_url: str, *labels: str) -> dict[str, float]:
@@ -153,6 +162,12 @@ def _sent_by(metrics_url: str, *labels: str) -> dict[str, float]:
 
 def main(args: Any) -> int:
     progress = None if args.json else (lambda line: print(line, flush=True))
+    if args.transport == "local" and args.mode == "staged":
+        print("kvxferd demo: --transport local --mode staged: local copies are always direct (one index copy "
+              "per layer and kind, region to region; staging would only add a copy)\n"
+              "  use --mode direct or auto with --transport local, or --mode staged with --transport tcp or nixl",
+              file=sys.stderr)
+        return 2
     if args.transport == "nixl":
         from .transport.nixl import available
         ok, why = available()
@@ -162,7 +177,9 @@ def main(args: Any) -> int:
             return 2
     if not args.json:
         print(f"kvxferd demo: {args.requests} requests, transport={args.transport}, mode={args.mode}")
-    summary = run_demo(args.requests, args.transport, args.mode, args.seed, progress)
+    from .signals import cleanup_on_signals
+    with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
+        summary = run_demo(args.requests, args.transport, args.mode, args.seed, progress)
     if args.json:
         print(json.dumps(summary))
     else:

@@ -102,3 +102,9 @@ def _plain(value: Any) -> Any:
     if isinstance(value, tuple):
         return [_plain(v) for v in value]
     return value
+
+
+class BindError(KvxferError):
+    """An endpoint could not be bound at start-up; names the setting and the address."""
+
+    code = "bind_failed"

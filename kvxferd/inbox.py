@@ -50,6 +50,7 @@ class DestEntry:
     source_address: str = ""  # empty: the source instance is on this daemon
     data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
     fence_until: float = 0.0  # failed over NIXL direct: wait (until then) for the source to say no WRITE is left
+    rehandshakes: int = 0  # times a source answered no_handshake and the request handshook again
 
     @property
     def capacity(self) -> int:

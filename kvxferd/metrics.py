@@ -79,6 +79,12 @@ class Metrics:
             "kvxferd_staging_waits", "Times a data thread had to wait for a free staging slot.", registry=r)
         self.auth_denied = Counter(
             "kvxferd_auth_denied", "Peer connections refused by the CURVE allow-list.", registry=r)
+        self.peer_auth_failures = Counter(
+            "kvxferd_peer_auth_failures", "Handshakes with a peer daemon that failed authentication (the peer "
+            "refused this daemon's CURVE key, or its server key did not match auth.peer_keys).", registry=r)
+        self.peer_restarts = Counter(
+            "kvxferd_peer_restarts", "Peer daemons seen restarted (a new incarnation on the same address), by the "
+            "side the peer serves (prefill: a source daemon; decode: a decode daemon).", ["side"], registry=r)
         self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)

@@ -232,6 +232,10 @@ def landing_ring(name: str, value: Any) -> list[int]:
             integer(-1, 1 << 10)(name, value[4])]
 
 
+#: random per daemon process start: a peer whose incarnation changed was restarted, and nothing of
+#: what the old process knew (handshakes, plans, agents, requests) exists in the new one
+INCARNATION = text(64)
+
 #: what a decode daemon that offers NIXL adds to its handshake (and to an expect naming a new rank)
 NIXL_OFFER: dict[str, Checker] = {
     "nixl_agent": text(MAX_NAME_LEN),
@@ -246,7 +250,7 @@ PEER_SCHEMAS: dict[str, Schema] = {
                   "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
                   "mode": text(16, ("auto", "direct", "staged")),
                   "transports": list_of(text(32), 16)},
-        optional={"decode_tensors": boolean, "data_token": blob(64), **NIXL_OFFER}),
+        optional={"decode_tensors": boolean, "data_token": blob(64), "incarnation": INCARNATION, **NIXL_OFFER}),
     "expect": Schema(
         required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
@@ -258,8 +262,8 @@ PEER_SCHEMAS: dict[str, Schema] = {
     # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
     "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
     "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),
-    "ping": Schema(required={"daemon": ADDRESS}, optional={}),
-    "pong": Schema(required={"daemon": ADDRESS}, optional={}),
+    "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
+    "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
 }
 
 PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong")

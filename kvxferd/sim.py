@@ -194,13 +194,23 @@ def worker_main(argv: list[str]) -> int:
             sys.stdout.write(json.dumps(obj) + "\n")
             sys.stdout.flush()
 
+    from .signals import cleanup_on_signals
+    with cleanup_on_signals():  # SIGTERM: unlink the cache file on the way out
+        try:
+            return _worker_serve(args, client, cache, geometry, emit)
+        finally:
+            client.close()
+            cache.close()
+
+
+def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, emit: Any) -> int:
     try:
         rid = client.register(args.instance, args.role, geometry, cache.descriptors())
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
-        cache.close()
         return 1
-    emit({"event": "registered", "rank_id": rid})
+    # the cache file, so the orchestrator can remove it if this process is killed
+    emit({"event": "registered", "rank_id": rid, "shm": cache.path})
     commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def read_stdin() -> None:
@@ -235,8 +245,6 @@ def worker_main(argv: list[str]) -> int:
                 aux = event.get("aux")
                 result["aux"] = aux.hex() if isinstance(aux, bytes) else None
             emit(result)
-    client.close()
-    cache.close()
     return 0
 
 
@@ -367,6 +375,7 @@ class Worker:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         self.rank_id = ""
+        self.shm_path = ""
         if wait:
             self.wait_registered()
 
@@ -375,6 +384,7 @@ class Worker:
         if first.get("event") != "registered":
             raise RuntimeError(f"worker {self.instance} tp{self.geometry.tp_rank} pp{self.geometry.pp_rank}: {first}")
         self.rank_id = first["rank_id"]
+        self.shm_path = first.get("shm") or ""
 
     def _read(self) -> None:
         assert self.proc.stdout is not None
@@ -454,6 +464,8 @@ class Cluster:
     def close(self) -> None:
         for w in self.workers:
             w.close()
+            if w.shm_path:  # a killed worker could not unlink its cache file
+                Path(w.shm_path).unlink(missing_ok=True)
         for d in self.daemons.values():
             d.stop()
 

@@ -92,7 +92,7 @@ def untouched_bytes(worker: Worker, pages: list[int]) -> int:
             return int(ev["bad_bytes"])
 
 
-def wait_in_flight(daemon, key: str, timeout: float = 20) -> None:
+def wait_in_flight(daemon, key: str, timeout: float = 60) -> None:
     """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
     deadline = time.monotonic() + timeout
     from kvxferd.client import EngineClient

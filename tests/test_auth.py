@@ -89,7 +89,7 @@ def test_allowed_peers_transfer_and_strangers_are_shut_out(tmp_path):
         outsider[0].command(cmd="expect", request_id="auth-2", pages=[1, 2], n=5, source_instance="ap",
                             source_address=pd.address)
         ev = finished(outsider[0], "auth-2")
-        assert ev["state"] == "failed" and ev["code"] == "bootstrap_timeout", ev
+        assert ev["state"] == "failed" and ev["code"] == "auth_failed", ev
         assert _metric(pd.metrics_url, "kvxferd_auth_denied_total") >= 1
 
         # a plain (non-CURVE) client gets no answer at all from the authenticated endpoint

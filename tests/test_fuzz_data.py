@@ -312,7 +312,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
             s.sendall(random.Random(i).randbytes(random.Random(i + 1).randrange(0, h["nbytes"])))
         truncated += 1
         probe = {**h, "nbytes": h["nbytes"] + 1}  # refused for its size once the cut chunk is released
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while True:
             reply = exchange(dd.data_port, frame(probe))
             probes += 1
@@ -354,7 +354,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
     assert replay and replay["ok"] is False, replay
     with EngineClient(dd.socket_path, timeout=10) as client:
         assert client.call("ping")["ok"] is True
-        assert wait_idle(client, 5) == {}
+        assert wait_idle(client, 30) == {}
     assert canary(decode[0], [[DST, N_TOKENS]])["outside_bytes"] == 0
     rr.record("fuzz", "data_port", {
         "endpoint": "data", "messages": sent + 1, "answered": refused + 1,

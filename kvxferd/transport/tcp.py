@@ -356,6 +356,13 @@ class TcpTransport:
             self.staging.release(slot)
         return Moved(job.nbytes, len(blocks), "staged")
 
+    def forget(self, address: tuple[str, int]) -> None:
+        """The daemon at ``address`` is gone (restarted): its pooled connections are dead ends."""
+        with self._lock:
+            socks = self._idle.pop(address, [])
+        for s in socks:
+            s.close()
+
     def close(self) -> None:
         with self._lock:
             for socks in self._idle.values():

@@ -1,0 +1,109 @@
+"""``kvxferd demo`` and ``kvxferd bench`` stopped by a signal leave nothing behind.
+
+The real commands, stopped with SIGTERM (what ``kill``, systemd and container runtimes
+send) or SIGINT while their daemons and engines run: afterwards none of the processes they
+started is alive, and none of the shared-memory files their engines mapped exists.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+WAIT_S = 120.0
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below ``pid`` (daemons run in their own sessions but stay its children)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def shm_files(pids: set[int]) -> set[str]:
+    """The kvxferd shared-memory files these processes have mapped."""
+    out: set[str] = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        out.update(line.split()[-1] for line in maps.splitlines() if "/dev/shm/kvxferd-" in line)
+    return {p.removesuffix(" (deleted)") for p in out}
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def stop_when_busy(cmd: list[str], sig: int, want_engines: int) -> tuple[int, set[int], set[str]]:
+    """Start the command, wait until it runs daemons and engines with mapped caches, send ``sig``;
+    return its exit code, the processes it had started and the files they had mapped."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVXFERD_")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    try:
+        deadline = time.monotonic() + WAIT_S
+        while True:
+            assert proc.poll() is None, f"{cmd} ended before it was stopped"
+            below = descendants(proc.pid)
+            files = shm_files(below)
+            daemons = [p for p in below if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()] if below else []
+            if daemons and len(files) >= want_engines:
+                break
+            assert time.monotonic() < deadline, f"{cmd} never ran daemons and {want_engines} engines"
+            time.sleep(0.1)
+        below |= descendants(proc.pid)
+        proc.send_signal(sig)
+        code = proc.wait(WAIT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return code, below, files
+
+
+def assert_clean(started: set[int], files: set[str]) -> None:
+    deadline = time.monotonic() + 30  # orphans reparented to init are reaped there
+    while any(alive(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in started if alive(p)], "processes the tool started outlived it"
+    assert files and not [f for f in files if os.path.exists(f)], "shared-memory files outlived the tool"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_demo_stopped_by_a_signal_stops_its_daemons_and_removes_its_files(sig):
+    code, started, files = stop_when_busy(
+        [sys.executable, "-m", "kvxferd", "demo", "--requests", "100000"], sig, want_engines=3)
+    assert code == 128 + sig, code
+    assert_clean(started, files)
+
+
+@pytest.mark.slow
+def test_bench_stopped_by_sigterm_stops_its_daemons_and_removes_its_files():
+    code, started, files = stop_when_busy(
+        [sys.executable, "-m", "kvxferd", "bench", "--quick", "--only", "^local direct"], signal.SIGTERM,
+        want_engines=1)
+    assert code == 128 + signal.SIGTERM, code
+    assert_clean(started, files)
