@@ -172,6 +172,7 @@ class KvxferdKVManager(BaseKVManager):
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
         self.aux_row_bytes = sum(self.aux_item_lens)
+        self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
         self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
         self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
         self.client = EngineClient(self.socket_path)
@@ -240,16 +241,25 @@ class KvxferdKVManager(BaseKVManager):
                 field="kv_data_ptrs", fix="fill KVArgs after the pool was placed in shared memory (the plugin's "
                                           "hook does this; do not cache pointers before it runs)")
 
+    def _setting(self, bag: str, name: str) -> Any:
+        """A published setting (SGLang's runtime config bags), else the ServerArgs field."""
+        from sglang.srt import runtime_context
+
+        try:
+            return getattr(getattr(runtime_context, f"get_{bag}")(), name)
+        except (AttributeError, ValueError, RuntimeError):
+            return getattr(self.server_args, name)
+
     def _default_instance(self) -> str:
         host = socket.gethostname()
         if self.mode == "prefill":
-            return f"sglang-prefill-{host}-{self.server_args.disaggregation_bootstrap_port}"
-        return f"sglang-decode-{host}-{self.server_args.port}"
+            return f"sglang-prefill-{host}-{self.bootstrap_port}"
+        return f"sglang-decode-{host}-{self._setting('serving', 'port')}"
 
     # -- bootstrap -----------------------------------------------------------------------
     def bootstrap_address(self) -> str:
-        host = os.environ.get(BOOTSTRAP_HOST_ENV) or _host(getattr(self.server_args, "host", None))
-        return f"{host}:{self.server_args.disaggregation_bootstrap_port}"
+        host = os.environ.get(BOOTSTRAP_HOST_ENV) or _host(self._setting("serving", "host"))
+        return f"{host}:{self.bootstrap_port}"
 
     def register_to_bootstrap(self) -> None:
         """Tell the prefill deployment's bootstrap server this instance and daemon (retries while it starts)."""
