@@ -54,6 +54,7 @@ from .layout import PoolFacts, RankFacts, aux_row_spans, build_geometry, chunk_w
 log = logging.getLogger("kvxferd.sglang")
 
 SOCKET_ENV = "KVXFERD_ENGINE_SOCKET_PATH"  # the same variable `kvxferd serve` reads
+CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang on a dead local daemon
 INSTANCE_ENV = "KVXFERD_SGLANG_INSTANCE"
 BOOTSTRAP_HOST_ENV = "KVXFERD_SGLANG_BOOTSTRAP_HOST"
 BOOTSTRAP_WAIT_ENV = "KVXFERD_SGLANG_BOOTSTRAP_WAIT_S"
@@ -175,7 +176,7 @@ class KvxferdKVManager(BaseKVManager):
         self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
         self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
         self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
-        self.client = EngineClient(self.socket_path)
+        self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
         try:
             self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors))
             status = self.client.status()
@@ -327,6 +328,7 @@ class KvxferdKVManager(BaseKVManager):
 
     def close(self) -> None:
         with self.lock:
+            self.client.timeout = min(self.client.timeout, 2.0)
             try:
                 self.client.unregister(self.rank_id)
             except KvxferError:

@@ -31,6 +31,7 @@ from kvxferd.sim import Cluster  # noqa: E402
 
 # a prefill rank retries its bootstrap registration this long (SGLang starts the server beside it)
 os.environ.setdefault("KVXFERD_SGLANG_BOOTSTRAP_WAIT_S", "5")
+os.environ.setdefault("KVXFERD_SGLANG_CALL_TIMEOUT_S", "2")
 
 
 @pytest.fixture(scope="module")

@@ -45,6 +45,7 @@ def transfer_and_check(model, prefill, decode, addr, req, *, tp_p, tp_d, chunk_e
     for (recv, dslots), d, old in zip(receivers, decode, before):
         assert wait_poll(recv, {KVPoll.Success}) == KVPoll.Success, recv.failure
         want = expected_decode(d, old, dslots, prefill, pslots, req, model, tp_p, tp_d)
+        assert any(not torch.equal(want[k], old[k]) for k in want), "the oracle expects no change"
         assert_bytes_equal(d.buffers(), want)
         src = prefill[0].metadata.get_buf(5)
         got = d.metadata.get_buf(3)
@@ -61,6 +62,50 @@ def test_tp_mismatch_chunked(cluster, tp_p, tp_d):
     try:
         transfer_and_check(model, prefill, decode, addr, Request(room=1001 + tp_p, n_tokens=29),
                            tp_p=tp_p, tp_d=tp_d, chunk_ends=[10, 21])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_pp_stages_and_page_sizes_that_differ(cluster):
+    """Prefill PP 2 (SGLang's layer partition: the last stage holds the extra layer), decode
+    PP 1 with twice the page size, chunked."""
+    model = Model(num_layers=5)
+    server, prefill, decode, addr = deployment(cluster, model, pp_p=2, ps_p=4, ps_d=8, seed=2)
+    try:
+        assert [tuple(p.manager.geometry.layers) for p in prefill] == [(0, 2), (2, 5)]
+        transfer_and_check(model, prefill, decode, addr, Request(room=2001, n_tokens=37), tp_p=1, tp_d=1,
+                           chunk_ends=[16])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_mla_tp2_to_pp2(cluster):
+    """MLA latent rows (kv_lora_rank + rope_dim), every prefill TP rank holding the same
+    latent as SGLang computes it; decode split over 2 PP stages with a smaller page."""
+    model = Model(mla=True, num_layers=3)
+    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, pp_d=2, ps_p=8, ps_d=2, seed=3)
+    try:
+        for p in prefill[1:]:  # the latent is the same on every TP rank
+            for k, t in p.buffers().items():
+                t.copy_(prefill[0].buffers()[k])
+        assert prefill[0].manager.geometry.spec.attention == "mla"
+        transfer_and_check(model, prefill, decode, addr, Request(room=3001, n_tokens=21), tp_p=2, tp_d=1,
+                           chunk_ends=[9])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_decode_prefix_moves_only_the_suffix(cluster):
+    """decode_prefix_len 8: the decode side holds tokens [0, 8) already (its pages must stay
+    as they were); prefill sends the whole prompt and only [8, 27) lands."""
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, tp_d=1, seed=4)
+    try:
+        transfer_and_check(model, prefill, decode, addr, Request(room=4001, n_tokens=27, prefix=8), tp_p=2, tp_d=1,
+                           chunk_ends=[12])
     finally:
         close_all(*prefill, *decode)
         server.close()
