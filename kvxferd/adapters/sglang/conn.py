@@ -364,6 +364,10 @@ class _Conclusion:
         raise KVTransferError(self.bootstrap_room, f"kvxferd request {self.request_id} failed: code={code} "
                                                    f"reason={reason}")
 
+    def clear(self) -> None:
+        """SGLang is done with the request: drop any completion event still held for it."""
+        self.kv_mgr.forget(self.request_id)
+
     def _abort(self, reason: str) -> None:
         if self.conclude_state is not None:
             return

@@ -92,3 +92,21 @@ def test_poll_order_sglang_expects():
 def test_wildcard_daemon_host_is_reached_at_the_bootstrap_host():
     assert reachable_address("0.0.0.0:5557", "10.1.2.3") == "10.1.2.3:5557"
     assert reachable_address("prefill-a:5557", "10.1.2.3") == "prefill-a:5557"
+
+
+def test_bootstrap_server_serves_one_deployment():
+    from kvxferd.adapters.sglang.bootstrap import BootstrapHTTPServer, get_route, put_route
+
+    server = BootstrapHTTPServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    try:
+        assert get_route(addr) is None  # no prefill rank registered yet: decode retries
+        assert put_route(addr, "prefill-a", "0.0.0.0:5557") == {"instance": "prefill-a",
+                                                               "daemon_address": "0.0.0.0:5557"}
+        assert put_route(addr, "prefill-a", "0.0.0.0:5557")["instance"] == "prefill-a"  # every rank, same answer
+        clash = put_route(addr, "prefill-b", "10.0.0.2:5557")
+        assert clash["status"] == 409 and "prefill-a" in clash["error"]
+        assert get_route(addr) == {"instance": "prefill-a", "daemon_address": "0.0.0.0:5557"}
+    finally:
+        server.close()
+    assert get_route(addr, timeout=0.5) is None  # gone: decode sees "not yet", not an exception
