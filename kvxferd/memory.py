@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import RegistrationError
-from .geometry import RankGeometry
+from .geometry import PACKED, RankGeometry
 
 ALIGN = 4096
 
@@ -48,7 +48,12 @@ def _align(n: int) -> int:
 
 
 def region_shape(geometry: RankGeometry) -> tuple[int, ...]:
+    """NHD ``[pages, page_size, heads, head_dim]``; packed_page vLLM's CPU ``[pages, heads, page_size, 2 * head_dim]``."""
     spec = geometry.spec
+    if spec.layout == PACKED:
+        if spec.dtype in TORCH_DTYPES:
+            return (geometry.num_pages, spec.local_heads, spec.page_size, 2 * spec.head_dim)
+        return (geometry.num_pages, spec.local_heads, spec.head_slot_bits // 8)
     if spec.dtype in TORCH_DTYPES:
         return (geometry.num_pages, spec.page_size, spec.local_heads, spec.head_dim)
     return (geometry.num_pages, spec.page_size, spec.row_bytes)
@@ -153,6 +158,9 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
      event_sync) = storage._share_cuda_()
     return {"device": int(device), "handle": bytes(handle), "size": int(size),
             "storage_offset": int(offset) + tensor.storage_offset() * tensor.element_size(),
+            # where the storage starts inside the IPC allocation (the caching allocator may have
+            # placed it in a larger segment): the daemon opens the storage there, not at the base
+            "block_offset": int(offset),
             "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
             "event_handle": bytes(event_handle) if event_handle else b"",
             "event_sync": bool(event_sync)}
@@ -261,16 +269,17 @@ class MemoryMapper:
                                     fix="run the daemon with access to the engine's GPUs")
         h = r.get("handle")
         try:
+            block = int(h.get("block_offset", 0))  # handles from older clients: the storage's own base
             storage = torch.UntypedStorage._new_shared_cuda(
-                h["device"], h["handle"], h["size"], 0, h["ref_handle"], h["ref_offset"],
+                h["device"], h["handle"], h["size"], block, h["ref_handle"], h["ref_offset"],
                 h["event_handle"] or None, h["event_sync"])
+            offset = int(h["storage_offset"]) - block + int(r.get("offset", 0))
         except Exception as exc:
             raise RegistrationError(f"cannot open CUDA IPC handle: {exc}", field="regions.handle",
                                     fix="send the handle from cuda_ipc_handle() of a live tensor") from None
         flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}")
         flat.set_(storage, 0, (storage.nbytes(),))
-        offset = int(h["storage_offset"]) + int(r.get("offset", 0))
-        if offset + r["nbytes"] > flat.numel():
+        if offset < 0 or offset + r["nbytes"] > flat.numel():
             raise RegistrationError("CUDA region exceeds its storage", field="regions.nbytes",
                                     fix="describe the region inside its tensor's storage")
         return flat[offset:offset + r["nbytes"]]
