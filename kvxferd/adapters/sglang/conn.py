@@ -49,7 +49,7 @@ from ...errors import KvxferError, RegistrationError
 from ...memory import describe_tensors
 from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
-from .layout import PoolFacts, RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages, region_kinds
+from .layout import PoolFacts, RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
 
 log = logging.getLogger("kvxferd.sglang")
 

@@ -120,10 +120,6 @@ def build_geometry(pool: PoolFacts, rank: RankFacts) -> RankGeometry:
     return RankGeometry(spec, rank.tp_rank, rank.pp_rank, pool.rows // pool.page_size)
 
 
-def region_kinds(attention: str) -> tuple[str, ...]:
-    return ("latent",) if attention == "mla" else ("k", "v")
-
-
 def expect_pages(suffix_pages: Sequence[int], prefix_len: int, page_size: int) -> list[int]:
     """Pages from token 0 for ``expect``, given SGLang's pages for the suffix only.
 

@@ -109,3 +109,16 @@ def test_decode_prefix_moves_only_the_suffix(cluster):
     finally:
         close_all(*prefill, *decode)
         server.close()
+
+
+def test_bare_last_chunk_carries_the_metadata_row(cluster):
+    """A prompt of whole pages whose last prefill chunk is empty: SGLang still sends it
+    (should_send_kv_chunk), and it alone ends the request and carries the aux row."""
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, seed=5)
+    try:
+        transfer_and_check(model, prefill, decode, addr, Request(room=4501, n_tokens=24), tp_p=1, tp_d=1,
+                           chunk_ends=[24])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
