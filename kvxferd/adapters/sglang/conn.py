@@ -190,7 +190,11 @@ class KvxferdKVManager(BaseKVManager):
         log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,
                  self.mode, self.rank_id, self.daemon_address)
         if self.mode == "prefill":
-            self.register_to_bootstrap()
+            try:
+                self.register_to_bootstrap()
+            except BaseException:
+                self.close()  # no rank stays registered for a manager SGLang never got
+                raise
 
     # -- start-up checks -----------------------------------------------------------------
     @staticmethod
@@ -274,10 +278,17 @@ class KvxferdKVManager(BaseKVManager):
             if "error" not in answer:
                 return
             if answer.get("status") == 409 or time.monotonic() > deadline:
-                raise RegistrationError(f"bootstrap server {addr} refused instance {self.instance!r} at daemon "
-                                        f"{self.daemon_address}: {answer['error']}", field="bootstrap",
-                                        fix="give every prefill deployment its own bootstrap port, and every "
-                                            "rank of one deployment the same kvxferd daemon")
+                if answer.get("status") == 409:
+                    raise RegistrationError(
+                        f"bootstrap server {addr} already serves another kvxferd instance or daemon; instance "
+                        f"{self.instance!r} at daemon {self.daemon_address} refused: {answer['error']}",
+                        field="bootstrap", fix="give every prefill deployment its own bootstrap port, and every "
+                                               "rank of one deployment the same kvxferd daemon and instance name")
+                raise RegistrationError(
+                    f"could not register instance {self.instance!r} with bootstrap server {addr}: {answer['error']}",
+                    field="disaggregation_bootstrap_port",
+                    fix=f"start the prefill server's bootstrap server on that port (or set {BOOTSTRAP_HOST_ENV} to "
+                        f"the host it listens on); {BOOTSTRAP_WAIT_ENV} sets how long ranks wait for it")
             time.sleep(0.2)
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:

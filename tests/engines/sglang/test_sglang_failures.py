@@ -15,7 +15,7 @@ from sglang.srt.mem_cache.common import kv_to_page_indices
 
 from harness import (KVPoll, Model, Request, bootstrap_server, close_all, free_port, make_rank, new_senders,
                      run_decode_until_metadata, slots_of, wait_poll)
-from kvxferd.errors import GeometryError
+from kvxferd.errors import GeometryError, RegistrationError
 from kvxferd.client import EngineClient
 from test_sglang_transfers import deployment
 
@@ -28,17 +28,25 @@ def unchanged(rank, before) -> bool:
     return all(torch.equal(rank.buffers()[k].view(torch.uint8), v.view(torch.uint8)) for k, v in before.items())
 
 
-def test_abort_from_decode_reaches_prefill(cluster):
+@pytest.mark.parametrize("how", ["abort", "ensure_abort_notified"])
+def test_abort_from_decode_reaches_prefill(cluster, how):
+    """The decode scheduler ends a request with abort(), or, when it releases one that
+    failed, with ensure_abort_notified(); both reach the prefill ranks through the daemons."""
     model = Model()
     server, prefill, decode, addr = deployment(cluster, model, tp_p=2, tp_d=1, seed=11)
     try:
-        req = Request(room=5001, n_tokens=20)
+        req = Request(room=5001 if how == "abort" else 5011, n_tokens=20)
         before = snapshot(decode[0])
         senders = new_senders(prefill, addr, req)
         [(recv, _)] = run_decode_until_metadata(decode, addr, req, random.Random(1))
         for s in senders:
             assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
-        recv.abort()
+        assert recv.require_staging is False and recv.abort_notified is False
+        if how == "abort":
+            recv.abort()
+        else:
+            recv.ensure_abort_notified(force_arm=True)
+            assert recv.abort_notified is False  # nothing to wait for: kvxferd fails only once writes stopped
         assert recv.poll() == KVPoll.Failed
         with pytest.raises(KVTransferError, match="code=aborted"):
             recv.failure_exception()
@@ -170,3 +178,43 @@ def test_fake_backend_control_moves_nothing(cluster):
     finally:
         close_all(*prefill, *decode)
         server.close()
+
+
+def test_kvargs_point_into_kvxferd_shared_memory(cluster):
+    """The real PrefillBootstrapQueue._init_kv_manager filled KVArgs after the hook moved the
+    pool: its pointers, the pool's own pointer tables and the registered regions agree, and
+    the shared-memory file's name is already gone (the daemon holds its mapping)."""
+    model = Model(total_kv_heads=4)
+    bport = free_port()
+    server = bootstrap_server(bport)
+    rank = make_rank("prefill", cluster.daemons["pd"], model, tp_rank=0, tp_size=2, page_size=4, num_pages=8,
+                     port=free_port(), bootstrap_port=bport, seed=19)
+    try:
+        args = rank.manager.kv_args
+        assert (args.kv_head_num, args.total_kv_head_num, args.page_size) == (2, 4, 4)
+        k, v = rank.pool.k_buffer, rank.pool.v_buffer
+        assert list(args.kv_data_ptrs) == [t.data_ptr() for t in k] + [t.data_ptr() for t in v]
+        assert rank.pool.k_data_ptrs.tolist() == [t.data_ptr() for t in k]
+        maps = open("/proc/self/maps").read().splitlines()
+        ptr = k[0].data_ptr()
+        [line] = [ln for ln in maps if int(ln.split()[0].split("-")[0], 16) <= ptr < int(ln.split()[0].split("-")[1], 16)]
+        assert "/dev/shm/kvxferd-sglang-prefill-tp0-pp0-" in line and line.endswith("(deleted)")
+        with EngineClient(cluster.daemons["pd"].socket_path) as kv:
+            ranks = {r["rank_id"]: r for r in kv.status()["ranks"]}
+        mine = ranks[rank.manager.rank_id]
+        assert (mine["role"], mine["regions"], mine["geometry"]["num_pages"]) == ("prefill", 8, 8)
+    finally:
+        close_all(rank)
+        server.close()
+
+
+def test_prefill_rank_without_its_bootstrap_server_is_refused_and_unregistered(cluster, monkeypatch):
+    monkeypatch.setenv("KVXFERD_SGLANG_BOOTSTRAP_WAIT_S", "0.5")
+    with EngineClient(cluster.daemons["pd"].socket_path) as kv:
+        ranks_before = len(kv.status()["ranks"])
+    with pytest.raises(RegistrationError, match="could not register") as info:
+        make_rank("prefill", cluster.daemons["pd"], Model(), tp_rank=0, tp_size=1, page_size=4, num_pages=8,
+                  port=free_port(), bootstrap_port=free_port(), seed=20)
+    assert info.value.field == "disaggregation_bootstrap_port"
+    with EngineClient(cluster.daemons["pd"].socket_path) as kv:
+        assert len(kv.status()["ranks"]) == ranks_before
