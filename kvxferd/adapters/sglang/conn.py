@@ -163,6 +163,7 @@ class KvxferdKVManager(BaseKVManager):
                 "did not run)", field="token_to_kv_pool",
                 fix="load the plugin with sglang.srt.plugins.load_plugins() before the scheduler starts")
         self._refuse_unsupported(args, ctx)
+        self._refuse_unsupported_options()
         self.facts = pool_facts(ctx.pool)
         if self.facts.page_size != int(args.page_size):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
@@ -212,6 +213,18 @@ class KvxferdKVManager(BaseKVManager):
                                     "token's row on the host", field="metadata_buffers",
                                     fix="unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK")
 
+    def _refuse_unsupported_options(self) -> None:
+        policy = self._setting("disagg", "disaggregation_decode_allocation_policy")
+        if policy == "prefill_complete":
+            raise RegistrationError("--disaggregation-decode-allocation-policy prefill_complete is not supported by "
+                                    "the kvxferd backend", field="disaggregation_decode_allocation_policy",
+                                    fix="use the default allocation policy")
+        if self._setting("disagg", "disaggregation_enable_kv_checksum"):
+            raise RegistrationError("SGLang's KV checksum is not supported by the kvxferd backend (its digest covers "
+                                    "other bytes when prefill and decode TP differ); kvxferd checks every chunk's "
+                                    "token range and byte count itself", field="disaggregation_enable_kv_checksum",
+                                    fix="start SGLang without --disaggregation-enable-kv-checksum")
+
     def _rank_facts(self, args: KVArgs, ctx: PoolContext) -> RankFacts:
         from sglang.srt.distributed.utils import get_pp_indices
         from sglang.srt.runtime_context import get_parallel
@@ -253,7 +266,7 @@ class KvxferdKVManager(BaseKVManager):
         try:
             return getattr(getattr(runtime_context, f"get_{bag}")(), name)
         except (AttributeError, ValueError, RuntimeError):
-            return getattr(self.server_args, name)
+            return getattr(self.server_args, name, None)
 
     def _default_instance(self) -> str:
         host = socket.gethostname()

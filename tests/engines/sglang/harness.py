@@ -114,7 +114,7 @@ def layer_range(model: Model, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 def make_rank(role: str, daemon: DaemonProc, model: Model, *, tp_rank: int, tp_size: int, pp_rank: int = 0,
               pp_size: int = 1, page_size: int, num_pages: int, port: int, bootstrap_port: int,
-              give_heads: bool = True, seed: int = 0) -> Rank:
+              give_heads: bool = True, seed: int = 0, **server_args: Any) -> Rank:
     """One scheduler rank: its pool, metadata buffers and the manager SGLang's queue builds."""
     start, end = layer_range(model, pp_rank, pp_size)
     heads = max(1, model.total_kv_heads // tp_size)
@@ -144,7 +144,7 @@ def make_rank(role: str, daemon: DaemonProc, model: Model, *, tp_rank: int, tp_s
                           transfer_backend=BACKEND, enable_staging=False)
     with published(tp_size=tp_size, pp_size=pp_size, disaggregation_mode=role,
                    disaggregation_transfer_backend="kvxferd", host="127.0.0.1", port=port,
-                   disaggregation_bootstrap_port=bootstrap_port) as sa:
+                   disaggregation_bootstrap_port=bootstrap_port, **server_args) as sa:
         scheduler.server_args = sa
         with get_parallel().override(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=0), socket_of(daemon):
             manager = queue._init_kv_manager()
