@@ -53,3 +53,17 @@ def no_shm_leak():
     yield
     after = {p for p in os.listdir("/dev/shm") if p.startswith("kvxferd-sglang")}
     assert after <= before, f"shared-memory files left behind: {sorted(after - before)}"
+
+
+@pytest.fixture(scope="session")
+def gloo():
+    """A one-process gloo group, so SGLang's own poll reducers (poll_and_all_reduce*) run."""
+    import torch.distributed as dist
+
+    from kvxferd.sim import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

@@ -5,7 +5,8 @@ KV transfer is SGLang's own: CPU ``MHATokenToKVPool``/``MLATokenToKVPool``,
 ``MetadataBuffers`` (written by its ``set_buf``), KVArgs filled by the real
 ``PrefillBootstrapQueue._init_kv_manager`` / ``DecodePreallocQueue._init_kv_manager``
 (called on a queue object that holds what those methods read), ``get_kv_class`` through the
-plugin, ``kv_to_page_indices``. The scheduler itself is a namespace with the fields those
+plugin, ``kv_to_page_indices``, and SGLang's poll reducers (``poll_and_all_reduce*``, with
+the decode side's metadata gate) over a one-process gloo group. The scheduler itself is a namespace with the fields those
 methods read (model config, worker's kv dtype string).
 """
 
@@ -168,6 +169,28 @@ def wait_poll(obj: Any, wanted: set[int], timeout: float = POLL_TIMEOUT) -> int:
         time.sleep(0.01)
 
 
+def sglang_wait(pollers: list[Any], group: Any, *, decode_metadata: Any = None, aux_index: int = 3,
+                wanted: int = KVPoll.Success, timeout: float = POLL_TIMEOUT) -> list[int]:
+    """Poll through SGLang's own reducers until every poller is final: the prefill inflight
+    queue's poll_and_all_reduce_attn_cp_tp_group, or the decode transfer queue's
+    poll_and_all_reduce with its metadata gate (Success only once the row's room landed)."""
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce, poll_and_all_reduce_attn_cp_tp_group
+
+    deadline = time.monotonic() + timeout
+    while True:
+        if decode_metadata is None:
+            polls = poll_and_all_reduce_attn_cp_tp_group(pollers, group, group)
+        else:
+            reqs = [types.SimpleNamespace(req=types.SimpleNamespace(bootstrap_host="127.0.0.1"),
+                                          metadata_buffer_index=aux_index) for _ in pollers]
+            polls = poll_and_all_reduce(pollers, group, decode_reqs=reqs, metadata_buffers=decode_metadata)
+        if all(p in (wanted, KVPoll.Failed) for p in polls):
+            return [int(p) for p in polls]
+        if time.monotonic() > deadline:
+            raise AssertionError(f"polls stuck at {polls}")
+        time.sleep(0.01)
+
+
 def slots_of(pages: list[int], n_tokens: int, page_size: int) -> torch.Tensor:
     """req_to_token row of a request: token t lives in slot pages[t // ps] * ps + t % ps."""
     t = torch.arange(n_tokens)
@@ -287,6 +310,6 @@ def close_all(*ranks: Rank) -> None:
         r.manager.close()
 
 
-__all__ = ["BACKEND", "Model", "Rank", "Request", "make_rank", "bootstrap_server", "wait_poll", "free_port",
+__all__ = ["sglang_wait", "BACKEND", "Model", "Rank", "Request", "make_rank", "bootstrap_server", "wait_poll", "free_port",
            "run_decode_until_metadata", "new_senders", "run_prefill", "expected_decode", "assert_bytes_equal",
            "close_all", "KVPoll"]
