@@ -180,22 +180,21 @@ class KvxferdKVManager(BaseKVManager):
         self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
         try:
             self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors))
-            status = self.client.status()
         except BaseException:
             self.client.close()
             raise
         finally:
             if ctx.shared is not None:
                 ctx.shared.close()  # the daemon mapped the file; its name is no longer needed
-        self.daemon_address = str(status["peer_endpoint"]).removeprefix("tcp://")
-        log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,
-                 self.mode, self.rank_id, self.daemon_address)
-        if self.mode == "prefill":
-            try:
+        try:
+            self.daemon_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
+            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,
+                     self.mode, self.rank_id, self.daemon_address)
+            if self.mode == "prefill":
                 self.register_to_bootstrap()
-            except BaseException:
-                self.close()  # no rank stays registered for a manager SGLang never got
-                raise
+        except BaseException:
+            self.close()  # no rank stays registered for a manager SGLang never got
+            raise
 
     # -- start-up checks -----------------------------------------------------------------
     @staticmethod
