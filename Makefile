@@ -27,8 +27,13 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
+# Engine adapter tests run in their own virtual environments (each engine pins its own
+# dependencies); each engine's block below adds its target to ENGINE_TESTS.
+ENGINE_TESTS :=
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines $(PYTEST_ARGS)
+	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)
 	$(VENV)/bin/kvxferd plan --prefill configs/models/llama-3.1-8b.tp2.json --decode configs/models/llama-3.1-8b.tp1.json
@@ -36,5 +41,29 @@ plan: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/kvxferd bench
 
+# --- SGLang adapter (kvxferd/adapters/sglang) -------------------------------------------
+# sglang 0.5.23 without its GPU stack: the wheel with --no-deps, then only what its
+# disaggregation/scheduler modules import (tests/engines/sglang/requirements.txt), CPU torch kept.
+SGL_VENV  := .venv-sglang
+SGL_PY    := $(SGL_VENV)/bin/python
+SGL_DIR   := tests/engines/sglang
+SGL_STAMP := $(SGL_VENV)/.installed
+ENGINE_TESTS += test-sglang
+
+.PHONY: test-sglang
+
+$(SGL_STAMP): pyproject.toml Makefile $(SGL_DIR)/requirements.txt $(SGL_DIR)/constraints.txt
+	$(PYTHON) -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q --upgrade pip
+	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt "torch==2.13.0"
+	$(SGL_PY) -m pip install -q --no-deps "sglang==0.5.23"
+	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt -r $(SGL_DIR)/requirements.txt
+	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt -e ".[dev]"
+	touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	PYTHONPATH=$(CURDIR) $(SGL_PY) -m pytest -q -p no:cacheprovider -W ignore::DeprecationWarning $(SGL_DIR)
+# --- end SGLang adapter -------------------------------------------------------------------
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) build *.egg-info .pytest_cache .hypothesis

@@ -1,0 +1,14 @@
+"""SGLang transfer backend: ``--disaggregation-transfer-backend kvxferd``.
+
+Loaded by SGLang's plugin loader through the ``sglang.srt.plugins`` entry point
+(:func:`kvxferd.adapters.sglang.plugin.register`); nothing in SGLang is edited.
+Tested against sglang 0.5.23; the backend interfaces change between releases.
+
+- :mod:`.layout`: KVArgs and pool shapes -> kvxferd geometry, page and token arithmetic (pure)
+- :mod:`.polling`: kvxferd request states -> SGLang's ``KVPoll`` (pure)
+- :mod:`.bootstrap`: the prefill side's bootstrap server (instance and daemon address)
+- :mod:`.conn`: the manager, sender, receiver and bootstrap server classes SGLang builds
+- :mod:`.plugin`: the hooks that add the backend to SGLang
+"""
+
+SGLANG_VERSION = "0.5.23"

@@ -1,0 +1,567 @@
+"""The classes SGLang builds for ``--disaggregation-transfer-backend kvxferd`` (sglang 0.5.23).
+
+One :class:`KvxferdKVManager` per scheduler rank registers the rank's own KV pool tensors
+with the local kvxferd daemon (one region per layer and kind, in place: SGLang's pool was
+moved into shared memory on CPU, CUDA tensors go by IPC handle). A request's
+``bootstrap_room`` is its kvxferd request id on both sides.
+
+- prefill: :class:`KvxferdKVSender` polls the daemon (``Bootstrapping`` until the decode
+  side's expect reached it, then ``WaitingForInput``), and each ``send`` of SGLang's
+  chunked prefill is one kvxferd ``send`` of the chunk's pages and token range; the last
+  one carries the request's MetadataBuffers row as ``aux``.
+- decode: :class:`KvxferdKVReceiver` learns the prefill deployment's kvxferd instance and
+  daemon address from the prefill bootstrap server, turns ``send_metadata`` into
+  ``expect`` (``decode_prefix_len`` becomes ``start``: only the suffix moves), and answers
+  ``Success`` only after the aux row was written into its own MetadataBuffers.
+
+Failures carry kvxferd's code and reason into SGLang's ``KVTransferError``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import ctypes
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVArgs,
+    KVPoll,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError
+
+from ...client import DaemonError, EngineClient
+from ...config import default_socket_path
+from ...errors import KvxferError, RegistrationError
+from ...memory import describe_tensors
+from . import polling
+from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
+from .layout import PoolFacts, RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
+
+log = logging.getLogger("kvxferd.sglang")
+
+SOCKET_ENV = "KVXFERD_ENGINE_SOCKET_PATH"  # the same variable `kvxferd serve` reads
+CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang on a dead local daemon
+INSTANCE_ENV = "KVXFERD_SGLANG_INSTANCE"
+BOOTSTRAP_HOST_ENV = "KVXFERD_SGLANG_BOOTSTRAP_HOST"
+BOOTSTRAP_WAIT_ENV = "KVXFERD_SGLANG_BOOTSTRAP_WAIT_S"
+
+
+@dataclass
+class PoolContext:
+    """What the plugin's hook on ``_init_kv_manager`` hands the manager SGLang builds inside it.
+
+    SGLang gives a manager only KVArgs (pointers); kvxferd registers tensors, so the hook
+    passes the pool (already moved into shared memory on CPU) and the model's KV head count.
+    """
+
+    pool: Any
+    metadata_buffers: Any
+    model_total_kv_heads: int | None
+    num_hidden_layers: int
+    shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool, unlinked once registered
+
+
+CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
+                                                                                      default=None)
+
+_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
+           torch.int8: "int8", torch.uint8: "uint8"}
+for _name in ("float8_e4m3fn", "float8_e5m2"):
+    if hasattr(torch, _name):
+        _DTYPES[getattr(torch, _name)] = _name
+
+
+def pool_buffers(pool: Any) -> tuple[str, dict[str, list[torch.Tensor]]]:
+    """(attention kind, {region kind: per-layer tensors}) of an MHA or MLA token pool."""
+    if getattr(pool, "kv_buffer", None) is not None:
+        return "mla", {"latent": list(pool.kv_buffer)}
+    if getattr(pool, "k_buffer", None) is not None and getattr(pool, "v_buffer", None) is not None:
+        return "mha", {"k": list(pool.k_buffer), "v": list(pool.v_buffer)}
+    raise RegistrationError(f"KV pool {type(pool).__name__} has neither k_buffer/v_buffer nor kv_buffer",
+                            field="token_to_kv_pool", fix="use an MHA or MLA token pool (MHATokenToKVPool, "
+                                                          "MLATokenToKVPool)")
+
+
+def pool_facts(pool: Any) -> PoolFacts:
+    attention, buffers = pool_buffers(pool)
+    if getattr(pool, "use_hnd", False):
+        raise RegistrationError("the KV pool is laid out HND; kvxferd registers NHD buffers in place",
+                                field="kv_cache_layout", fix="start SGLang without an HND kv cache layout")
+    first = next(iter(buffers.values()))[0]
+    if first.dim() != 3:
+        raise RegistrationError(f"KV buffers have shape {list(first.shape)}, expected [rows, heads, head_dim]",
+                                field="token_to_kv_pool", fix="use an NHD MHA or MLA token pool")
+    shapes = {tuple(t.shape) for ts in buffers.values() for t in ts}
+    dtypes = {t.dtype for ts in buffers.values() for t in ts}
+    if len(shapes) != 1 or len(dtypes) != 1:
+        raise RegistrationError(f"KV buffers differ in shape {sorted(shapes)} or dtype {sorted(map(str, dtypes))}",
+                                field="token_to_kv_pool", fix="use a pool whose K and V have one head_dim")
+    dtype = _DTYPES.get(first.dtype)
+    if dtype is None:
+        raise RegistrationError(f"KV buffer dtype {first.dtype} is not one kvxferd moves", field="kv_cache_dtype",
+                                fix=f"use one of {sorted(_DTYPES.values())}")
+    rows, heads, dim = first.shape
+    return PoolFacts(attention=attention, dtype=dtype, rows=int(rows), local_heads=int(heads), head_dim=int(dim),
+                     page_size=int(pool.page_size), start_layer=int(getattr(pool, "start_layer", 0) or 0),
+                     num_layers=len(next(iter(buffers.values()))))
+
+
+def pool_region_tensors(pool: Any, facts: PoolFacts) -> dict[tuple[int, str], torch.Tensor]:
+    _, buffers = pool_buffers(pool)
+    return {(facts.start_layer + i, kind): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+
+def _host(host: str | None) -> str:
+    return "127.0.0.1" if not host or host in ("0.0.0.0", "::") else host
+
+
+@dataclass(frozen=True)
+class PrefillInfo:
+    """One prefill deployment as the decode scheduler sees it (``prefill_info_table`` values)."""
+
+    instance: str
+    daemon_address: str
+    dp_size: int = 1
+    follow_bootstrap_room: bool = True
+
+
+class KvxferdKVManager(BaseKVManager):
+    """One scheduler rank's registration with its local kvxferd daemon."""
+
+    enable_deferred_decode_kv_release = False  # kvxferd tells a failure only once no byte is in flight
+    supports_host_destination = False
+
+    def __init__(self, args: KVArgs, disaggregation_mode: Any, server_args: Any,
+                 is_mla_backend: Optional[bool] = False) -> None:
+        self.kv_args = args
+        self.server_args = server_args
+        self.mode = getattr(disaggregation_mode, "value", str(disaggregation_mode))
+        if self.mode not in ("prefill", "decode"):
+            raise RegistrationError(f"disaggregation mode {self.mode!r} has no kvxferd role",
+                                    field="disaggregation_mode", fix="use prefill or decode")
+        self.is_mla_backend = bool(is_mla_backend)
+        self.prefill_info_table: dict[str, PrefillInfo] = {}
+        self.lock = threading.Lock()
+        ctx = CURRENT_POOL.get()
+        if ctx is None:
+            raise RegistrationError(
+                "the kvxferd manager was built without its KV pool (the plugin's hook on _init_kv_manager "
+                "did not run)", field="token_to_kv_pool",
+                fix="load the plugin with sglang.srt.plugins.load_plugins() before the scheduler starts")
+        self._refuse_unsupported(args, ctx)
+        self._refuse_unsupported_options()
+        self.facts = pool_facts(ctx.pool)
+        if self.facts.page_size != int(args.page_size):
+            raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
+                                    field="page_size", fix="build KVArgs from the registered pool")
+        self.geometry = build_geometry(self.facts, self._rank_facts(args, ctx))
+        tensors = pool_region_tensors(ctx.pool, self.facts)
+        self._check_pointers(args, tensors)
+        self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
+        self.aux_item_lens = [int(n) for n in args.aux_item_lens]
+        self.aux_row_bytes = sum(self.aux_item_lens)
+        self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
+        self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
+        self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
+        self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
+        try:
+            self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors))
+        except BaseException:
+            self.client.close()
+            raise
+        finally:
+            if ctx.shared is not None:
+                ctx.shared.close()  # the daemon mapped the file; its name is no longer needed
+        try:
+            self.daemon_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
+            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,
+                     self.mode, self.rank_id, self.daemon_address)
+            if self.mode == "prefill":
+                self.register_to_bootstrap()
+        except BaseException:
+            self.close()  # no rank stays registered for a manager SGLang never got
+            raise
+
+    # -- start-up checks -----------------------------------------------------------------
+    @staticmethod
+    def _refuse_unsupported(args: KVArgs, ctx: PoolContext) -> None:
+        if getattr(args, "state_types", None):
+            raise RegistrationError(f"state transfer ({[getattr(s, 'value', s) for s in args.state_types]}) "
+                                    "is not supported by the kvxferd backend", field="state_types",
+                                    fix="serve models without mamba/SWA/DSA state, or use another backend")
+        if getattr(args, "num_draft_entries", 0):
+            raise RegistrationError("draft-model KV (speculative decoding) is not supported by the kvxferd backend",
+                                    field="num_draft_entries", fix="serve without a draft model")
+        aux = getattr(ctx.metadata_buffers, "output_ids", None)
+        if aux is None or aux.device.type != "cpu":
+            raise RegistrationError("MetadataBuffers are not in CPU memory; the kvxferd backend copies the first "
+                                    "token's row on the host", field="metadata_buffers",
+                                    fix="unset SGLANG_MOONCAKE_CUSTOM_MEM_POOL=INTRA_NODE_NVLINK")
+
+    def _refuse_unsupported_options(self) -> None:
+        policy = self._setting("disagg", "disaggregation_decode_allocation_policy")
+        if policy == "prefill_complete":
+            raise RegistrationError("--disaggregation-decode-allocation-policy prefill_complete is not supported by "
+                                    "the kvxferd backend", field="disaggregation_decode_allocation_policy",
+                                    fix="use the default allocation policy")
+        if self._setting("disagg", "disaggregation_enable_kv_checksum"):
+            raise RegistrationError("SGLang's KV checksum is not supported by the kvxferd backend (its digest covers "
+                                    "other bytes when prefill and decode TP differ); kvxferd checks every chunk's "
+                                    "token range and byte count itself", field="disaggregation_enable_kv_checksum",
+                                    fix="start SGLang without --disaggregation-enable-kv-checksum")
+
+    def _rank_facts(self, args: KVArgs, ctx: PoolContext) -> RankFacts:
+        from sglang.srt.distributed.utils import get_pp_indices
+        from sglang.srt.runtime_context import get_parallel
+
+        parallel = get_parallel()
+        attn_tp = int(parallel.attn_tp_size)
+        pp_size = int(parallel.pp_size)
+        for name in ("attn_dp_size", "attn_cp_size"):
+            try:
+                width = int(getattr(parallel, name))
+            except (AttributeError, RuntimeError, ValueError):
+                width = 1
+            if width > 1:
+                raise RegistrationError(f"{name} is {width}; the kvxferd backend serves one attention group "
+                                        "per instance", field=name, fix=f"run with {name} 1")
+        splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
+                       for r in range(pp_size))
+        return RankFacts(tp_rank=int(args.engine_rank) % attn_tp, tp_size=attn_tp, pp_rank=int(args.pp_rank),
+                         pp_size=pp_size, layer_splits=splits,
+                         kv_head_num=getattr(args, "kv_head_num", None),
+                         total_kv_head_num=getattr(args, "total_kv_head_num", None),
+                         model_total_kv_heads=ctx.model_total_kv_heads)
+
+    @staticmethod
+    def _check_pointers(args: KVArgs, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
+        """KVArgs' pointers must be the registered tensors' (computed after the move to shared memory)."""
+        ours = sorted(t.data_ptr() for t in tensors.values())
+        theirs = sorted(int(p) for p in args.kv_data_ptrs)
+        if ours != theirs:
+            raise RegistrationError(
+                f"KVArgs.kv_data_ptrs ({len(theirs)} pointers) are not the KV pool's buffers ({len(ours)})",
+                field="kv_data_ptrs", fix="fill KVArgs after the pool was placed in shared memory (the plugin's "
+                                          "hook does this; do not cache pointers before it runs)")
+
+    def _setting(self, bag: str, name: str) -> Any:
+        """A published setting (SGLang's runtime config bags), else the ServerArgs field."""
+        from sglang.srt import runtime_context
+
+        try:
+            return getattr(getattr(runtime_context, f"get_{bag}")(), name)
+        except (AttributeError, ValueError, RuntimeError):
+            return getattr(self.server_args, name, None)
+
+    def _default_instance(self) -> str:
+        host = socket.gethostname()
+        if self.mode == "prefill":
+            return f"sglang-prefill-{host}-{self.bootstrap_port}"
+        return f"sglang-decode-{host}-{self._setting('serving', 'port')}"
+
+    # -- bootstrap -----------------------------------------------------------------------
+    def bootstrap_address(self) -> str:
+        host = os.environ.get(BOOTSTRAP_HOST_ENV) or _host(self._setting("serving", "host"))
+        return f"{host}:{self.bootstrap_port}"
+
+    def register_to_bootstrap(self) -> None:
+        """Tell the prefill deployment's bootstrap server this instance and daemon (retries while it starts)."""
+        addr = self.bootstrap_address()
+        deadline = time.monotonic() + float(os.environ.get(BOOTSTRAP_WAIT_ENV, "60"))
+        while True:
+            try:
+                answer = put_route(addr, self.instance, self.daemon_address)
+            except OSError as exc:
+                answer = {"error": str(exc)}
+            if "error" not in answer:
+                return
+            if answer.get("status") == 409 or time.monotonic() > deadline:
+                if answer.get("status") == 409:
+                    raise RegistrationError(
+                        f"bootstrap server {addr} already serves another kvxferd instance or daemon; instance "
+                        f"{self.instance!r} at daemon {self.daemon_address} refused: {answer['error']}",
+                        field="bootstrap", fix="give every prefill deployment its own bootstrap port, and every "
+                                               "rank of one deployment the same kvxferd daemon and instance name")
+                raise RegistrationError(
+                    f"could not register instance {self.instance!r} with bootstrap server {addr}: {answer['error']}",
+                    field="disaggregation_bootstrap_port",
+                    fix=f"start the prefill server's bootstrap server on that port (or set {BOOTSTRAP_HOST_ENV} to "
+                        f"the host it listens on); {BOOTSTRAP_WAIT_ENV} sets how long ranks wait for it")
+            time.sleep(0.2)
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode side: learn (once) which kvxferd instance and daemon serve ``bootstrap_addr``."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        info = get_route(bootstrap_addr)
+        if info is None:
+            return False
+        host, _ = split_host_port(bootstrap_addr)
+        self.prefill_info_table[bootstrap_addr] = PrefillInfo(
+            instance=info["instance"], daemon_address=reachable_address(info["daemon_address"], host))
+        return True
+
+    # -- daemon calls (one client per rank; SGLang may poll from a helper thread) ---------
+    def state(self, request_id: str) -> dict[str, Any] | None:
+        """The daemon's record of a request at this rank; None while it does not know it."""
+        with self.lock:
+            try:
+                return self.client.poll(self.rank_id, request_id)
+            except DaemonError as exc:
+                if exc.code == "request" and exc.field == "request_id":
+                    return None
+                raise
+
+    def call(self, op: str, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return getattr(self.client, op)(self.rank_id, *args, **kwargs)
+
+    def forget(self, request_id: str) -> None:
+        with self.lock:
+            self.client.events.pop((self.rank_id, request_id), None)
+
+    # -- the aux row (first output token and friends) ------------------------------------
+    def read_aux(self, index: int) -> bytes:
+        return b"".join(ctypes.string_at(ptr + off, n)
+                        for ptr, (off, n) in zip(self.aux_ptrs, aux_row_spans(self.aux_item_lens, index)))
+
+    def write_aux(self, index: int, data: bytes) -> None:
+        if len(data) != self.aux_row_bytes:
+            raise RegistrationError(f"the prefill side's metadata row has {len(data)} bytes, this decode rank's "
+                                    f"{self.aux_row_bytes}", field="aux_item_lens",
+                                    fix="run prefill and decode with the same sglang version and metadata options")
+        pos = 0
+        for ptr, (off, n) in zip(self.aux_ptrs, aux_row_spans(self.aux_item_lens, index)):
+            ctypes.memmove(ptr + off, data[pos:pos + n], n)
+            pos += n
+
+    def close(self) -> None:
+        with self.lock:
+            self.client.timeout = min(self.client.timeout, 2.0)
+            try:
+                self.client.unregister(self.rank_id)
+            except KvxferError:
+                pass
+            self.client.close()
+
+
+class _Conclusion:
+    """Shared bookkeeping of a request's end state on one rank."""
+
+    kv_mgr: KvxferdKVManager
+    bootstrap_room: int
+    request_id: str
+    conclude_state: Optional[int]
+    failure: tuple[str, str] | None
+
+    def _conclude(self, poll: int, record: dict[str, Any] | None = None) -> int:
+        if poll == KVPoll.Failed and self.failure is None:
+            record = record or {}
+            self.failure = (str(record.get("code", "unknown")), str(record.get("reason", "")))
+        if poll in (KVPoll.Success, KVPoll.Failed):
+            self.conclude_state = poll
+            self.kv_mgr.forget(self.request_id)
+        return poll
+
+    def _fail_local(self, code: str, reason: str) -> None:
+        self.failure = (code, reason)
+        self.conclude_state = KVPoll.Failed
+        log.warning("event=sglang_request_failed request_id=%s code=%s reason=%r", self.request_id, code, reason)
+
+    def failure_exception(self) -> None:
+        code, reason = self.failure or ("unknown", "the transfer did not finish")
+        raise KVTransferError(self.bootstrap_room, f"kvxferd request {self.request_id} failed: code={code} "
+                                                   f"reason={reason}")
+
+    def clear(self) -> None:
+        """SGLang is done with the request: drop any completion event still held for it."""
+        self.kv_mgr.forget(self.request_id)
+
+    def _abort(self, reason: str) -> None:
+        if self.conclude_state is not None:
+            return
+        try:
+            self.kv_mgr.call("abort", self.request_id, reason)
+        except KvxferError:
+            pass  # unknown there: nothing in flight for it
+        self._fail_local("aborted", reason)
+
+
+class KvxferdKVSender(_Conclusion, BaseKVSender):
+    """A prefill rank's side of one request."""
+
+    def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.request_id = str(bootstrap_room)
+        self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.cursor = 0
+        self.pages_sent = 0
+        self.sent = False
+        self.conclude_state: Optional[int] = None
+        self.failure: tuple[str, str] | None = None
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        self.num_pages = int(num_kv_indices)
+        self.aux_index = aux_index
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # an empty last chunk still carries the aux row and ends the request
+        return num_pages > 0 or last_chunk
+
+    def send(self, kv_indices: Any, state_indices: Optional[list] = None, num_kv_tokens: Optional[int] = None,
+             **_: Any) -> None:
+        if self.conclude_state is not None:
+            return
+        # sglang 0.5.23 passes state_indices (a list, empty without state) on the last send only
+        last = state_indices is not None
+        pages = [int(p) for p in kv_indices]
+        try:
+            start, end = chunk_window(self.cursor, num_kv_tokens, len(pages), self.kv_mgr.facts.page_size)
+            if self.num_pages is not None and self.pages_sent + len(pages) > self.num_pages:
+                raise RegistrationError(f"{self.pages_sent + len(pages)} pages sent, init announced {self.num_pages}",
+                                        field="kv_indices", fix="send each page of the request once")
+            aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
+            self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux)
+        except KvxferError as exc:
+            self._fail_local(exc.code, str(exc))
+            return
+        self.cursor = end
+        self.pages_sent += len(pages)
+        self.sent = True
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        try:
+            record = self.kv_mgr.state(self.request_id)
+        except KvxferError as exc:
+            self._fail_local(exc.code, str(exc))
+            return KVPoll.Failed
+        state = None if record is None else record.get("state")
+        return self._conclude(polling.sender_poll(state, sent=self.sent), record)
+
+    def poll_pp_consensus(self) -> int:
+        return self.poll()
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        return KVTransferMetric()
+
+    def abort(self) -> None:
+        self._abort("aborted by the prefill engine")
+
+
+class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
+    """A decode rank's side of one request."""
+
+    def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.request_id = str(bootstrap_room)
+        self.route: PrefillInfo | None = None
+        self.aux_index: int | None = None
+        self.metadata_sent = False
+        self.aux_landed = False
+        self.conclude_state: Optional[int] = None
+        self.failure: tuple[str, str] | None = None
+        # members SGLang's decode scheduler reads outside the base class
+        self.require_staging = False
+        self.abort_notified = False
+        self.bootstrap_infos: list = []
+        self.init_time: float | None = None
+
+    def init(self, prefill_dp_rank: int) -> None:
+        mgr = self.kv_mgr
+        if not mgr.try_ensure_parallel_info(self.bootstrap_addr):
+            self._fail_local("bootstrap", f"no kvxferd route at bootstrap server {self.bootstrap_addr}")
+            return
+        self.route = mgr.prefill_info_table[self.bootstrap_addr]
+        self.init_time = time.monotonic()
+
+    def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
+                      decode_prefix_len: Optional[int] = None,
+                      destination: KVTransferDestination = KVTransferDestination.DEVICE, **_: Any) -> None:
+        if self.conclude_state is not None:
+            return
+        if self.route is None:
+            self._fail_local("bootstrap", "send_metadata before init found the prefill route")
+            return
+        if destination != KVTransferDestination.DEVICE:
+            self._fail_local("registration", f"destination {destination} is not supported; kvxferd writes "
+                                             "the registered pool only")
+            return
+        start = int(decode_prefix_len or 0)
+        try:
+            pages = expect_pages(kv_indices, start, self.kv_mgr.facts.page_size)
+            self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
+                             source_address=self.route.daemon_address, pages=pages, start=start or None)
+        except KvxferError as exc:
+            self._fail_local(exc.code, str(exc))
+            return
+        self.aux_index = aux_index
+        self.metadata_sent = True
+
+    def poll(self) -> int:
+        if self.conclude_state is not None:
+            return self.conclude_state
+        record = None
+        if self.route is not None and self.metadata_sent:
+            try:
+                record = self.kv_mgr.state(self.request_id)
+            except KvxferError as exc:
+                self._fail_local(exc.code, str(exc))
+                return KVPoll.Failed
+        state = None if record is None else record.get("state")
+        if state == "done" and not self.aux_landed:
+            aux = record.get("aux")
+            try:
+                if self.aux_index is not None:
+                    self.kv_mgr.write_aux(self.aux_index, bytes(aux or b""))
+            except KvxferError as exc:
+                self._fail_local(exc.code, str(exc))
+                return KVPoll.Failed
+            self.aux_landed = True
+        return self._conclude(polling.receiver_poll(state, inited=self.route is not None,
+                                                    metadata_sent=self.metadata_sent,
+                                                    aux_landed=self.aux_landed), record)
+
+    def abort(self) -> None:
+        self._abort("aborted by the decode engine")
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell the daemons (and so the prefill side) that this request is over.
+
+        ``abort_notified`` stays False: kvxferd reports a failure to the engine only once no
+        data thread writes the request's pages, so SGLang may release them at once.
+        """
+        if self.metadata_sent:
+            self._abort("decode released the request")
+
+
+class KvxferdKVBootstrapServer(BaseKVBootstrapServer):
+    """The prefill deployment's bootstrap server (see :mod:`.bootstrap`)."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.server = BootstrapHTTPServer(host, port)
+        self.port = self.server.port
+
+    def close(self) -> None:
+        self.server.close()

@@ -1,0 +1,110 @@
+"""SGLang plugin: adds the ``kvxferd`` transfer backend without editing SGLang.
+
+Declared as the ``sglang.srt.plugins`` entry point ``kvxferd``; SGLang's
+``load_plugins()`` (run by ``Engine`` and every scheduler process) calls :func:`register`,
+then applies the hooks:
+
+- REPLACE ``sglang.srt.disaggregation.utils.TransferBackend`` with the same enum plus
+  ``KVXFERD = "kvxferd"`` (SGLang's hook registry re-points every module that imported it);
+- AROUND ``get_kv_class``: the kvxferd classes for ``KVXFERD``, SGLang's own otherwise;
+- AROUND ``PrefillBootstrapQueue._init_kv_manager`` and
+  ``DecodePreallocQueue._init_kv_manager``: for kvxferd only, move a CPU KV pool into
+  kvxferd shared memory first (so KVArgs' pointers are computed after the move) and hand
+  the pool to the manager built inside;
+- the CLI choice: ``--disaggregation-transfer-backend kvxferd``.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from typing import Any
+
+log = logging.getLogger("kvxferd.sglang")
+
+BACKEND = "kvxferd"
+
+
+def _transfer_backend_with_kvxferd(original: type[enum.Enum]) -> type[enum.Enum]:
+    members = {m.name: m.value for m in original}
+    members["KVXFERD"] = BACKEND
+    new = enum.Enum("TransferBackend", members, module=original.__module__)
+    new.__qualname__ = original.__qualname__
+    return new
+
+
+def _get_kv_class(original: Any, transfer_backend: Any, class_type: Any) -> Any:
+    if getattr(transfer_backend, "value", transfer_backend) != BACKEND:
+        return original(transfer_backend, class_type)
+    from sglang.srt.disaggregation.base.conn import KVArgs
+    from sglang.srt.disaggregation.utils import KVClassType
+
+    from .conn import KvxferdKVBootstrapServer, KvxferdKVManager, KvxferdKVReceiver, KvxferdKVSender
+
+    return {
+        KVClassType.KVARGS: KVArgs,
+        KVClassType.MANAGER: KvxferdKVManager,
+        KVClassType.SENDER: KvxferdKVSender,
+        KVClassType.RECEIVER: KvxferdKVReceiver,
+        KVClassType.BOOTSTRAP_SERVER: KvxferdKVBootstrapServer,
+    }.get(class_type)
+
+
+def _rebind_pool_pointers(pool: Any) -> None:
+    """Pointer tables SGLang's pools cache for their kernels, recomputed after the move."""
+    if hasattr(pool, "_init_data_ptrs_and_strides") and getattr(pool, "k_buffer", None) is not None:
+        pool._init_data_ptrs_and_strides()
+    elif getattr(pool, "kv_buffer", None) is not None and hasattr(pool, "data_ptrs"):
+        import torch
+
+        pool.data_ptrs = torch.tensor([x.data_ptr() for x in pool.kv_buffer], dtype=torch.uint64,
+                                      device=pool.data_ptrs.device)
+
+
+def _init_kv_manager(original: Any, queue: Any) -> Any:
+    if getattr(queue.transfer_backend, "value", None) != BACKEND:
+        return original(queue)
+    from ...memory import share_in_place
+    from .conn import CURRENT_POOL, PoolContext, pool_buffers
+
+    pool = queue.token_to_kv_pool
+    _, buffers = pool_buffers(pool)
+    tensors = [t for ts in buffers.values() for t in ts]
+    shared = None
+    if tensors and tensors[0].device.type == "cpu":
+        role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
+        shared = share_in_place(tensors, name=f"sglang-{role}-tp{queue.tp_rank}-pp{queue.pp_rank}")
+        _rebind_pool_pointers(pool)
+    model_config = queue.scheduler.model_config
+    try:
+        total = int(model_config.get_total_num_kv_heads())
+    except (AttributeError, TypeError, ValueError):
+        total = None
+    ctx = PoolContext(pool=pool, metadata_buffers=queue.metadata_buffers, model_total_kv_heads=total,
+                      num_hidden_layers=int(model_config.num_hidden_layers), shared=shared)
+    token = CURRENT_POOL.set(ctx)
+    try:
+        return original(queue)
+    finally:
+        CURRENT_POOL.reset(token)
+        if shared is not None:
+            shared.close()  # registered by now, or failed: the name must not outlive start-up
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point."""
+    from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
+    from sglang.srt.disaggregation import utils
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if BACKEND not in DISAGG_TRANSFER_BACKEND_CHOICES:
+        add_disagg_transfer_backend_choices([BACKEND])
+    if "KVXFERD" not in utils.TransferBackend.__members__:
+        HookRegistry.register("sglang.srt.disaggregation.utils.TransferBackend",
+                              _transfer_backend_with_kvxferd(utils.TransferBackend), HookType.REPLACE)
+    HookRegistry.register("sglang.srt.disaggregation.utils.get_kv_class", _get_kv_class, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._init_kv_manager",
+                          _init_kv_manager, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
+                          _init_kv_manager, HookType.AROUND)
+    log.info("event=sglang_plugin_registered backend=%s", BACKEND)

@@ -1,0 +1,123 @@
+"""SGLang's prefill and decode call sequences on the kvxferd backend, against real daemons.
+
+Every transfer is checked byte for byte against an oracle computed head by head from the
+prefill pools (``harness.expected_decode``), including rows that must stay untouched
+(other pages, the decode prefix), and the MetadataBuffers row is compared with what the
+prefill side's ``set_buf`` wrote.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from harness import (KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all, expected_decode,
+                     free_port, make_rank, new_senders, run_decode_until_metadata, run_prefill, sglang_wait)
+
+
+def deployment(cluster, model, *, tp_p=1, tp_d=1, pp_p=1, pp_d=1, ps_p=4, ps_d=4, pages_p=32, pages_d=32, seed=1):
+    bport = free_port()
+    server = bootstrap_server(bport)
+    prefill = [make_rank("prefill", cluster.daemons["pd"], model, tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
+                         page_size=ps_p, num_pages=pages_p, port=free_port(), bootstrap_port=bport,
+                         seed=seed * 100 + p * 10 + t)
+               for p in range(pp_p) for t in range(tp_p)]
+    dport = free_port()
+    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
+                        page_size=ps_d, num_pages=pages_d, port=dport, bootstrap_port=bport,
+                        seed=seed * 100 + 50 + p * 10 + t)
+              for p in range(pp_d) for t in range(tp_d)]
+    return server, prefill, decode, f"127.0.0.1:{bport}"
+
+
+def transfer_and_check(model, prefill, decode, addr, req, *, group, tp_p, tp_d, chunk_ends=None, seed=0):
+    rng = random.Random(seed)
+    before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
+    senders = new_senders(prefill, addr, req)
+    for s in senders:  # SGLang's bootstrap queue polls before init(): no request at the daemon yet
+        assert s.poll() == KVPoll.Bootstrapping
+    receivers = run_decode_until_metadata(decode, addr, req, rng)
+    pslots = run_prefill(prefill, senders, req, rng, chunk_ends=chunk_ends)
+    assert sglang_wait(senders, group) == [KVPoll.Success] * len(senders), [s.failure for s in senders]
+    for (recv, dslots), d, old in zip(receivers, decode, before):
+        assert sglang_wait([recv], group, decode_metadata=d.metadata) == [KVPoll.Success], recv.failure
+        want = expected_decode(d, old, dslots, prefill, pslots, req, model, tp_p, tp_d)
+        assert any(not torch.equal(want[k], old[k]) for k in want), "the oracle expects no change"
+        assert_bytes_equal(d.buffers(), want)
+        src = prefill[0].metadata.get_buf(5)
+        got = d.metadata.get_buf(3)
+        for a, b in zip(src, got):
+            assert (a is None and b is None) or torch.equal(a, b)
+        assert int(d.metadata.bootstrap_room[3, 0]) == req.room  # SGLang's metadata gate passes
+        assert int(d.metadata.output_ids[3, 0]) == req.first_token
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
+def test_tp_mismatch_chunked(cluster, gloo, tp_p, tp_d):
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, tp_p=tp_p, tp_d=tp_d)
+    try:
+        transfer_and_check(model, prefill, decode, addr, Request(room=1001 + tp_p, n_tokens=29), group=gloo,
+                           tp_p=tp_p, tp_d=tp_d, chunk_ends=[10, 21])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_pp_stages_and_page_sizes_that_differ(cluster, gloo):
+    """Prefill PP 2 (SGLang's layer partition: the last stage holds the extra layer), decode
+    PP 1 with twice the page size, chunked."""
+    model = Model(num_layers=5)
+    server, prefill, decode, addr = deployment(cluster, model, pp_p=2, ps_p=4, ps_d=8, seed=2)
+    try:
+        assert [tuple(p.manager.geometry.layers) for p in prefill] == [(0, 2), (2, 5)]
+        transfer_and_check(model, prefill, decode, addr, Request(room=2001, n_tokens=37), group=gloo,
+                           tp_p=1, tp_d=1, chunk_ends=[16])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_mla_tp2_to_pp2(cluster, gloo):
+    """MLA latent rows (kv_lora_rank + rope_dim), every prefill TP rank holding the same
+    latent as SGLang computes it; decode split over 2 PP stages with a smaller page."""
+    model = Model(mla=True, num_layers=3)
+    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, pp_d=2, ps_p=8, ps_d=2, seed=3)
+    try:
+        for p in prefill[1:]:  # the latent is the same on every TP rank
+            for k, t in p.buffers().items():
+                t.copy_(prefill[0].buffers()[k])
+        assert prefill[0].manager.geometry.spec.attention == "mla"
+        transfer_and_check(model, prefill, decode, addr, Request(room=3001, n_tokens=21), group=gloo,
+                           tp_p=2, tp_d=1, chunk_ends=[9])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_decode_prefix_moves_only_the_suffix(cluster, gloo):
+    """decode_prefix_len 8: the decode side holds tokens [0, 8) already (its pages must stay
+    as they were); prefill sends the whole prompt and only [8, 27) lands."""
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, tp_d=1, seed=4)
+    try:
+        transfer_and_check(model, prefill, decode, addr, Request(room=4001, n_tokens=27, prefix=8), group=gloo,
+                           tp_p=2, tp_d=1, chunk_ends=[12])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_bare_last_chunk_carries_the_metadata_row(cluster, gloo):
+    """A prompt of whole pages whose last prefill chunk is empty: SGLang still sends it
+    (should_send_kv_chunk), and it alone ends the request and carries the aux row."""
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, seed=5)
+    try:
+        transfer_and_check(model, prefill, decode, addr, Request(room=4501, n_tokens=24), group=gloo,
+                           tp_p=1, tp_d=1, chunk_ends=[24])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
