@@ -28,7 +28,7 @@ def kv_transfer_config(kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]
 
 
 def vllm_config(model_dir: Path, *, kv: dict[str, Any], max_num_batched_tokens: int = 256,
-                tp: int = 1) -> Any:
+                tp: int = 1, block_size: int = BLOCK) -> Any:
     from vllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig,
                              SchedulerConfig, VllmConfig)
 
@@ -36,7 +36,7 @@ def vllm_config(model_dir: Path, *, kv: dict[str, Any], max_num_batched_tokens: 
                         seed=0, enforce_eager=True)
     return VllmConfig(
         model_config=model,
-        cache_config=CacheConfig(block_size=BLOCK, enable_prefix_caching=True),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
         scheduler_config=SchedulerConfig(max_model_len=256, is_encoder_decoder=False,
                                          max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=16,
                                          enable_chunked_prefill=True),
