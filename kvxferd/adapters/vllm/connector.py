@@ -99,6 +99,11 @@ class KvxferdConnector(KVConnectorBase_V1):
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.book is not None
         try:
+            transfer = TransferParams.from_request(request.kv_transfer_params) if self.settings.consumes else None
+            if transfer is not None and transfer.num_tokens != request.num_prompt_tokens:
+                log.warning("event=kv_transfer_length_mismatch request=%s transfer=%s num_tokens=%d prompt=%d "
+                            "fix='pass decode the same prompt as prefill'", request.request_id,
+                            transfer.transfer_id, transfer.num_tokens, request.num_prompt_tokens)
             return self.book.matched_tokens(request.request_id, request.kv_transfer_params,
                                             request.num_prompt_tokens, num_computed_tokens)
         except ConfigError as exc:
@@ -285,6 +290,8 @@ class _Worker:
                                 event.get("code"), event.get("reason"))
 
     def start_loads(self, plan: StepPlan) -> None:
+        if not plan.loads and not plan.aborts:
+            return
         assert self.client is not None
         for load in plan.loads:
             p: TransferParams = load.params
@@ -305,6 +312,8 @@ class _Worker:
                 self._abort("decode", req_id, tid)
 
     def save(self, plan: StepPlan) -> None:
+        if not plan.saves and not plan.aborts:
+            return
         assert self.client is not None
         if plan.saves and self.on_cuda:
             torch.cuda.current_stream().synchronize()  # the daemon reads the pages on its own stream
@@ -345,6 +354,8 @@ class _Worker:
 
     def drop_preempted(self, plan: StepPlan) -> None:
         """Before vLLM reuses a preempted request's blocks, make sure the daemon no longer reads them."""
+        if not plan.preempted:
+            return
         assert self.client is not None
         for req_id, tid in plan.preempted:
             state = self.book.sends.get(tid)
