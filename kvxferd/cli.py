@@ -43,7 +43,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"prefill: {_describe(prefill)}")
     print(f"decode:  {_describe(decode)}")
     print(f"mode: {plan.mode}   fragments per decode page (per layer and kind): {plan.fragments_per_page()}")
-    rows = [("decode rank", "writer (tp,pp)", "heads", "layers", "bytes/token", "slice")]
+    unit = "page" if prefill.slot_tokens > 1 else "token"  # packed_page moves whole pages
+    rows = [("decode rank", "writer (tp,pp)", "heads", "layers", f"bytes/{unit}", "slice")]
     for dest in plan.destinations:
         for i, w in enumerate(dest.writers):
             per_token = (w.layers[1] - w.layers[0]) * len(kinds) * w.slice_bytes
@@ -61,7 +62,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _describe(spec: Any) -> str:
     return (f"{spec.attention} layers={spec.num_layers} kv_heads={spec.kv_heads} head_dim={spec.head_dim} "
-            f"dtype={spec.dtype} page_size={spec.page_size} tp={spec.tp_size} pp={spec.pp_size}")
+            f"dtype={spec.dtype} page_size={spec.page_size} tp={spec.tp_size} pp={spec.pp_size}"
+            + (f" layout={spec.layout}" if spec.layout != "NHD" else ""))
 
 
 def _refused(args: argparse.Namespace, exc: KvxferError) -> int:

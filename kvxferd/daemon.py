@@ -35,7 +35,7 @@ from .metrics import Metrics
 from .outbox import Chunk, Route, SrcEntry, Target
 from .planner import Plan, make_plan
 from .registry import ProcessRef, Rank, Registry, rank_id
-from .segments import as_pages, clip_slots, slots
+from .segments import as_pages, check_whole_pages, clip_slots, unit_slots
 from .transport.base import ChunkJob, Moved
 from .transport.local import LocalTransport
 from .staging import StagingPool
@@ -525,6 +525,12 @@ class Daemon:
         if start >= max(capacity, 1):
             raise RequestError(f"start {start} is not below the {capacity} tokens of {pages.size} pages",
                                field="start", fix="send pages for the whole request from token 0, start below it")
+        unit = rank.geometry.spec.slot_tokens
+        if start % unit:
+            raise RequestError(f"start {start} is not a multiple of page_size {unit}; the "
+                               f"{rank.geometry.spec.layout} layout moves whole pages", field="start",
+                               fix=f"round start down to a page boundary ({start // unit * unit}): the "
+                                   "partly cached page is sent again, whole")
         self._refuse_finished(msg["request_id"], rank.id)
         source_address = msg.get("source_address") or ""
         if source_address == self.address:
@@ -776,7 +782,8 @@ class Daemon:
             # checked before slots() materialises one index per token of the claimed range
             raise RequestError(f"token range [{start}, {end}) is longer than the {pages.size} pages sent",
                                field="pages", fix="send a page for every page_size tokens of the range")
-        chunk_slots = slots(pages, rank.geometry.spec.page_size, start, end, start)
+        check_whole_pages(rank.geometry.spec, start, end, msg["last"])
+        chunk_slots = unit_slots(rank.geometry.spec, pages, start, end, start)
         key = (msg["request_id"], rank.id)
         self._refuse_finished(msg["request_id"], rank.id)
         entry = self.sources.get(key)

@@ -5,9 +5,20 @@ parallel layout, page size); a :class:`RankGeometry` adds the rank's coordinates
 page count. Everything here is pure and validated at construction, so the planner and the
 daemon never see a geometry that cannot be laid out in memory.
 
-Layout is NHD: per local layer one tensor ``[num_pages, page_size, heads_per_rank,
-head_dim]`` for K and one for V (MHA), or one latent tensor (MLA, treated as a single KV
-"head" of width ``head_dim`` that every TP rank holds in full).
+Layouts (``InstanceSpec.layout``):
+
+- ``NHD`` (SGLang, vLLM on GPU): per local layer one tensor ``[num_pages, page_size,
+  heads_per_rank, head_dim]`` for K and one for V (MHA), or one latent tensor (MLA,
+  treated as a single KV "head" of width ``head_dim`` that every TP rank holds in full).
+  Every token is addressable: a *slot* is one token row.
+- ``packed_page`` (vLLM's CPU attention): per local layer ONE region, kind ``kv``, of
+  ``[num_pages, heads_per_rank, 2 * page_size * head_dim]`` elements: inside a (page,
+  head) K is stored transposed and V after it, so tokens are not addressable one by one.
+  A slot is one whole page; a head is a contiguous unit of ``2 * page_size * head_dim``
+  elements inside it, so head slices (TP mismatch) are still contiguous runs. MHA only.
+
+Everything downstream (planner, segments, transports) works in slots of ``row_bytes``;
+:attr:`InstanceSpec.slot_tokens` is the one place that says how many tokens a slot holds.
 """
 
 from __future__ import annotations
@@ -18,7 +29,8 @@ from typing import Any, Mapping
 from .errors import GeometryError
 
 ATTENTION_KINDS = ("mha", "mla")
-LAYOUTS = ("NHD",)
+LAYOUTS = ("NHD", "packed_page")
+PACKED = "packed_page"
 
 #: bits per element; sub-byte types are packed, so a head slice can be non-integral bytes.
 DTYPE_BITS: dict[str, int] = {
@@ -93,11 +105,14 @@ class InstanceSpec:
         if self.layout not in LAYOUTS:
             raise GeometryError(f"layout {self.layout!r} is not supported", field="layout",
                                 fix=f"use one of {LAYOUTS}")
+        if self.layout == PACKED and self.attention != "mha":
+            raise GeometryError(f"layout {PACKED!r} holds K and V of MHA; attention is {self.attention!r}",
+                                field="layout", fix="use layout 'NHD' for MLA caches")
         object.__setattr__(self, "kv_heads", self._resolve_kv_heads())
         object.__setattr__(self, "splits", self._resolve_splits())
         # rows must be whole bytes, or no page can be addressed
         bits = self.local_heads * self.head_dim * DTYPE_BITS[self.dtype]
-        if bits % 8:
+        if bits % 8 and self.layout != PACKED:
             raise GeometryError(
                 f"one token row of a rank is {bits} bits ({self.local_heads} heads x head_dim "
                 f"{self.head_dim} x {DTYPE_BITS[self.dtype]} bits), not whole bytes",
@@ -196,16 +211,29 @@ class InstanceSpec:
 
     @property
     def region_kinds(self) -> tuple[str, ...]:
+        if self.layout == PACKED:
+            return ("kv",)
         return REGION_KINDS[self.attention]
 
     @property
+    def slot_tokens(self) -> int:
+        """Tokens in one addressable slot: 1 (a token row) or page_size (a packed page)."""
+        return self.page_size if self.layout == PACKED else 1
+
+    @property
+    def head_slot_bits(self) -> int:
+        """Bits of one head in one slot (a packed page holds K and V of page_size tokens)."""
+        per_token = self.head_dim * self.bits
+        return 2 * self.page_size * per_token if self.layout == PACKED else per_token
+
+    @property
     def row_bytes(self) -> int:
-        """Bytes of one token of one layer of one region kind on one rank."""
-        return self.local_heads * self.head_dim * self.bits // 8
+        """Bytes of one slot of one layer of one region kind on one rank (NHD: one token row)."""
+        return self.local_heads * self.head_slot_bits // 8
 
     @property
     def page_bytes(self) -> int:
-        return self.page_size * self.row_bytes
+        return self.page_size // self.slot_tokens * self.row_bytes
 
     # -- (de)serialisation -------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -19,7 +19,7 @@ import numpy as np
 from .errors import RequestError
 from .planner import Destination, Plan, Writer
 from .registry import Rank
-from .segments import chunk_bytes, head_offset_bytes, slots
+from .segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
 
 
 @dataclass
@@ -191,16 +191,16 @@ class Inbox:
             if _overlaps(entry.received[src], start, end) or _overlaps(entry.pending[src], start, end):
                 raise RequestError(f"token range [{start}, {end}) from {list(src)} was already received",
                                    field="start", fix="send each token range once")
-            kinds = len(entry.rank.geometry.spec.region_kinds)
-            expected = chunk_bytes(writer, kinds, end - start)
+            spec = entry.rank.geometry.spec
+            check_whole_pages(spec, start, end, header["last"])
+            expected = chunk_bytes(writer, len(spec.region_kinds), slot_count(spec, start, end))
             if header["nbytes"] != expected:
                 raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
                                    field="nbytes", fix="check both sides use the same geometry")
             if header["last"] and entry.num_tokens is not None and end != entry.num_tokens:
                 raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
                                    field="end", fix="end the last chunk at the request's length")
-            spec = entry.rank.geometry.spec
-            dst_slots = slots(entry.pages, spec.page_size, start, end, 0)
+            dst_slots = unit_slots(spec, entry.pages, start, end, 0)
             entry.pending[src].append((start, end))
             entry.inflight += 1
             if header["last"]:

@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import RegistrationError
-from .geometry import RankGeometry
+from .geometry import PACKED, RankGeometry
 
 ALIGN = 4096
 
@@ -48,7 +48,12 @@ def _align(n: int) -> int:
 
 
 def region_shape(geometry: RankGeometry) -> tuple[int, ...]:
+    """NHD ``[pages, page_size, heads, head_dim]``; packed_page vLLM's CPU ``[pages, heads, page_size, 2 * head_dim]``."""
     spec = geometry.spec
+    if spec.layout == PACKED:
+        if spec.dtype in TORCH_DTYPES:
+            return (geometry.num_pages, spec.local_heads, spec.page_size, 2 * spec.head_dim)
+        return (geometry.num_pages, spec.local_heads, spec.head_slot_bits // 8)
     if spec.dtype in TORCH_DTYPES:
         return (geometry.num_pages, spec.page_size, spec.local_heads, spec.head_dim)
     return (geometry.num_pages, spec.page_size, spec.row_bytes)

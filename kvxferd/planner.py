@@ -9,7 +9,8 @@ Rules (see DESIGN.md):
 - replicated prefill heads (tp > kv heads) are spread over replicas by destination rank;
 - the writer set per destination is the smallest possible: one per overlapping
   (prefill head group, prefill layer range);
-- page sizes may differ, the segment generator works in token runs.
+- page sizes may differ, the segment generator works in token runs (NHD); the
+  packed_page layout moves whole pages, so there both page sizes must be equal.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PlanRefusal
-from .geometry import InstanceSpec
+from .geometry import PACKED, InstanceSpec
 
 MODES = ("auto", "direct", "staged")
 
@@ -105,7 +106,8 @@ class Plan:
         for dest in self.destinations:
             per_layer: dict[int, int] = {}
             for w in dest.writers:
-                pieces = whole if w.whole_rows else ps_d
+                # a packed page is one slot: a writer's head slice of it is one contiguous piece
+                pieces = whole if w.whole_rows else ps_d // self.decode.slot_tokens
                 per_layer[w.layers[0]] = per_layer.get(w.layers[0], 0) + pieces
             worst = max([worst, *per_layer.values()])
         return worst
@@ -138,7 +140,12 @@ def check_compatible(prefill: InstanceSpec, decode: InstanceSpec, *,
                  "pair instances of the same model (same head_dim / latent width)")
     _check_equal("dtype", prefill.dtype, decode.dtype,
                  "use the same kv-cache dtype on both sides; kvxferd does not convert dtypes")
-    _check_equal("layout", prefill.layout, decode.layout, "use the same KV layout on both sides")
+    _check_equal("layout", prefill.layout, decode.layout,
+                 "use the same KV layout on both sides (the same attention backend and device type)")
+    if prefill.layout == PACKED:
+        _check_equal("page_size", prefill.page_size, decode.page_size,
+                     f"run both instances with the same page (block) size: the {PACKED} layout stores "
+                     "K and V of a whole page together, so pages move whole and cannot be re-cut")
     if require_same_page_size:
         _check_equal("page_size", prefill.page_size, decode.page_size,
                      "use equal page sizes or allow page-size mismatch")
@@ -171,7 +178,7 @@ def _slice_bytes(heads: int, spec: InstanceSpec, prefill: InstanceSpec, decode: 
     generator places it at ``head offset x bytes per head``, so one head must be whole
     bytes (DESIGN: page bytes / page_size / heads_per_rank), not only the slice.
     """
-    head_bits = spec.head_dim * spec.bits
+    head_bits = spec.head_slot_bits
     bits = heads * head_bits
     sliced = heads != prefill.local_heads or heads != decode.local_heads
     unit = head_bits if sliced else bits

@@ -175,7 +175,7 @@ NAME = text(MAX_NAME_LEN)
 ADDRESS = text(300)
 
 REGION = Schema(
-    required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent")),
+    required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent", "kv")),
               "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
     optional={"path": text(4096), "offset": integer(0, 1 << 48), "handle": mapping},
 )
@@ -217,7 +217,7 @@ def nixl_region(name: str, value: Any) -> list[Any]:
         raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device]", field=name,
                             fix="send one 7-entry list per region")
     tp, pp = pair(name, value[:2])
-    return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent"))(name, value[3]),
+    return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent", "kv"))(name, value[3]),
             integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
             integer(-1, 1 << 10)(name, value[6])]
 

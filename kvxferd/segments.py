@@ -5,6 +5,11 @@ A chunk of a request covers tokens ``[start, end)``. On each side a token lives 
 the same for every layer and kind, so they are computed once per (chunk, writer) and
 reused for all of the writer's layers. Byte offsets are always relative to one region.
 
+In the ``packed_page`` layout a slot is a whole page (tokens are not addressable inside
+it): :func:`unit_slots` is where a token range becomes the pages it touches, and
+:func:`check_whole_pages` refuses chunk boundaries that would cut a page in two. From
+there on every function here works unchanged on slots of ``row_bytes``.
+
 Wire order of a chunk between one writer and one destination: layers ascending, then
 region kinds in ``REGION_KINDS`` order, then tokens ascending, each token contributing
 ``slice_bytes``. Both sides derive their own offsets from their own page tables, so a
@@ -66,13 +71,64 @@ def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int =
     return every[skip:skip + (end - start)]
 
 
+def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0) -> np.ndarray:
+    """The pages ``[start, end)`` touches, whole (packed_page); same page-table convention as :func:`slots`."""
+    if end < start or start < origin:
+        raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
+                           field="tokens", fix="send start <= end")
+    if end == start:
+        return np.zeros(0, dtype=INDEX_DTYPE)
+    first = start // page_size - origin // page_size
+    last = (end - 1) // page_size - origin // page_size
+    if last >= pages.size:
+        raise RequestError(f"token range [{start}, {end}) needs {last + 1} pages from token {origin}, "
+                           f"page table has {pages.size}", field="pages",
+                           fix="send a page for every page_size tokens of the range")
+    return pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
+
+
+def unit_slots(spec: InstanceSpec, pages: np.ndarray, start: int, end: int, origin: int = 0) -> np.ndarray:
+    """Slots of ``[start, end)`` in ``spec``'s layout: token rows (NHD) or whole pages (packed_page)."""
+    if spec.slot_tokens == 1:
+        return slots(pages, spec.page_size, start, end, origin)
+    return page_slots(pages, spec.page_size, start, end, origin)
+
+
+def slot_count(spec: InstanceSpec, start: int, end: int) -> int:
+    """How many slots ``[start, end)`` covers (what a chunk's byte count is made of)."""
+    unit = spec.slot_tokens
+    if unit == 1 or end <= start:
+        return max(0, end - start)
+    return (end - 1) // unit - start // unit + 1
+
+
+def check_whole_pages(spec: InstanceSpec, start: int, end: int, last: bool) -> None:
+    """packed_page: a chunk starts on a page boundary and, unless last, ends on one.
+
+    Two chunks sharing a page would both move it whole, each with the other's tokens
+    unwritten, racing on the decode side.
+    """
+    unit = spec.slot_tokens
+    if unit == 1:
+        return
+    fix = (f"cut chunks at multiples of page_size {unit} (only the last chunk may end mid-page): the "
+           f"{spec.layout} layout moves whole pages")
+    if start % unit:
+        raise RequestError(f"chunk [{start}, {end}) starts at token {start}, not a multiple of page_size "
+                           f"{unit}", field="start", fix=fix)
+    if not last and end % unit:
+        raise RequestError(f"chunk [{start}, {end}) is not the last one but ends at token {end}, not a "
+                           f"multiple of page_size {unit}", field="end", fix=fix)
+
+
 def clip_slots(chunk_slots: np.ndarray, spec: InstanceSpec, chunk_start: int, start: int) -> np.ndarray:
     """The slots of a chunk that begins at ``chunk_start``, from token ``start`` on.
 
     Used when the decode side already holds the tokens before ``start`` (a prefix hit) and
-    the prefill engine sent the whole prompt.
+    the prefill engine sent the whole prompt (packed_page: ``start`` is page-aligned).
     """
-    return chunk_slots[start - chunk_start:]
+    unit = spec.slot_tokens
+    return chunk_slots[start // unit - chunk_start // unit:]
 
 
 @dataclass(frozen=True)
@@ -161,6 +217,6 @@ def request_segments(writer: Writer, src_pages: np.ndarray, src_page_size: int, 
     return paired_segments(src, dst, writer)
 
 
-def chunk_bytes(writer: Writer, kinds: int, tokens: int) -> int:
-    """Bytes one writer sends one destination for ``tokens`` tokens."""
-    return (writer.layers[1] - writer.layers[0]) * kinds * tokens * writer.slice_bytes
+def chunk_bytes(writer: Writer, kinds: int, units: int) -> int:
+    """Bytes one writer sends one destination for ``units`` slots (tokens, or packed pages)."""
+    return (writer.layers[1] - writer.layers[0]) * kinds * units * writer.slice_bytes

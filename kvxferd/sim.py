@@ -53,6 +53,32 @@ def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tu
     return out
 
 
+def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
+    """packed_page: ``[layers, pages, heads, unit_bytes]`` bytes of a request, one opaque unit
+    (K transposed then V of ``page_size`` tokens) per (page of the request, head).
+
+    A request of ``n_tokens`` fills ``ceil(n_tokens / page_size)`` pages; the layout moves
+    them whole, so the oracle owns every byte of them, the tail of the last one included.
+    """
+    n_pages = -(-n_tokens // spec.page_size)
+    unit = spec.head_slot_bits // 8
+    out = torch.empty((layers[1] - layers[0], n_pages, spec.kv_heads, unit), dtype=torch.uint8)
+    for i, layer in enumerate(range(*layers)):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}/packed".encode()))
+        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
+    return out
+
+
+def _packed_table(cache: Any, geometry: RankGeometry, layer: int) -> torch.Tensor:
+    """``[num_pages, local_heads, unit_bytes]`` bytes of one packed region."""
+    spec = geometry.spec
+    return cache.tensors[(layer, "kv")].view(torch.uint8).reshape(geometry.num_pages, spec.local_heads, -1)
+
+
+def _request_pages(pages: list[int], spec: InstanceSpec, n_tokens: int) -> torch.Tensor:
+    return torch.as_tensor(list(pages)[:-(-n_tokens // spec.page_size)], dtype=torch.int64)
+
+
 def _token_rows(pages: list[int], page_size: int, start: int, end: int) -> torch.Tensor:
     t = np.arange(start, end)
     return torch.from_numpy(np.asarray(pages, dtype=np.int64)[t // page_size] * page_size + t % page_size)
@@ -61,6 +87,12 @@ def _token_rows(pages: list[int], page_size: int, start: int, end: int) -> torch
 def fill_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> None:
     spec = geometry.spec
     h0, h1 = geometry.heads
+    if spec.layout == "packed_page":
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        idx = _request_pages(pages, spec, n_tokens)
+        for i, layer in enumerate(range(*geometry.layers)):
+            _packed_table(cache, geometry, layer).index_copy_(0, idx, logical[i, :, h0:h1].contiguous())
+        return
     logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     for i, layer in enumerate(range(*geometry.layers)):
@@ -73,6 +105,11 @@ def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[
     """Number of mismatching bytes between this rank's pages and its logical slice."""
     spec = geometry.spec
     h0, h1 = geometry.heads
+    if spec.layout == "packed_page":
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        idx = _request_pages(pages, spec, n_tokens)
+        return sum(int((_packed_table(cache, geometry, layer).index_select(0, idx) != logical[i, :, h0:h1]).sum())
+                   for i, layer in enumerate(range(*geometry.layers)))
     logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     bad = 0
@@ -109,7 +146,10 @@ def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) 
     row = np.arange(spec.row_bytes, dtype=np.int64)
     descriptors = cache.descriptors()
     for pages, n in allowed:
-        rows = _token_rows(list(pages), spec.page_size, 0, int(n)).numpy()
+        if spec.layout == "packed_page":  # slots are whole pages of page_bytes
+            rows = _request_pages(list(pages), spec, int(n)).numpy()
+        else:
+            rows = _token_rows(list(pages), spec.page_size, 0, int(n)).numpy()
         for d in descriptors:
             may[(d["offset"] + rows[:, None] * spec.row_bytes + row).ravel()] = True
     changed = whole != CANARY

@@ -80,3 +80,24 @@ def test_unresolvable_heads_and_usage_errors(tmp_path):
 @pytest.mark.parametrize("path", sorted(MODELS.glob("*.json")), ids=lambda p: p.name)
 def test_shipped_model_geometries_load(path):
     InstanceSpec.from_dict(json.loads(path.read_text()))
+
+
+def test_packed_page_pairings(tmp_path):
+    """vLLM's CPU layout: compatible with itself at one page size (text names bytes per page),
+    refused against NHD and across page sizes, naming the field and both values."""
+    base = {"attention": "mha", "num_layers": 2, "total_kv_heads": 2, "head_dim": 32, "dtype": "float32",
+            "page_size": 32, "layout": "packed_page"}
+    (tmp_path / "p.json").write_text(json.dumps({**base, "tp_size": 2}))
+    (tmp_path / "d.json").write_text(json.dumps(base))
+    (tmp_path / "d16.json").write_text(json.dumps({**base, "page_size": 16}))
+    (tmp_path / "nhd.json").write_text(json.dumps({**base, "layout": "NHD"}))
+    out = plan("--prefill", str(tmp_path / "p.json"), "--decode", str(tmp_path / "d.json"))
+    assert out.returncode == 0, out.stderr
+    assert "bytes/page" in out.stdout and "layout=packed_page" in out.stdout and "8192 B head slice" in out.stdout
+    out = plan("--prefill", str(tmp_path / "p.json"), "--decode", str(tmp_path / "d16.json"), "--json")
+    assert out.returncode == 2
+    data = json.loads(out.stdout)
+    assert (data["field"], data["prefill"], data["decode"]) == ("page_size", 32, 16)
+    out = plan("--prefill", str(tmp_path / "p.json"), "--decode", str(tmp_path / "nhd.json"))
+    assert out.returncode == 2
+    assert "layout differs: prefill has 'packed_page', decode has 'NHD'" in out.stdout and "field: layout" in out.stdout

@@ -303,3 +303,32 @@ def test_prefill_poll_says_waiting_for_input_once_the_expect_arrived(nodes):
             c.close()
         for e in srcs + [dst]:
             e.close()
+
+
+def test_async_client_forwards_start(nodes):
+    """AsyncEngineClient.expect carries start: the daemon's start check answers it."""
+    import asyncio
+
+    from kvxferd.client import AsyncEngineClient
+
+    dd = nodes.daemons["decode-node"]
+    s = spec(num_layers=1, page_size=4, total_kv_heads=2)
+    dst = Engine(s, 4, "t-astart")
+
+    async def main() -> None:
+        client = AsyncEngineClient(dd.socket_path)
+        try:
+            rank = await client.register("d-astart", "decode", dst.geometry, describe_tensors(dst.kv))
+            with pytest.raises(DaemonError) as err:
+                await client.expect(rank, "r-as1", source_instance="p", pages=[0, 1], num_tokens=5, start=5)
+            assert err.value.field == "start" and "start 5" in str(err.value)
+            assert await client.expect(rank, "r-as2", source_instance="p-none", pages=[0, 1], num_tokens=5,
+                                       start=4) == "bootstrapping"
+            assert await client.abort(rank, "r-as2") == "failed"
+        finally:
+            client.close()
+
+    try:
+        asyncio.run(main())
+    finally:
+        dst.close()

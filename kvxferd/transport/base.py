@@ -16,7 +16,7 @@ import numpy as np
 from ..memory import MappedRegion
 from ..planner import Writer
 from ..registry import Rank
-from ..segments import chunk_bytes, head_offset_bytes
+from ..segments import chunk_bytes, head_offset_bytes, slot_count
 
 
 @dataclass
@@ -43,7 +43,7 @@ class ChunkJob:
 
     @property
     def nbytes(self) -> int:
-        return chunk_bytes(self.writer, len(self.kinds), self.end - self.start)
+        return chunk_bytes(self.writer, len(self.kinds), slot_count(self.rank.geometry.spec, self.start, self.end))
 
     @property
     def head_offset(self) -> int:

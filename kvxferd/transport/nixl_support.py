@@ -166,11 +166,17 @@ class NixlSupport:
         """Pick the transport for a handshake: the first of ours the peer offers too."""
         theirs = list(msg.get("transports") or [])
         mine = self.offered()
+        layout = getattr(decode_spec, "layout", "NHD")
         for name in mine:
             if name not in theirs:
                 continue
             if name != "nixl":
                 return name, None
+            if layout != "NHD":
+                # its one-sided WRITEs address token rows; packed pages are not wired into it
+                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
+                         q(f"layout {decode_spec.layout} is moved by tcp only; using the next transport"))
+                continue
             if mode == "staged" and not msg.get("nixl_landing"):
                 log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
                          q("staged mode needs a landing ring the decode daemon did not offer; using tcp"))
@@ -187,6 +193,8 @@ class NixlSupport:
                 continue
             return "nixl", peer
         unusable = f" (NIXL here: {self.unavailable})" if self.unavailable and "nixl" in self.preference else ""
+        if layout != "NHD" and "nixl" in mine and "nixl" in theirs:
+            unusable += f" (layout {layout} is moved by tcp only, not nixl)"
         raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}{unusable}, the "
                           f"decode daemon offers {theirs}", field="peer.transports", prefill=mine, decode=theirs,
                           fix="list a common transport in both daemons' peer.transports (tcp works everywhere)")
