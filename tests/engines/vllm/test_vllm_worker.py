@@ -7,9 +7,12 @@ built as a WORKER. The tests hand each rank the step plans vLLM's scheduler side
 (that side is tested under vLLM's real Scheduler in test_vllm_scheduler.py) and check the
 decode ranks' bytes against ``kv_oracle``, which knows the layout and nothing else.
 
-Instances (``kv_both``, so each registers a prefill and a decode rank):
-  A: TP 2 on daemon a    B: TP 1 on daemon b    C: TP 1 on daemon c (killed by one test)
-  W: TP 1 on daemon a with 64-token blocks (the page size B does not have)
+vLLM instances (``kv_both``, so each registers a prefill and a decode rank):
+  A: TP 2 on daemon a        B: TP 1 on daemon b
+Two prefill sources whose bytes nobody checks are kvxferd's simulated engines (real
+processes registering the same packed layout), which start in a second instead of vLLM's
+twenty: C on daemon c (killed by one test) and W with 64-token pages (the page size B
+does not have), on daemon a.
 """
 
 from __future__ import annotations
@@ -21,7 +24,9 @@ from typing import Any
 import pytest
 
 import vllm_util as vu
+from kvxferd.geometry import InstanceSpec
 from kvxferd.sim import Cluster, free_port
+from e2e_util import wait_in_flight
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status
 
@@ -30,12 +35,19 @@ WAIT = 60.0
 
 
 class Instance:
-    def __init__(self, name: str, daemon: Any, ranks: list[JsonProc], block: int = vu.BLOCK) -> None:
+    def __init__(self, name: str, daemon: Any, ranks: list[Any], block: int = vu.BLOCK,
+                 prefill_name: str | None = None) -> None:
         self.name, self.daemon, self.ranks, self.block = name, daemon, ranks, block
+        self.prefill_name = prefill_name or f"{name}.prefill"   # the connector's naming
 
     def params(self, transfer_id: str, n: int) -> dict[str, Any]:
-        return {"transfer_id": transfer_id, "source_instance": f"{self.name}.prefill",
+        return {"transfer_id": transfer_id, "source_instance": self.prefill_name,
                 "source_address": self.daemon.address, "num_tokens": n}
+
+
+def sim_spec(page_size: int) -> InstanceSpec:
+    return InstanceSpec(attention="mha", num_layers=vu.MODEL["num_hidden_layers"], total_kv_heads=2,
+                        head_dim=vu.HEAD, dtype="float32", page_size=page_size, layout="packed_page")
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +69,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory):
         return out
 
     inst = {"A": Instance("A", daemons["a"], ranks("A", "a", 2)),
-            "B": Instance("B", daemons["b"], ranks("B", "b", 1)),
-            "C": Instance("C", daemons["c"], ranks("C", "c", 1)),
-            "W": Instance("W", daemons["a"], ranks("W", "a", 1, block=64), block=64)}
+            "B": Instance("B", daemons["b"], ranks("B", "b", 1))}
     try:
+        c, w = cluster.instances((daemons["c"], "C", "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
+                                 (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS))
+        inst["C"] = Instance("C", daemons["c"], c, prefill_name="C")
+        inst["W"] = Instance("W", daemons["a"], w, block=64, prefill_name="W")
         for p in procs:
             ev = p.next(300)
             assert ev["event"] == "registered", ev
@@ -83,7 +97,7 @@ def steps_until(inst: Instance, key: str, req_id: str, *, finished: tuple[str, .
         for rank, report in zip(inst.ranks, reports):
             if req_id in report[key]:
                 continue
-            ev = rank.call(cmd="step", plan=plan if first else {}, finished=list(finished))
+            ev = rank.call(cmd="step", plan=(plan or {}) if first else {}, finished=list(finished))
             for k in ("sending", "recving", "errors"):
                 report[k] += ev[k]
         first = False
@@ -115,6 +129,7 @@ def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[in
     """Decode expects, prefill fills and saves step by step; both sides report; decode bytes checked."""
     for r in src.ranks:
         r.call(cmd="fill", rid=tid, blocks=src_blocks, n=n)
+    canary_before = [set(c["canary_blocks"]) for c in check(dst, tid, dst_blocks, start, start)]
     step_all(dst, load(f"d-{tid}", src, tid, n, dst_blocks, start))
     for computed in computed_steps:
         step_all(src, save(f"p-{tid}", tid, src_blocks, computed, n))
@@ -122,10 +137,11 @@ def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[in
     got = steps_until(dst, "recving", f"d-{tid}")
     assert all(r["errors"] == [] for r in got), got
     assert all(r["sending"] == [f"p-{tid}"] for r in sent), sent
-    for report in check(dst, tid, dst_blocks, n, start):
+    for report, before in zip(check(dst, tid, dst_blocks, n, start), canary_before):
         assert report["mismatches"] == 0, report
-        untouched = set(range(NUM_BLOCKS)) - set(dst_blocks[start // dst.block:])
-        assert untouched <= set(report["canary_blocks"]), report   # no byte outside the request's pages
+        # no byte outside the pages [start, n) covers: prefix pages and other blocks keep their canary
+        assert before - set(dst_blocks[start // dst.block:]) <= set(report["canary_blocks"]), report
+        assert set(dst_blocks[start // dst.block:]).isdisjoint(report["canary_blocks"]), report
 
 
 def test_tp2_prefill_to_tp1_decode_in_chunks(rig):
@@ -139,7 +155,9 @@ def test_tp1_prefill_to_tp2_decode(rig):
 
 def test_decode_prefix_moves_only_the_rest(rig):
     # decode holds the first two pages already (a local prefix hit): they must stay as they were
-    transfer(rig["A"], rig["B"], "tpre", 90, [3, 10, 6], [4, 13, 9], computed_steps=[90], start=64)
+    # the prefix pages hold a canary before; transfer() checks they still do after
+    assert {13, 15} <= set(rig["B"].ranks[0].call(cmd="check", rid="-", blocks=[], n=0, start=0)["canary_blocks"])
+    transfer(rig["A"], rig["B"], "tpre", 90, [3, 10, 6], [13, 15, 9], computed_steps=[90], start=64)
 
 
 def _half_sent(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
@@ -171,7 +189,10 @@ def test_abort_from_the_decode_side_fails_both(rig):
 
 def test_a_dead_prefill_daemon_fails_the_load_with_its_code(rig):
     src, dst = rig["C"], rig["B"]
-    _half_sent(src, dst, "tdead", 80, [1, 2, 3], [12, 13, 14])
+    step_all(dst, load("d-tdead", src, "tdead", 80, [12, 13, 14]))
+    (sim,) = src.ranks                       # sends [0, 32) and holds the rest back
+    sim.command(cmd="send", request_id="tdead", pages=[1, 2, 3], n=80, chunks=[[0, 32], [32, 80]], hold_last=True)
+    wait_in_flight(dst.daemon, "decode:transferring")
     src.daemon.proc.send_signal(signal.SIGKILL)
     src.daemon.proc.wait()
     got = steps_until(dst, "recving", "d-tdead")
@@ -182,8 +203,6 @@ def test_a_dead_prefill_daemon_fails_the_load_with_its_code(rig):
 
 def test_page_sizes_that_differ_are_refused_at_the_handshake_naming_both(rig):
     src, dst = rig["W"], rig["B"]          # 64-token pages into 32-token pages
-    for r in src.ranks:
-        r.call(cmd="fill", rid="tpage", blocks=[1, 2], n=100)
     step_all(dst, load("d-tpage", src, "tpage", 100, [1, 2, 3, 4]))
     got = steps_until(dst, "recving", "d-tpage")
     assert set(got[0]["errors"]) == {1, 2, 3, 4}
