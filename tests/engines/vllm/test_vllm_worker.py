@@ -17,8 +17,11 @@ does not have), on daemon a.
 
 from __future__ import annotations
 
+import glob
+import os
 import signal
 import time
+import uuid
 from typing import Any
 
 import pytest
@@ -53,6 +56,7 @@ def sim_spec(page_size: int) -> InstanceSpec:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("vllm-worker")
+    shm_before = set(glob.glob("/dev/shm/kvxferd-vllm-*"))
     model = vu.make_tiny_llama(root / "model")
     cluster = Cluster()
     daemons = {n: cluster.daemon(f"node-{n}", start=False) for n in "abc"}
@@ -70,10 +74,11 @@ def rig(tmp_path_factory: pytest.TempPathFactory):
 
     inst = {"A": Instance("A", daemons["a"], ranks("A", "a", 2)),
             "B": Instance("B", daemons["b"], ranks("B", "b", 1))}
+    dead = f"dead-{uuid.uuid4().hex[:8]}"
     try:
-        c, w = cluster.instances((daemons["c"], "C", "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
+        c, w = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
                                  (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS))
-        inst["C"] = Instance("C", daemons["c"], c, prefill_name="C")
+        inst["C"] = Instance("C", daemons["c"], c, prefill_name=dead)
         inst["W"] = Instance("W", daemons["a"], w, block=64, prefill_name="W")
         for p in procs:
             ev = p.next(300)
@@ -82,7 +87,16 @@ def rig(tmp_path_factory: pytest.TempPathFactory):
     finally:
         for p in procs:
             p.close()
+        # the source whose daemon was killed still waits for its held request: it is killed,
+        # so its shared-memory file is removed here
+        for w in cluster.workers:
+            if w.instance == dead:
+                w.kill()
+        for path in glob.glob(f"/dev/shm/kvxferd-{dead}-*"):
+            os.unlink(path)
         close_cluster(cluster)
+    # the vLLM ranks unregistered and unlinked the shared-memory files their KV was moved into
+    assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
 
 
 def steps_until(inst: Instance, key: str, req_id: str, *, finished: tuple[str, ...] = (),
@@ -185,6 +199,23 @@ def test_abort_from_the_decode_side_fails_both(rig):
     assert all(set(r["errors"]) == {13, 14, 15} for r in got), got
     sent = steps_until(src, "sending", "p-tab2", finished=("p-tab2",))
     assert sent[0]["sending"] == ["p-tab2"]
+
+
+def test_a_preempted_prefill_lets_go_of_its_pages_before_the_step_goes_on(rig):
+    src, dst = rig["A"], rig["B"]
+    _half_sent(src, dst, "tpmt", 80, [0, 1, 11], [1, 2, 5])
+    reports = step_all(src, {"preempted": [["p-tpmt", "tpmt"]]})
+    # handle_preemptions returned: the prefill daemon has already failed its side, so no
+    # data thread reads the pages vLLM is about to give to another request
+    status = daemon_status(src.daemon)
+    ranks = [r["rank_id"] for r in status["ranks"] if r["instance"] == "A.prefill"]
+    failed = [f for f in status["recent_failures"] if f["request_id"] == "tpmt" and f["side"] == "prefill"]
+    assert len(ranks) == 2 and sorted(f["rank_id"] for f in failed) == sorted(ranks), failed
+    assert all(r["sending"] == [] for r in reports)
+    # a preempted request is not finished, so it is never reported as sent
+    assert all(r["sending"] == [] for r in step_all(src, {}, finished=("p-tpmt",)))
+    got = steps_until(dst, "recving", "d-tpmt")
+    assert set(got[0]["errors"]) == {1, 2, 5}
 
 
 def test_a_dead_prefill_daemon_fails_the_load_with_its_code(rig):
