@@ -96,13 +96,17 @@ def test_both_engines_registered_vllm_kv_as_packed_pages(rig):
         geo = rank["geometry"]
         assert (geo["layout"], geo["page_size"], geo["head_dim"], geo["total_kv_heads"], geo["num_layers"],
                 geo["dtype"], geo["tp_size"]) == ("packed_page", vu.BLOCK, vu.HEAD, 2, LAYERS, "float32", 1)
-    assert rig["pins"][0] != rig["pins"][1] or rig["pins"][0] is None
+    pins = rig["pins"]
+    if pins[0] is not None:   # two cores or more: prefill and decode each run on their own
+        assert os.sched_getaffinity(rig["prefill"].proc.pid) == set(pins[0])
+        assert os.sched_getaffinity(rig["decode"].proc.pid) == set(pins[1])
 
 
 def test_disaggregated_greedy_tokens_equal_a_plain_run(rig):
     pd, dd = rig["pd"], rig["dd"]
     done_before = metric(dd, "kvxferd_transfers_total", side="decode", outcome="done")
     sent_before = metric(pd, "kvxferd_transfers_total", side="prefill", outcome="done")
+    chunks_before = metric(pd, "kvxferd_chunks_total")
     bytes_before = metric(dd, "kvxferd_received_bytes_total")
     for name in ("short", "mid", "long"):
         tokens, params = disaggregated(rig, PROMPTS[name])
@@ -114,6 +118,9 @@ def test_disaggregated_greedy_tokens_equal_a_plain_run(rig):
     # prefill's blocks stay pinned until its daemon says each send is done, then go back
     assert rig["prefill"].call(cmd="drain")["held"] == []
     assert metric(pd, "kvxferd_transfers_total", side="prefill", outcome="done") - sent_before == 3
+    # prefill ran with a 64-token budget, so vLLM prefilled in chunks and each went out on its
+    # own: 40 tokens in one, 70 in two (64 + 6), 150 in three (64 + 64 + 22)
+    assert metric(pd, "kvxferd_chunks_total") - chunks_before == 6
 
 
 def test_negative_control_another_prompts_kv_gives_other_tokens(rig):
