@@ -158,6 +158,9 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
      event_sync) = storage._share_cuda_()
     return {"device": int(device), "handle": bytes(handle), "size": int(size),
             "storage_offset": int(offset) + tensor.storage_offset() * tensor.element_size(),
+            # where the storage starts inside the IPC allocation (the caching allocator may have
+            # placed it in a larger segment): the daemon opens the storage there, not at the base
+            "block_offset": int(offset),
             "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
             "event_handle": bytes(event_handle) if event_handle else b"",
             "event_sync": bool(event_sync)}
@@ -266,16 +269,17 @@ class MemoryMapper:
                                     fix="run the daemon with access to the engine's GPUs")
         h = r.get("handle")
         try:
+            block = int(h.get("block_offset", 0))  # handles from older clients: the storage's own base
             storage = torch.UntypedStorage._new_shared_cuda(
-                h["device"], h["handle"], h["size"], 0, h["ref_handle"], h["ref_offset"],
+                h["device"], h["handle"], h["size"], block, h["ref_handle"], h["ref_offset"],
                 h["event_handle"] or None, h["event_sync"])
+            offset = int(h["storage_offset"]) - block + int(r.get("offset", 0))
         except Exception as exc:
             raise RegistrationError(f"cannot open CUDA IPC handle: {exc}", field="regions.handle",
                                     fix="send the handle from cuda_ipc_handle() of a live tensor") from None
         flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}")
         flat.set_(storage, 0, (storage.nbytes(),))
-        offset = int(h["storage_offset"]) + int(r.get("offset", 0))
-        if offset + r["nbytes"] > flat.numel():
+        if offset < 0 or offset + r["nbytes"] > flat.numel():
             raise RegistrationError("CUDA region exceeds its storage", field="regions.nbytes",
                                     fix="describe the region inside its tensor's storage")
         return flat[offset:offset + r["nbytes"]]

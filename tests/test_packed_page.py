@@ -209,6 +209,7 @@ def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, r
     decode = cluster.instance(dd, f"pd{tag}", "decode", dspec, NUM_PAGES)
     try:
         used: set[int] = set()
+        allowed: list[list] = []
         for i in range(requests):
             src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
             dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
@@ -218,11 +219,26 @@ def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, r
                                 aux=b"pk" if i == 0 else None)
             assert_verified(dec, pre)
             assert all(ev["aux"] == (b"pk".hex() if i == 0 else None) for ev in dec)
+            allowed.append([dst, n_tokens])
         never = [p for p in range(NUM_PAGES) if p not in used]
         for w in decode:
             assert untouched_bytes(w, never) == 0
+            # nothing outside the requests' whole pages changed: not the padding between regions,
+            # not another layer's region, not another page
+            report = canary(w, allowed)
+            assert report["outside_bytes"] == 0, report
+            assert set(report["changed_pages"]) == used
     finally:
         close(prefill + decode)
+
+
+def canary(worker, allowed):
+    worker.command(cmd="canary", allowed=allowed)
+    while True:
+        ev = worker.next_event(60)
+        if ev.get("event") == "canary":
+            return ev
+        assert ev.get("event") != "exit", "worker exited"
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
@@ -351,3 +367,36 @@ def test_vllm_cpu_cache_shared_and_described_moves_byte_exact(cluster):
         dc.close()
         src_pool.close()
         dst_pool.close()
+
+
+# -- NIXL is not wired for packed pages: negotiation falls back to tcp, or refuses ---------
+
+def test_packed_over_nixl_daemons_moves_by_tcp_or_is_refused():
+    from nixl_util import NIXL_ENV, NIXL_MISSING, metric
+    from nixl_util import run_case as nixl_case
+
+    if NIXL_MISSING:
+        pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
+    c = Cluster()
+    try:
+        pd = c.daemon("prefill-nixl", env=NIXL_ENV)  # offers nixl first, then tcp
+        c.daemon("decode-nixl", env=NIXL_ENV)
+        only = {**NIXL_ENV, "KVXFERD_PEER_TRANSPORTS": "nixl"}
+        c.daemon("prefill-only", env=only)
+        c.daemon("decode-only", env=only)
+        nixl_case(c, packed(tp_size=2), packed(), n_tokens=27, chunks=[[0, 16], [16, 27]])
+        assert metric(pd, "kvxferd_sent_bytes_total", transport="tcp") > 0
+        assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == 0
+        tag = next(_ids)
+        prefill = c.instance(c.daemons["prefill-only"], f"po{tag}", "prefill", packed(), NUM_PAGES)
+        decode = c.instance(c.daemons["decode-only"], f"do{tag}", "decode", packed(), NUM_PAGES)
+        try:
+            decode[0].command(cmd="expect", request_id="pk-nx", pages=[0, 1], n=10, source_instance=f"po{tag}",
+                              source_address=c.daemons["prefill-only"].address)
+            ev = finished(decode[0], "pk-nx")
+            assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
+            assert "layout packed_page is moved by tcp only" in ev["reason"]
+        finally:
+            close(prefill + decode)
+    finally:
+        c.close()
