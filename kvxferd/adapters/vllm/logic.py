@@ -1,0 +1,428 @@
+"""The vLLM connector's pure logic: settings, transfer params, page math, request bookkeeping.
+
+Nothing here imports vLLM or talks to a daemon, so every rule the connector follows can be
+tested on its own. ``connector.py`` feeds it what vLLM hands the connector and turns its
+answers into daemon calls.
+
+Identity: request ids differ between the prefill and the decode engine (offline
+``LLM.generate`` numbers its own), so a transfer is named by a ``transfer_id`` the prefill
+scheduler draws, and that id travels to the decode engine inside ``kv_transfer_params``
+together with the prefill instance and its daemon's address.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from ...errors import ConfigError
+
+#: key under which kvxferd's part of ``kv_transfer_params`` travels (other connectors keep theirs)
+PARAMS_KEY = "kvxferd"
+ROLES_BY_KV_ROLE: dict[str, tuple[str, ...]] = {
+    "kv_producer": ("prefill",),
+    "kv_consumer": ("decode",),
+    "kv_both": ("prefill", "decode"),
+}
+EXTRA_KEYS = ("socket_path", "instance", "address", "call_timeout_s", "preempt_wait_s")
+
+
+# -- settings ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """What ``kv_connector_extra_config`` says, checked once when the connector is built."""
+
+    instance: str
+    roles: tuple[str, ...]
+    socket_path: str | None = None
+    address: str | None = None
+    call_timeout_s: float = 30.0
+    preempt_wait_s: float = 60.0
+
+    @classmethod
+    def from_config(cls, extra: Mapping[str, Any] | None, *, kv_role: str | None,
+                    engine_id: str | None) -> "ConnectorSettings":
+        extra = dict(extra or {})
+        unknown = sorted(set(extra) - set(EXTRA_KEYS))
+        if unknown:
+            raise ConfigError(f"kv_connector_extra_config has unknown key(s) {unknown}",
+                              field=f"kv_connector_extra_config.{unknown[0]}",
+                              fix=f"use only {list(EXTRA_KEYS)}")
+        if kv_role not in ROLES_BY_KV_ROLE:
+            raise ConfigError(f"kv_role {kv_role!r} is not one kvxferd serves", field="kv_role",
+                              fix=f"set kv_role to one of {sorted(ROLES_BY_KV_ROLE)}")
+        instance = extra.get("instance") or (f"vllm-{engine_id}" if engine_id else None)
+        for key in ("instance", "socket_path", "address"):
+            value = instance if key == "instance" else extra.get(key)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}",
+                                  field=f"kv_connector_extra_config.{key}", fix=f"give {key} as a string")
+        if instance is None:
+            raise ConfigError("no instance name: kv_connector_extra_config.instance is unset and vLLM gave no "
+                              "engine_id", field="kv_connector_extra_config.instance",
+                              fix="set instance to a name shared by every rank of this vLLM instance")
+        address = extra.get("address")
+        if address is not None:
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit():
+                raise ConfigError(f"kv_connector_extra_config.address must be host:port, got {address!r}",
+                                  field="kv_connector_extra_config.address",
+                                  fix="give the control address other daemons reach this node's daemon at")
+        timeouts = {}
+        for key in ("call_timeout_s", "preempt_wait_s"):
+            if key in extra:
+                value = extra[key]
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                    raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number, got {value!r}",
+                                      field=f"kv_connector_extra_config.{key}", fix=f"set {key} in seconds")
+                timeouts[key] = float(value)
+        roles = ROLES_BY_KV_ROLE[kv_role]
+        if "prefill" in roles and address is None:
+            raise ConfigError(f"kv_role {kv_role} produces KV, so decode engines must be told where this node's "
+                              "daemon is, and kv_connector_extra_config.address is unset",
+                              field="kv_connector_extra_config.address",
+                              fix="set address to host:control_port of this node's kvxferd daemon")
+        return cls(instance=instance, roles=roles, socket_path=extra.get("socket_path"), address=address,
+                   **timeouts)
+
+    def instance_for(self, role: str) -> str:
+        """The daemon keeps one role per instance name, so a kv_both engine registers two."""
+        return f"{self.instance}.{role}"
+
+    @property
+    def produces(self) -> bool:
+        return "prefill" in self.roles
+
+    @property
+    def consumes(self) -> bool:
+        return "decode" in self.roles
+
+
+# -- kv_transfer_params --------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class TransferParams:
+    """What prefill hands back in ``kv_transfer_params`` and decode must be given."""
+
+    transfer_id: str
+    source_instance: str
+    source_address: str
+    num_tokens: int
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON-serialisable; ``do_remote_prefill`` is the flag vLLM's proxies and decode look for."""
+        return {"do_remote_prefill": True, "do_remote_decode": False,
+                PARAMS_KEY: {"transfer_id": self.transfer_id, "source_instance": self.source_instance,
+                             "source_address": self.source_address, "num_tokens": self.num_tokens}}
+
+    @classmethod
+    def from_request(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
+        """The transfer a decode request should load, None when it asks for no remote prefill."""
+        if not params or not params.get("do_remote_prefill"):
+            return None
+        body = params.get(PARAMS_KEY)
+        if not isinstance(body, Mapping):
+            raise ConfigError(f"kv_transfer_params has do_remote_prefill but no {PARAMS_KEY!r} object",
+                              field=f"kv_transfer_params.{PARAMS_KEY}",
+                              fix="pass decode the kv_transfer_params the prefill engine returned, unchanged")
+        out = {}
+        for key in ("transfer_id", "source_instance", "source_address"):
+            value = body.get(key)
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"kv_transfer_params.{PARAMS_KEY}.{key} must be a non-empty string, got {value!r}",
+                                  field=f"kv_transfer_params.{PARAMS_KEY}.{key}",
+                                  fix="pass decode the kv_transfer_params the prefill engine returned, unchanged")
+            out[key] = value
+        num_tokens = body.get("num_tokens")
+        if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens < 1:
+            raise ConfigError(f"kv_transfer_params.{PARAMS_KEY}.num_tokens must be a positive integer, "
+                              f"got {num_tokens!r}", field=f"kv_transfer_params.{PARAMS_KEY}.num_tokens",
+                              fix="pass decode the kv_transfer_params the prefill engine returned, unchanged")
+        return cls(num_tokens=num_tokens, **out)
+
+
+def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """A prefill request: the proxy asked this engine to hand its KV to a decode engine."""
+    return bool(params) and params.get("do_remote_decode") is True
+
+
+# -- page math -----------------------------------------------------------------------------
+
+def pages_for(block_ids: Sequence[int], start: int, end: int, page_size: int) -> list[int]:
+    """The pages holding tokens ``[start, end)``, from the page of ``start`` (what ``send`` takes)."""
+    first, stop = start // page_size, -(-end // page_size)
+    if stop > len(block_ids):
+        raise ConfigError(f"tokens [{start}, {end}) need {stop} pages of {page_size} tokens, the request holds "
+                          f"{len(block_ids)} blocks", field="block_ids",
+                          fix="this is a bookkeeping bug in the connector: report it")
+    return [int(b) for b in block_ids[first:stop]]
+
+
+def next_chunk(sent: int, computed: int, total: int, page_size: int) -> tuple[int, int, bool] | None:
+    """The next ``(start, end, last)`` a prefill rank can send, or None.
+
+    Only whole pages go out before the last chunk: vLLM's CPU layout packs a page's tokens
+    head-major, so a page is the smallest unit the daemon can move, and a chunk may end
+    inside a page only when it is the request's last.
+    """
+    if computed >= total:
+        end = total
+    else:
+        end = computed // page_size * page_size
+    if end <= sent:
+        return None
+    return sent, end, end == total
+
+
+def load_error_blocks(block_ids: Sequence[int], start: int, num_tokens: int, page_size: int) -> set[int]:
+    """The blocks a failed load was to fill: vLLM recomputes (or fails) from the first of them."""
+    return set(int(b) for b in block_ids[start // page_size:-(-num_tokens // page_size)])
+
+
+# -- vLLM's KV cache layouts -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class CacheShape:
+    """One layer's KV tensor as vLLM allocated it, named in kvxferd's terms."""
+
+    layout: str          # "packed_page" (one "kv" region per layer) or "NHD" ("k" and "v")
+    num_blocks: int
+    heads: int
+    block_size: int
+    head_size: int
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return ("kv",) if self.layout == "packed_page" else ("k", "v")
+
+
+def cache_shape(shape: Sequence[int], *, on_cpu: bool) -> CacheShape:
+    """CPU: ``[num_blocks, heads, block_size, 2 * head_size]`` (per block and head, K transposed
+    then V). GPU attention backends asked for NHD: ``[2, num_blocks, block_size, heads, head_size]``."""
+    dims = tuple(int(d) for d in shape)
+    if on_cpu and len(dims) == 4 and dims[3] % 2 == 0:
+        return CacheShape("packed_page", dims[0], dims[1], dims[2], dims[3] // 2)
+    if not on_cpu and len(dims) == 5 and dims[0] == 2:
+        return CacheShape("NHD", dims[1], dims[3], dims[2], dims[4])
+    expected = ("[num_blocks, heads, block_size, 2 * head_size]" if on_cpu
+                else "[2, num_blocks, block_size, heads, head_size]")
+    raise ConfigError(f"vLLM handed a KV cache tensor of shape {list(dims)} on {'CPU' if on_cpu else 'GPU'}; "
+                      f"kvxferd registers {expected}", field="kv_caches.shape",
+                      fix="use an attention backend with vLLM's standard layout (the connector asks for NHD)")
+
+
+# -- what the scheduler tells its workers each step -----------------------------------------
+
+@dataclass(frozen=True)
+class LoadSpec:
+    """Decode: expect ``transfer_id`` into ``block_ids``; tokens before ``start`` are local hits."""
+
+    req_id: str
+    params: TransferParams
+    block_ids: tuple[int, ...]
+    start: int
+
+
+@dataclass(frozen=True)
+class SaveSpec:
+    """Prefill: after this step's forward, ``computed`` tokens of ``num_tokens`` are in ``block_ids``."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    computed: int
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    loads: tuple[LoadSpec, ...] = ()
+    saves: tuple[SaveSpec, ...] = ()
+    #: (req_id, transfer_id, role): abort at the daemon, report the request once it is terminal there
+    aborts: tuple[tuple[str, str, str], ...] = ()
+    #: (req_id, transfer_id): the request was preempted and its blocks go back to vLLM; abort and wait
+    preempted: tuple[tuple[str, str], ...] = ()
+
+
+@dataclass
+class _Send:
+    transfer_id: str
+    num_tokens: int
+    scheduled: bool = False
+
+
+@dataclass
+class SchedulerBook:
+    """Scheduler-side state of every request the connector has a stake in."""
+
+    settings: ConnectorSettings
+    new_id: Callable[[], str] = field(default=lambda: uuid.uuid4().hex)
+    sends: dict[str, _Send] = field(default_factory=dict)
+    loaded: set[str] = field(default_factory=set)
+    #: req_id -> transfer_id of loads whose finished_recving has not come back yet
+    loading: dict[str, str] = field(default_factory=dict)
+    _loads: list[LoadSpec] = field(default_factory=list)
+    _aborts: list[tuple[str, str, str]] = field(default_factory=list)
+
+    # decode side
+    def matched_tokens(self, req_id: str, params: Mapping[str, Any] | None, prompt_len: int,
+                       num_computed: int) -> tuple[int, bool]:
+        """Tokens to load asynchronously: every prompt token the local prefix cache lacks."""
+        if not self.settings.consumes or req_id in self.loaded:
+            return 0, False
+        transfer = TransferParams.from_request(params)
+        if transfer is None or transfer.num_tokens != prompt_len:
+            # a transfer of another length cannot be this prompt's KV; recompute instead
+            return 0, False
+        count = prompt_len - num_computed
+        return (count, True) if count > 0 else (0, False)
+
+    def after_alloc(self, req_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[int],
+                    prompt_len: int, num_external: int) -> None:
+        if num_external > 0 and req_id not in self.loaded:
+            transfer = TransferParams.from_request(params)
+            if transfer is not None:
+                self.loaded.add(req_id)
+                self.loading[req_id] = transfer.transfer_id
+                self._loads.append(LoadSpec(req_id, transfer, tuple(int(b) for b in block_ids),
+                                            prompt_len - num_external))
+        if self.settings.produces and wants_remote_decode(params) and req_id not in self.sends:
+            self.sends[req_id] = _Send(self.new_id(), prompt_len)
+
+    # both sides, once per step
+    def plan(self, scheduled: Sequence[tuple[str, Sequence[int], int]],
+             preempted: Sequence[str] = ()) -> StepPlan:
+        """``scheduled``: (req_id, block_ids, tokens computed once this step ran)."""
+        saves = []
+        for req_id, block_ids, computed in scheduled:
+            send = self.sends.get(req_id)
+            if send is None:
+                continue
+            send.scheduled = True
+            saves.append(SaveSpec(req_id, send.transfer_id, tuple(int(b) for b in block_ids),
+                                  min(computed, send.num_tokens), send.num_tokens))
+        gone = []
+        for req_id in preempted:
+            send = self.sends.pop(req_id, None)
+            if send is not None and send.scheduled:
+                gone.append((req_id, send.transfer_id))
+        plan = StepPlan(tuple(self._loads), tuple(saves), tuple(self._aborts), tuple(gone))
+        self._loads.clear()
+        self._aborts.clear()
+        return plan
+
+    def received(self, req_ids: Sequence[str]) -> None:
+        """``finished_recving`` came back from every worker for these requests."""
+        for req_id in req_ids:
+            self.loading.pop(req_id, None)
+
+    def finished(self, req_id: str, *, computed: int, aborted: bool) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished``: (keep the blocks until the send is terminal, params for the output)."""
+        self.loaded.discard(req_id)
+        load = self.loading.get(req_id)
+        if load is not None:
+            # vLLM itself holds the blocks of a request still waiting for remote KV; stop the load
+            self._aborts.append((req_id, load, "decode"))
+        send = self.sends.pop(req_id, None)
+        if send is None:
+            return False, None
+        if aborted or computed < send.num_tokens:
+            if not send.scheduled:
+                return False, None
+            self._aborts.append((req_id, send.transfer_id, "prefill"))
+            return True, None
+        assert self.settings.address is not None  # checked in ConnectorSettings.from_config
+        params = TransferParams(send.transfer_id, self.settings.instance_for("prefill"), self.settings.address,
+                                send.num_tokens)
+        return True, params.to_json()
+
+
+# -- worker-side bookkeeping ----------------------------------------------------------------
+
+@dataclass
+class _WorkerSend:
+    req_id: str
+    sent: int = 0            # tokens [0, sent) handed to the daemon
+    last_sent: bool = False
+    terminal: bool = False   # the daemon no longer reads its pages (or never held any)
+
+
+@dataclass
+class _WorkerLoad:
+    req_id: str
+    error_blocks: frozenset[int]
+
+
+@dataclass
+class WorkerBook:
+    """Which daemon request belongs to which vLLM request on one worker, and what to report.
+
+    vLLM wants ``finished_sending`` only for requests it has already told the worker are
+    finished, and each worker reports each request once; the book keeps both rules. A send
+    stays here until it is reported, so a failed one is never started again.
+    """
+
+    sends: dict[str, _WorkerSend] = field(default_factory=dict)   # transfer id -> state
+    loads: dict[str, _WorkerLoad] = field(default_factory=dict)   # transfer id -> state
+    _finished: set[str] = field(default_factory=set)              # req ids vLLM finished, not reported
+    _recv_terminal: set[str] = field(default_factory=set)         # req ids
+    _load_errors: set[int] = field(default_factory=set)
+
+    def send_state(self, transfer_id: str, req_id: str) -> _WorkerSend:
+        return self.sends.setdefault(transfer_id, _WorkerSend(req_id))
+
+    def send_terminal(self, transfer_id: str) -> str | None:
+        send = self.sends.get(transfer_id)
+        if send is None or send.terminal:
+            return None
+        send.terminal = True
+        return send.req_id
+
+    def send_dropped(self, transfer_id: str) -> None:
+        """A preempted request's transfer: its request is not finished, so nothing is reported."""
+        self.sends.pop(transfer_id, None)
+
+    def abort_send(self, req_id: str, transfer_id: str) -> bool:
+        """True when the daemon may hold chunks of it (abort there, report on its terminal event)."""
+        send = self.sends.setdefault(transfer_id, _WorkerSend(req_id))
+        if send.terminal:
+            return False
+        if send.sent == 0:
+            send.terminal = True
+            return False
+        return True
+
+    def load_started(self, transfer_id: str, req_id: str, error_blocks: set[int]) -> None:
+        self.loads[transfer_id] = _WorkerLoad(req_id, frozenset(error_blocks))
+
+    def load_terminal(self, transfer_id: str, ok: bool) -> str | None:
+        load = self.loads.pop(transfer_id, None)
+        if load is None:
+            return None
+        if not ok:
+            self._load_errors |= load.error_blocks
+        self._recv_terminal.add(load.req_id)
+        return load.req_id
+
+    def load_failed_now(self, req_id: str, error_blocks: set[int]) -> None:
+        self._load_errors |= error_blocks
+        self._recv_terminal.add(req_id)
+
+    def take_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
+        """(finished_sending, finished_recving) to report this step."""
+        # only ids this worker still has to report are kept, so the set stays bounded
+        self._finished |= set(finished_req_ids) & {send.req_id for send in self.sends.values()}
+        sending = set()
+        for tid, send in list(self.sends.items()):
+            if send.terminal and send.req_id in self._finished:
+                del self.sends[tid]
+                self._finished.discard(send.req_id)
+                sending.add(send.req_id)
+        recving, self._recv_terminal = self._recv_terminal, set()
+        return sending, recving
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
