@@ -136,7 +136,7 @@ def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(clu
     rr.record("faults", f"prefill_daemon_restarted_{transport}", {
         "survived": True, "terminal_after_s": after, "deadline_s": NEVER_S,
         "outcome": f"SIGKILL + restart on the same ports ({transport}): the pending request failed "
-                   f"peer_restarted {after}s after the kill (new incarnation seen in the pongs); the first "
+                   f"peer_restarted {after}s after the kill, the new process's start-up included (new incarnation seen in its pongs); the first "
                    f"request after the restart handshook again and verified byte-exact",
         "seconds": time.monotonic() - started})
 
@@ -211,5 +211,5 @@ def test_restarted_decode_daemon_fails_its_pending_sources_and_serves_the_next(c
         "survived": True, "terminal_after_s": after, "deadline_s": NEVER_S,
         "outcome": f"SIGKILL + restart on the same ports: the new daemon's first handshake replaced the dead "
                    f"link at once (old connection closed, new incarnation); the prefill side's pending "
-                   f"request failed peer_restarted {after}s after the kill, the new request verified byte-exact",
+                   f"request failed peer_restarted {after}s after the kill (the new daemon's and engine's start-up included), the new request verified byte-exact",
         "seconds": time.monotonic() - started})
