@@ -11,11 +11,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from e2e_util import Cluster, assert_verified, close, finished, spec, transfer
 from kvxferd import auth
 
 from ops_support import Scrape, wait_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import reliability_report as rr  # noqa: E402
 
 NUM_PAGES = 16
 #: long enough that a request failing on the handshake's own deadline could not pass as prompt
@@ -47,6 +52,7 @@ def _human_status(d) -> str:
 
 
 def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
+    started = time.monotonic()
     p_pair, p_key = _keys(tmp_path, "prefill")
     d_pair, d_key = _keys(tmp_path, "decode")
     s_pair, s_key = _keys(tmp_path, "stranger")
@@ -67,6 +73,7 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
         decode = c.instance(dd, "ad", "decode", spec(), NUM_PAGES)
         outsider = c.instance(sd, "sd", "decode", spec(), NUM_PAGES)
 
+        asked = time.time()
         outsider[0].command(cmd="expect", request_id="auth-x", pages=[1, 2], n=5, source_instance="ap",
                             source_address=pd.address)
         # the event arrives long before bootstrap_s; had it waited for the deadline, this would time out
@@ -74,6 +81,7 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
         assert ev["state"] == "failed" and ev["code"] == "auth_failed", ev
         assert pd.address in ev["reason"] and "allowed_keys" in ev["reason"], ev
         assert s_pair.public in ev["reason"]  # the key the operator must add
+        after = round(ev["t"] - asked, 2)
 
         # the refusing side logged the key and the address, and counted the refusal
         refused = wait_for(lambda: [line for line in pd.log().splitlines() if "event=auth_refused" in line],
@@ -104,6 +112,13 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
         close(prefill + decode + outsider)
     finally:
         c.close()
+    rr.record("faults", "peer_key_not_allowed", {
+        "survived": True, "terminal_after_s": after, "deadline_s": BOOTSTRAP_S,
+        "outcome": f"a decode daemon whose CURVE key is not allowed: its request failed auth_failed {after}s "
+                   "after the expect, naming the address and its key; the prefill daemon logged "
+                   "event=auth_refused with the key and address and counted it; both show it in status; the "
+                   "allowed daemon was served byte-exact meanwhile",
+        "seconds": time.monotonic() - started})
 
 
 def test_wrong_server_key_fails_promptly_naming_peer_keys(tmp_path):

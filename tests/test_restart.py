@@ -10,6 +10,8 @@ arrives after the restart must succeed byte-exact, the first one included.
 from __future__ import annotations
 
 import signal
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,9 @@ import pytest
 from e2e_util import Cluster, assert_verified, close, finished, spec, transfer
 from kvxferd.client import EngineClient
 from nixl_util import NIXL_ENV, NIXL_MISSING
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import reliability_report as rr  # noqa: E402
 
 NUM_PAGES = 32
 NEVER_S = 600.0  # phase timeouts and peer_timeout_s: far beyond any wait below
@@ -55,6 +60,7 @@ def wait_state(d, wanted: dict[str, int], timeout: float = WAIT_S) -> None:
 def restart(d, env: dict[str, str] | None = None) -> str:
     """SIGKILL the daemon and start it again on the same ports; return the old incarnation."""
     old = status(d)["incarnation"]
+    d.killed_at = time.time()
     d.signal(signal.SIGKILL)
     d.proc.wait()
     d.start(env)
@@ -94,6 +100,7 @@ def expect_only(decode, request_id: str, source: str, dst=(1, 2, 3), n: int = 12
 @pytest.mark.parametrize("transport", ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(
     bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}"))])
 def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(cluster, transport):
+    started = time.monotonic()
     env = NIXL_ENV if transport == "nixl" else None
     pd, dd, prefill, decode = pair(cluster, env=env)
     dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
@@ -111,6 +118,7 @@ def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(clu
     ev = finished(decode[0], "pending", timeout=WAIT_S)
     assert ev["state"] == "failed" and ev["code"] == "peer_restarted", ev
     assert pd.address in ev["reason"] and old in ev["reason"], ev
+    after = round(ev["t"] - pd.killed_at, 2)
     prefill = cluster.instance(pd, "rp", "prefill", spec(), NUM_PAGES)
     # the first request after the restart handshakes again by itself and lands byte-exact
     dec, pre = transfer(prefill, decode, "after", 21, src_pages=[9, 10, 11, 12, 13, 14],
@@ -125,12 +133,19 @@ def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(clu
         assert st["transports"]["nixl"].endswith("1 sources)"), st["transports"]
         assert st["transports"]["landing"]["rings"] == 1, st["transports"]  # the old ring was retired
     close(prefill + decode)
+    rr.record("faults", f"prefill_daemon_restarted_{transport}", {
+        "survived": True, "terminal_after_s": after, "deadline_s": NEVER_S,
+        "outcome": f"SIGKILL + restart on the same ports ({transport}): the pending request failed "
+                   f"peer_restarted {after}s after the kill, the new process's start-up included (new incarnation seen in its pongs); the first "
+                   f"request after the restart handshook again and verified byte-exact",
+        "seconds": time.monotonic() - started})
 
 
 def test_first_request_after_an_unnoticed_restart_handshakes_again(cluster):
     """Heartbeats too rare to notice the restart: the new daemon's ``no_handshake`` answer to the
     first expect triggers a new handshake instead of failing that request, and the handshake
     reveals the new incarnation, which fails the request pending at the old one."""
+    started = time.monotonic()
     pd, dd, prefill, decode = pair(cluster, decode_heartbeat=NEVER_S / 4)
     dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
                         source_address=pd.address)
@@ -153,9 +168,16 @@ def test_first_request_after_an_unnoticed_restart_handshakes_again(cluster):
     assert "event=handshake_again" in log and "event=peer_restarted" in log, log[-3000:]
     assert log.index("event=handshake_again") < log.index("event=peer_restarted")
     close(prefill + decode)
+    rr.record("faults", "prefill_daemon_restarted_unnoticed", {
+        "survived": True, "terminal_after_s": round(ev["t"] - pd.killed_at, 2), "deadline_s": NEVER_S,
+        "outcome": "restart no heartbeat saw: the first expect after it was answered no_handshake, handshook "
+                   "again and verified byte-exact; that handshake showed the new incarnation and failed the "
+                   "request pending at the old one with peer_restarted",
+        "seconds": time.monotonic() - started})
 
 
 def test_restarted_decode_daemon_fails_its_pending_sources_and_serves_the_next(cluster):
+    started = time.monotonic()
     pd, dd, prefill, decode = pair(cluster)
     dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
                         source_address=pd.address)
@@ -178,9 +200,16 @@ def test_restarted_decode_daemon_fails_its_pending_sources_and_serves_the_next(c
     ev = finished(prefill[0], "pending", timeout=WAIT_S)
     assert ev["state"] == "failed" and ev["code"] == "peer_restarted", ev
     assert dd.address in ev["reason"] and old in ev["reason"], ev
+    after = round(ev["t"] - dd.killed_at, 2)
     assert "event=peer_restarted" in pd.log() and "side=decode" in pd.log()
     st = status(pd)
     assert st["requests"] == {}
     decode_peers = [p for p in st["peers"] if p["side"] == "decode"]
     assert [p["incarnation"] for p in decode_peers] == [status(dd)["incarnation"]], decode_peers
     close(prefill + decode)
+    rr.record("faults", "decode_daemon_restarted", {
+        "survived": True, "terminal_after_s": after, "deadline_s": NEVER_S,
+        "outcome": f"SIGKILL + restart on the same ports: the new daemon's first handshake replaced the dead "
+                   f"link at once (old connection closed, new incarnation); the prefill side's pending "
+                   f"request failed peer_restarted {after}s after the kill (the new daemon's and engine's start-up included), the new request verified byte-exact",
+        "seconds": time.monotonic() - started})

@@ -7,7 +7,8 @@ descriptors before and after). This script turns that file into ``docs/RELIABILI
 
     KVXFERD_RELIABILITY_OUT=reliability.json python -m pytest -q \\
         tests/test_fuzz_engine.py tests/test_fuzz_peer.py tests/test_fuzz_data.py \\
-        tests/test_faults_more.py tests/test_load.py tests/test_nixl_staged.py
+        tests/test_faults_more.py tests/test_load.py tests/test_nixl_staged.py \\
+        tests/test_restart.py tests/test_auth_failures.py
     python tools/reliability_report.py reliability.json -o docs/RELIABILITY.md
 
 The document is generated; edit this script, not the document.
@@ -142,7 +143,8 @@ def render(results: dict[str, Any]) -> str:
         "```",
         "KVXFERD_RELIABILITY_OUT=reliability.json .venv/bin/python -m pytest -q \\",
         "    tests/test_fuzz_engine.py tests/test_fuzz_peer.py tests/test_fuzz_data.py \\",
-        "    tests/test_faults_more.py tests/test_load.py tests/test_nixl_staged.py",
+        "    tests/test_faults_more.py tests/test_load.py tests/test_nixl_staged.py \\",
+        "    tests/test_restart.py tests/test_auth_failures.py",
         "python tools/reliability_report.py reliability.json -o docs/RELIABILITY.md",
         "```",
         "",
