@@ -50,6 +50,14 @@ def shm_files(pids: set[int]) -> set[str]:
     return {p.removesuffix(" (deleted)") for p in out}
 
 
+def cmdline(pid: int) -> bytes:
+    """A process's command line, or nothing once it is gone (processes come and go while we look)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -69,7 +77,7 @@ def stop_when_busy(cmd: list[str], sig: int, want_engines: int) -> tuple[int, se
             assert proc.poll() is None, f"{cmd} ended before it was stopped"
             below = descendants(proc.pid)
             files = shm_files(below)
-            daemons = [p for p in below if b"serve" in Path(f"/proc/{p}/cmdline").read_bytes()] if below else []
+            daemons = [p for p in below if b"serve" in cmdline(p)]
             if daemons and len(files) >= want_engines:
                 break
             assert time.monotonic() < deadline, f"{cmd} never ran daemons and {want_engines} engines"
