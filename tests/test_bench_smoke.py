@@ -12,7 +12,8 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+# generous bounds: the bench must finish on a slow, busy machine too (they catch hangs, not slowness)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 RATIO_KEYS = ("tcp_vs_socket", "local_vs_memcpy", "tp_mismatch_vs_matched", "nixl_vs_raw_nixl",
               "vs_nixl_ucx_tcp", "vs_mooncake_tcp")
@@ -25,7 +26,7 @@ def _number(v: object) -> bool:
 @pytest.fixture(scope="module")
 def report() -> dict:
     proc = subprocess.run([sys.executable, "-m", "kvxferd", "bench", "--quick", "--json"],
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, f"bench exited {proc.returncode}\n{proc.stderr[-3000:]}"
     assert proc.stderr.strip(), "progress lines are expected on stderr"
     lines = [ln for ln in proc.stdout.splitlines() if ln.strip()]
