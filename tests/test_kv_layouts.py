@@ -84,7 +84,7 @@ def test_page_stride_is_checked_and_dense_is_the_default():
 def test_pitched_slots_follow_the_page_stride():
     rng = random.Random(3)
     for _ in range(200):
-        ps, pitch = rng.choice([1, 4, 8]), None
+        ps = rng.choice([1, 4, 8])
         pitch = rng.choice([None, ps, ps * 2, ps * 3 + 5])
         pages = np.array(rng.sample(range(30), 6), dtype=np.int64)
         origin = rng.randrange(0, 2 * ps) // ps * ps

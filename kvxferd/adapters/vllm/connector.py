@@ -32,7 +32,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...client import DaemonError, EngineClient
 from ...errors import ConfigError, KvxferError
-from ...geometry import InstanceSpec, RankGeometry
+from ...geometry import RankGeometry
 from ...memory import SharedPool, describe_tensors, share_in_place
 from .layout import REQUIRED_LAYOUT, LayerLayout, decide, layer_span, rank_geometry, same_for_all
 from .logic import (
