@@ -316,3 +316,18 @@ def test_nhd_kv_and_hnd_kv_are_refused_at_the_handshake_naming_both(cluster):
     finally:
         p.close()
         d.close()
+
+
+def test_the_connector_asks_vllm_for_token_rows():
+    """What get_required_kvcache_layout returns is, in vLLM's own naming, LBNHC: the layout
+    registered as NHD_kv (MLA states no preference: one head, every layout is token rows)."""
+    from types import SimpleNamespace
+
+    from vllm.config.cache import _layout_from_name
+
+    from kvxferd.adapters.vllm import KvxferdConnector
+
+    asked = KvxferdConnector.get_required_kvcache_layout(SimpleNamespace(model_config=SimpleNamespace(use_mla=False)))
+    assert _layout_from_name(asked) is KVCacheLayout.LBNHC
+    assert VllmCache(KVCacheLayout.LBNHC.name, heads=2, block_size=16, head=8).decide().layout == "NHD_kv"
+    assert KvxferdConnector.get_required_kvcache_layout(SimpleNamespace(model_config=SimpleNamespace(use_mla=True))) is None
