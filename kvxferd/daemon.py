@@ -662,6 +662,14 @@ class Daemon:
                 raise asyncio.TimeoutError
             await asyncio.sleep(self.cfg.timeouts.handshake_retry_s)
 
+    def _transports_for(self, decode: str) -> list[str]:
+        """What a decode instance can be written by: NIXL's WRITEs address pages as dense, so a
+        rank whose pages are strided (``page_stride``) is offered tcp only."""
+        offered = self.nixl.offered()
+        if any(r.instance == decode and r.geometry.page_stride is not None for r in self.registry):
+            return [t for t in offered if t != "nixl"]
+        return offered
+
     def _link(self, address: str) -> PeerLink:
         link = self.links.get(address)
         if link is not None and link.auth_error:
@@ -695,7 +703,8 @@ class Daemon:
                     "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
                     "data_address": self.data_address, "prefill_instance": prefill,
                     "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": self.nixl.offered(), "data_token": link.token, "incarnation": self.incarnation,
+                    "transports": self._transports_for(decode), "data_token": link.token,
+                    "incarnation": self.incarnation,
                     **self.nixl.handshake_fields(link.address, prefill, decode)}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
@@ -848,7 +857,7 @@ class Daemon:
             raise RequestError(f"token range [{start}, {end}) is longer than the {pages.size} pages sent",
                                field="pages", fix="send a page for every page_size tokens of the range")
         check_whole_pages(rank.geometry.spec, start, end, msg["last"])
-        chunk_slots = unit_slots(rank.geometry.spec, pages, start, end, start)
+        chunk_slots = unit_slots(rank.geometry.spec, pages, start, end, start, rank.geometry.slot_pitch)
         key = (msg["request_id"], rank.id)
         self._refuse_finished(msg["request_id"], rank.id)
         entry = self.sources.get(key)

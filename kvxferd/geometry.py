@@ -16,6 +16,17 @@ Layouts (``InstanceSpec.layout``):
   head) K is stored transposed and V after it, so tokens are not addressable one by one.
   A slot is one whole page; a head is a contiguous unit of ``2 * page_size * head_dim``
   elements inside it, so head slices (TP mismatch) are still contiguous runs. MHA only.
+- ``NHD_kv`` (vLLM's GPU attention backends, cache layout ``LBNHC``, alias ``NHD``): per
+  local layer ONE region, kind ``kv``, of ``[num_pages, page_size, heads_per_rank,
+  2 * head_dim]`` elements: each token row holds, head after head, that head's K then its
+  V. A slot is one token row; a head is a contiguous unit of ``2 * head_dim`` elements of
+  it, so head slices are contiguous runs as in ``NHD``. MHA only.
+- ``HND_kv`` (vLLM's GPU layout ``LBHNC``, alias ``HND``): per local layer ONE region of
+  ``[num_pages, heads_per_rank, page_size, 2 * head_dim]``: the same bytes per (page, head)
+  as ``packed_page`` (a contiguous unit of ``2 * page_size * head_dim`` elements), with K
+  and V interleaved per token inside it instead of CPU attention's packing. Moved exactly
+  like ``packed_page``: whole pages, equal page sizes. A distinct name, so a CPU engine and
+  a GPU engine never pair (their page interiors differ). MHA only.
 
 Everything downstream (planner, segments, transports) works in slots of ``row_bytes``;
 :attr:`InstanceSpec.slot_tokens` is the one place that says how many tokens a slot holds.
@@ -29,8 +40,12 @@ from typing import Any, Mapping
 from .errors import GeometryError
 
 ATTENTION_KINDS = ("mha", "mla")
-LAYOUTS = ("NHD", "packed_page")
+LAYOUTS = ("NHD", "packed_page", "NHD_kv", "HND_kv")
 PACKED = "packed_page"
+#: layouts whose slot is a whole page ([pages, heads, unit]): tokens are not addressable
+PACKED_LAYOUTS = (PACKED, "HND_kv")
+#: layouts with ONE region per layer (kind "kv") holding K and V of every head
+KV_LAYOUTS = (PACKED, "NHD_kv", "HND_kv")
 
 #: bits per element; sub-byte types are packed, so a head slice can be non-integral bytes.
 DTYPE_BITS: dict[str, int] = {
@@ -105,14 +120,14 @@ class InstanceSpec:
         if self.layout not in LAYOUTS:
             raise GeometryError(f"layout {self.layout!r} is not supported", field="layout",
                                 fix=f"use one of {LAYOUTS}")
-        if self.layout == PACKED and self.attention != "mha":
-            raise GeometryError(f"layout {PACKED!r} holds K and V of MHA; attention is {self.attention!r}",
+        if self.layout in KV_LAYOUTS and self.attention != "mha":
+            raise GeometryError(f"layout {self.layout!r} holds K and V of MHA; attention is {self.attention!r}",
                                 field="layout", fix="use layout 'NHD' for MLA caches")
         object.__setattr__(self, "kv_heads", self._resolve_kv_heads())
         object.__setattr__(self, "splits", self._resolve_splits())
         # rows must be whole bytes, or no page can be addressed
         bits = self.local_heads * self.head_dim * DTYPE_BITS[self.dtype]
-        if bits % 8 and self.layout != PACKED:
+        if bits % 8 and not self.packed:
             raise GeometryError(
                 f"one token row of a rank is {bits} bits ({self.local_heads} heads x head_dim "
                 f"{self.head_dim} x {DTYPE_BITS[self.dtype]} bits), not whole bytes",
@@ -210,21 +225,29 @@ class InstanceSpec:
         return DTYPE_BITS[self.dtype]
 
     @property
+    def packed(self) -> bool:
+        """Slots are whole pages (``packed_page``, ``HND_kv``): pages move whole."""
+        return self.layout in PACKED_LAYOUTS
+
+    @property
     def region_kinds(self) -> tuple[str, ...]:
-        if self.layout == PACKED:
+        if self.layout in KV_LAYOUTS:
             return ("kv",)
         return REGION_KINDS[self.attention]
 
     @property
     def slot_tokens(self) -> int:
         """Tokens in one addressable slot: 1 (a token row) or page_size (a packed page)."""
-        return self.page_size if self.layout == PACKED else 1
+        return self.page_size if self.packed else 1
 
     @property
     def head_slot_bits(self) -> int:
-        """Bits of one head in one slot (a packed page holds K and V of page_size tokens)."""
+        """Bits of one head in one slot: a head's K (or V, or latent) of one token (NHD); its
+        K and V of one token (NHD_kv); its K and V of page_size tokens (packed layouts)."""
         per_token = self.head_dim * self.bits
-        return 2 * self.page_size * per_token if self.layout == PACKED else per_token
+        if self.packed:
+            return 2 * self.page_size * per_token
+        return 2 * per_token if self.layout in KV_LAYOUTS else per_token
 
     @property
     def row_bytes(self) -> int:
@@ -252,7 +275,7 @@ class InstanceSpec:
                                 field="geometry", fix="send a dict of geometry fields")
         known = {"attention", "num_layers", "head_dim", "dtype", "page_size", "tp_size", "pp_size",
                  "total_kv_heads", "heads_per_rank", "layer_splits", "layout", "model"}
-        unknown = sorted(set(data) - known - {"tp_rank", "pp_rank", "num_pages"})
+        unknown = sorted(set(data) - known - {"tp_rank", "pp_rank", "num_pages", "page_stride"})
         if unknown:
             raise GeometryError(f"unknown geometry field(s) {unknown}", field=unknown[0],
                                 fix=f"use only {sorted(known)}")
@@ -282,6 +305,12 @@ class RankGeometry:
     tp_rank: int = 0
     pp_rank: int = 0
     num_pages: int = 1
+    #: bytes from one page's start to the next inside each region, when pages are not packed
+    #: back to back (an engine that interleaves other data between them: vLLM's block-outer
+    #: layouts hold every layer's page of a block together, MLA pages may be padded). None
+    #: (or page_bytes) is the dense case. A property of this rank's memory only: peers never
+    #: see it, every offset is derived on the side that owns the region.
+    page_stride: int | None = None
 
     def __post_init__(self) -> None:
         _require_int("tp_rank", self.tp_rank, 0)
@@ -289,6 +318,21 @@ class RankGeometry:
         _require_int("num_pages", self.num_pages, 1)
         self.spec.head_range(self.tp_rank)
         self.spec.layer_range(self.pp_rank)
+        if self.page_stride is not None:
+            page = self.spec.page_bytes
+            _require_int("page_stride", self.page_stride, page)
+            if self.page_stride % self.spec.row_bytes:
+                raise GeometryError(
+                    f"page_stride {self.page_stride} is not a multiple of one slot ({self.spec.row_bytes} bytes): "
+                    "slots of a page would not stay aligned from page to page", field="page_stride",
+                    fix=f"give the engine's real byte distance between pages (a multiple of {self.spec.row_bytes})")
+            if self.page_stride == page:
+                object.__setattr__(self, "page_stride", None)  # dense: the one fast path
+
+    @property
+    def slot_pitch(self) -> int | None:
+        """Slots from one page's first slot to the next page's, or None when pages are dense."""
+        return None if self.page_stride is None else self.page_stride // self.spec.row_bytes
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -300,8 +344,10 @@ class RankGeometry:
 
     @property
     def region_bytes(self) -> int:
-        """Size of one region (one kind of one layer) on this rank."""
-        return self.num_pages * self.spec.page_bytes
+        """Span of one region (one kind of one layer) on this rank: first page to end of last."""
+        if self.page_stride is None:
+            return self.num_pages * self.spec.page_bytes
+        return (self.num_pages - 1) * self.page_stride + self.spec.page_bytes
 
     def region_names(self) -> list[tuple[int, str]]:
         """``(global layer, kind)`` for every region this rank must register, in wire order."""
@@ -311,10 +357,12 @@ class RankGeometry:
     def to_dict(self) -> dict[str, Any]:
         data = self.spec.to_dict()
         data.update(tp_rank=self.tp_rank, pp_rank=self.pp_rank, num_pages=self.num_pages)
+        if self.page_stride is not None:
+            data["page_stride"] = self.page_stride
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankGeometry":
         spec = InstanceSpec.from_dict(data)
         return cls(spec=spec, tp_rank=data.get("tp_rank", 0), pp_rank=data.get("pp_rank", 0),
-                   num_pages=data.get("num_pages", 1))
+                   num_pages=data.get("num_pages", 1), page_stride=data.get("page_stride"))

@@ -201,7 +201,7 @@ class Inbox:
             if header["last"] and entry.num_tokens is not None and end != entry.num_tokens:
                 raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
                                    field="end", fix="end the last chunk at the request's length")
-            dst_slots = unit_slots(spec, entry.pages, start, end, 0)
+            dst_slots = unit_slots(spec, entry.pages, start, end, 0, entry.rank.geometry.slot_pitch)
             entry.pending[src].append((start, end))
             entry.inflight += 1
             if header["last"]:

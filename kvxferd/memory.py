@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from .errors import RegistrationError
-from .geometry import PACKED, RankGeometry
+from .geometry import RankGeometry
 
 ALIGN = 4096
 
@@ -48,9 +48,14 @@ def _align(n: int) -> int:
 
 
 def region_shape(geometry: RankGeometry) -> tuple[int, ...]:
-    """NHD ``[pages, page_size, heads, head_dim]``; packed_page vLLM's CPU ``[pages, heads, page_size, 2 * head_dim]``."""
+    """NHD ``[pages, page_size, heads, head_dim]``; NHD_kv ``[pages, page_size, heads, 2 * head_dim]``;
+    packed_page and HND_kv vLLM's ``[pages, heads, page_size, 2 * head_dim]``."""
     spec = geometry.spec
-    if spec.layout == PACKED:
+    if spec.layout == "NHD_kv":
+        if spec.dtype in TORCH_DTYPES:
+            return (geometry.num_pages, spec.page_size, spec.local_heads, 2 * spec.head_dim)
+        return (geometry.num_pages, spec.page_size, spec.row_bytes)
+    if spec.packed:
         if spec.dtype in TORCH_DTYPES:
             return (geometry.num_pages, spec.local_heads, spec.page_size, 2 * spec.head_dim)
         return (geometry.num_pages, spec.local_heads, spec.head_slot_bits // 8)
@@ -218,7 +223,8 @@ class MemoryMapper:
             if r["nbytes"] != need:
                 raise RegistrationError(
                     f"region layer {r['layer']} kind {r['kind']} has {r['nbytes']} bytes, geometry needs "
-                    f"{need} ({geometry.num_pages} pages x {geometry.spec.page_bytes} bytes)",
+                    f"{need} ({geometry.num_pages} pages of {geometry.spec.page_bytes} bytes"
+                    + (f" every {geometry.page_stride} bytes" if geometry.page_stride else "") + ")",
                     field="regions.nbytes", fix="allocate regions from the same geometry you register")
             flat = self._map_one(r)
             out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat)

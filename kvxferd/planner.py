@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import PlanRefusal
-from .geometry import PACKED, InstanceSpec
+from .geometry import InstanceSpec
 
 MODES = ("auto", "direct", "staged")
 
@@ -142,9 +142,9 @@ def check_compatible(prefill: InstanceSpec, decode: InstanceSpec, *,
                  "use the same kv-cache dtype on both sides; kvxferd does not convert dtypes")
     _check_equal("layout", prefill.layout, decode.layout,
                  "use the same KV layout on both sides (the same attention backend and device type)")
-    if prefill.layout == PACKED:
+    if prefill.packed:
         _check_equal("page_size", prefill.page_size, decode.page_size,
-                     f"run both instances with the same page (block) size: the {PACKED} layout stores "
+                     f"run both instances with the same page (block) size: the {prefill.layout} layout stores "
                      "K and V of a whole page together, so pages move whole and cannot be re-cut")
     if require_same_page_size:
         _check_equal("page_size", prefill.page_size, decode.page_size,

@@ -46,12 +46,15 @@ def as_pages(pages: object, num_pages: int, field: str) -> np.ndarray:
     return array
 
 
-def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0) -> np.ndarray:
+def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0,
+          pitch: int | None = None) -> np.ndarray:
     """Slot of every token in ``[start, end)``.
 
     ``pages[i]`` holds tokens ``[origin_page*page_size + i*page_size, ...)`` where
     ``origin_page = origin // page_size``; the decode side uses origin 0 (its table covers
-    the whole request), a prefill chunk uses its own first token.
+    the whole request), a prefill chunk uses its own first token. ``pitch``: slots from one
+    page's start to the next when pages are not dense (``RankGeometry.slot_pitch``), so a
+    slot times ``row_bytes`` is still its byte offset and nothing downstream changes.
     """
     if end < start or start < origin:
         raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
@@ -66,13 +69,15 @@ def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int =
                            fix="send a page for every page_size tokens of the range")
     # every slot of the touched pages, then the range's window of them: no per-token divisions
     touched = pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
-    every = (touched[:, None] * page_size + np.arange(page_size, dtype=INDEX_DTYPE)).ravel()
+    every = (touched[:, None] * (pitch or page_size) + np.arange(page_size, dtype=INDEX_DTYPE)).ravel()
     skip = start % page_size
     return every[skip:skip + (end - start)]
 
 
-def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0) -> np.ndarray:
-    """The pages ``[start, end)`` touches, whole (packed_page); same page-table convention as :func:`slots`."""
+def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0,
+               pitch: int | None = None) -> np.ndarray:
+    """The pages ``[start, end)`` touches, whole (packed layouts); same page-table convention as
+    :func:`slots`. A slot is a page, so ``pitch`` is in pages (page_stride // page_bytes)."""
     if end < start or start < origin:
         raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
                            field="tokens", fix="send start <= end")
@@ -84,14 +89,17 @@ def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: 
         raise RequestError(f"token range [{start}, {end}) needs {last + 1} pages from token {origin}, "
                            f"page table has {pages.size}", field="pages",
                            fix="send a page for every page_size tokens of the range")
-    return pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
+    touched = pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
+    return touched if pitch is None else touched * pitch
 
 
-def unit_slots(spec: InstanceSpec, pages: np.ndarray, start: int, end: int, origin: int = 0) -> np.ndarray:
-    """Slots of ``[start, end)`` in ``spec``'s layout: token rows (NHD) or whole pages (packed_page)."""
+def unit_slots(spec: InstanceSpec, pages: np.ndarray, start: int, end: int, origin: int = 0,
+               pitch: int | None = None) -> np.ndarray:
+    """Slots of ``[start, end)`` in ``spec``'s layout: token rows (NHD, NHD_kv) or whole pages
+    (packed layouts). ``pitch``: the rank's ``slot_pitch`` (None: dense pages)."""
     if spec.slot_tokens == 1:
-        return slots(pages, spec.page_size, start, end, origin)
-    return page_slots(pages, spec.page_size, start, end, origin)
+        return slots(pages, spec.page_size, start, end, origin, pitch)
+    return page_slots(pages, spec.page_size, start, end, origin, pitch)
 
 
 def slot_count(spec: InstanceSpec, start: int, end: int) -> int:

@@ -36,7 +36,8 @@ CANARY = 0xA5
 
 
 def head_bytes(spec: InstanceSpec) -> int:
-    return spec.head_dim * spec.bits // 8
+    """Bytes of one head in one token row (NHD_kv: its K and its V)."""
+    return spec.head_slot_bits // 8
 
 
 def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
@@ -87,7 +88,7 @@ def _token_rows(pages: list[int], page_size: int, start: int, end: int) -> torch
 def fill_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> None:
     spec = geometry.spec
     h0, h1 = geometry.heads
-    if spec.layout == "packed_page":
+    if spec.packed:
         logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
         idx = _request_pages(pages, spec, n_tokens)
         for i, layer in enumerate(range(*geometry.layers)):
@@ -105,7 +106,7 @@ def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[
     """Number of mismatching bytes between this rank's pages and its logical slice."""
     spec = geometry.spec
     h0, h1 = geometry.heads
-    if spec.layout == "packed_page":
+    if spec.packed:
         logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
         idx = _request_pages(pages, spec, n_tokens)
         return sum(int((_packed_table(cache, geometry, layer).index_select(0, idx) != logical[i, :, h0:h1]).sum())
@@ -146,7 +147,7 @@ def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) 
     row = np.arange(spec.row_bytes, dtype=np.int64)
     descriptors = cache.descriptors()
     for pages, n in allowed:
-        if spec.layout == "packed_page":  # slots are whole pages of page_bytes
+        if spec.packed:  # slots are whole pages of page_bytes
             rows = _request_pages(list(pages), spec, int(n)).numpy()
         else:
             rows = _token_rows(list(pages), spec.page_size, 0, int(n)).numpy()

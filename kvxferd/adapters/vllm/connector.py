@@ -32,16 +32,15 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from ...client import DaemonError, EngineClient
 from ...errors import ConfigError, KvxferError
-from ...geometry import InstanceSpec, RankGeometry
+from ...geometry import RankGeometry
 from ...memory import SharedPool, describe_tensors, share_in_place
+from .layout import REQUIRED_LAYOUT, LayerLayout, decide, layer_span, rank_geometry, same_for_all
 from .logic import (
-    CacheShape,
     ConnectorSettings,
     SchedulerBook,
     StepPlan,
     TransferParams,
     WorkerBook,
-    cache_shape,
     load_error_blocks,
     next_chunk,
     pages_for,
@@ -92,8 +91,16 @@ class KvxferdConnector(KVConnectorBase_V1):
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
-        # kvxferd's GPU regions are NHD pages; HND would put heads outside the page
-        return "NHD"
+        """Token rows (LBNHC): any page size and TP pairing moves; HND moves whole pages only.
+
+        vLLM drops the request (with a warning) when a backend cannot use it (CPU attention,
+        FlashInfer on compute capability 10); registration then takes what vLLM chose, or
+        refuses it naming the fix (layout.decide). MLA caches hold one head: no preference.
+        """
+        model = getattr(vllm_config, "model_config", None)
+        if model is not None and getattr(model, "use_mla", False):
+            return None
+        return REQUIRED_LAYOUT
 
     # -- scheduler side ------------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> tuple[int | None, bool]:
@@ -195,6 +202,15 @@ class KvxferdConnector(KVConnectorBase_V1):
             self.worker.close()
 
 
+def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
+    """The attention backend of a layer, for messages only (best effort: '?' when unknown)."""
+    try:
+        layer = vllm_config.compilation_config.static_forward_context.get(layer_name)
+        return str(layer.get_attn_backend().get_name())
+    except Exception:  # noqa: BLE001 - a name for a log line must never fail registration
+        return "?"
+
+
 class _Worker:
     """One vLLM worker's link to its daemon: registration, then expect/send/abort per step."""
 
@@ -215,31 +231,30 @@ class _Worker:
         by_layer: dict[int, torch.Tensor] = {}
         for name, tensor in kv_caches.items():
             by_layer.setdefault(extract_layer_index(name), tensor)
-        first = next(iter(by_layer.values()))
-        shape = cache_shape(tuple(first.shape), on_cpu=first.device.type == "cpu")
-        for layer, tensor in by_layer.items():
-            other = cache_shape(tuple(tensor.shape), on_cpu=tensor.device.type == "cpu")
-            if other != shape:
-                raise ConfigError(f"layer {layer} has KV shape {list(tensor.shape)}, layer {min(by_layer)} "
-                                  f"{list(first.shape)}; kvxferd needs one shape for every layer",
-                                  field="kv_caches.shape", fix="serve a model with uniform attention layers")
-        self.page_size = shape.block_size
+        first = by_layer[min(by_layer)]
+        model = self.vllm_config.model_config
+        backend = _backend_name(self.vllm_config, next(iter(kv_caches)))
+        layout = same_for_all({layer: decide(tuple(t.shape), tuple(t.stride()), t.element_size(),
+                                             block_size=self.vllm_config.cache_config.block_size,
+                                             mla=bool(getattr(model, "use_mla", False)),
+                                             on_cpu=t.device.type == "cpu", backend=backend)
+                               for layer, t in by_layer.items()})
+        self.page_size = layout.page_size
         self.on_cuda = first.device.type == "cuda"
-        geometry = self._geometry(shape, first.dtype)
-        if shape.layout == "packed_page":
+        geometry = self._geometry(layout, first.dtype)
+        if not self.on_cuda:
             # every tensor object vLLM's layers hold must be rebound, not just the dict's
             self.pool = share_in_place(self._cpu_holders(kv_caches),
                                        name=f"vllm-{self.settings.instance}-tp{geometry.tp_rank}-pp{geometry.pp_rank}")
-            regions = describe_tensors({(layer, "kv"): t for layer, t in sorted(by_layer.items())})
-        else:
-            regions = describe_tensors({(layer, kind): t[i] for layer, t in sorted(by_layer.items())
-                                        for i, kind in enumerate(("k", "v"))})
+        regions = describe_tensors({(layer, layout.kind): layer_span(t, layout.span_bytes)
+                                    for layer, t in sorted(by_layer.items())})
         self.client = EngineClient(self.settings.socket_path, timeout=self.settings.call_timeout_s)
         for role in self.settings.roles:
             self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions)
-        log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s pages=%d page_size=%d",
-                 self.settings.instance, ",".join(self.settings.roles), geometry.tp_rank, geometry.spec.tp_size,
-                 geometry.pp_rank, geometry.spec.pp_size, shape.layout, geometry.num_pages, shape.block_size)
+        log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s vllm_layout=%s backend=%s "
+                 "pages=%d page_size=%d page_stride=%d", self.settings.instance, ",".join(self.settings.roles),
+                 geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size, layout.layout,
+                 layout.vllm_layout, backend, geometry.num_pages, layout.page_size, layout.page_stride)
 
     def _cpu_holders(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The dict's tensors plus the ones bound to attention layers (other objects, same storage)."""
@@ -252,7 +267,7 @@ class _Worker:
                     holders.setdefault(id(t), t)
         return list(holders.values())
 
-    def _geometry(self, shape: CacheShape, dtype: torch.dtype) -> RankGeometry:
+    def _geometry(self, layout: LayerLayout, dtype: torch.dtype) -> RankGeometry:
         from vllm.distributed.parallel_state import get_pp_group, get_tensor_model_parallel_rank
         from vllm.distributed.utils import get_pp_indices
 
@@ -261,16 +276,10 @@ class _Worker:
         tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
         num_layers = model.get_total_num_hidden_layers()
         splits = tuple(get_pp_indices(num_layers, r, pp) for r in range(pp)) if pp > 1 else None
-        spec = InstanceSpec(attention="mha", num_layers=num_layers, total_kv_heads=model.get_total_num_kv_heads(),
-                            head_dim=shape.head_size, dtype=str(dtype).removeprefix("torch."),
-                            page_size=shape.block_size, tp_size=tp, pp_size=pp, layer_splits=splits,
-                            layout=shape.layout)
-        if spec.local_heads != shape.heads:
-            raise ConfigError(f"vLLM's KV tensor holds {shape.heads} heads per rank, kvxferd expects "
-                              f"{spec.local_heads} ({spec.kv_heads} KV heads over tp {tp})",
-                              field="kv_caches.heads", fix="report this layout to kvxferd's maintainers")
-        return RankGeometry(spec, tp_rank=get_tensor_model_parallel_rank(),
-                            pp_rank=get_pp_group().rank_in_group if pp > 1 else 0, num_pages=shape.num_blocks)
+        return rank_geometry(layout, str(dtype).removeprefix("torch."), num_layers=num_layers,
+                             total_kv_heads=model.get_total_num_kv_heads(), tp_size=tp, pp_size=pp,
+                             layer_splits=splits, tp_rank=get_tensor_model_parallel_rank(),
+                             pp_rank=get_pp_group().rank_in_group if pp > 1 else 0)
 
     # -- per step --------------------------------------------------------------------
     def _events(self) -> None:

@@ -181,38 +181,6 @@ def load_error_blocks(block_ids: Sequence[int], start: int, num_tokens: int, pag
     return set(int(b) for b in block_ids[start // page_size:-(-num_tokens // page_size)])
 
 
-# -- vLLM's KV cache layouts -----------------------------------------------------------------
-
-@dataclass(frozen=True)
-class CacheShape:
-    """One layer's KV tensor as vLLM allocated it, named in kvxferd's terms."""
-
-    layout: str          # "packed_page" (one "kv" region per layer) or "NHD" ("k" and "v")
-    num_blocks: int
-    heads: int
-    block_size: int
-    head_size: int
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return ("kv",) if self.layout == "packed_page" else ("k", "v")
-
-
-def cache_shape(shape: Sequence[int], *, on_cpu: bool) -> CacheShape:
-    """CPU: ``[num_blocks, heads, block_size, 2 * head_size]`` (per block and head, K transposed
-    then V). GPU attention backends asked for NHD: ``[2, num_blocks, block_size, heads, head_size]``."""
-    dims = tuple(int(d) for d in shape)
-    if on_cpu and len(dims) == 4 and dims[3] % 2 == 0:
-        return CacheShape("packed_page", dims[0], dims[1], dims[2], dims[3] // 2)
-    if not on_cpu and len(dims) == 5 and dims[0] == 2:
-        return CacheShape("NHD", dims[1], dims[3], dims[2], dims[4])
-    expected = ("[num_blocks, heads, block_size, 2 * head_size]" if on_cpu
-                else "[2, num_blocks, block_size, heads, head_size]")
-    raise ConfigError(f"vLLM handed a KV cache tensor of shape {list(dims)} on {'CPU' if on_cpu else 'GPU'}; "
-                      f"kvxferd registers {expected}", field="kv_caches.shape",
-                      fix="use an attention backend with vLLM's standard layout (the connector asks for NHD)")
-
-
 # -- what the scheduler tells its workers each step -----------------------------------------
 
 @dataclass(frozen=True)

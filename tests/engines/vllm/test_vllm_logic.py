@@ -10,7 +10,6 @@ from kvxferd.adapters.vllm.logic import (
     ConnectorSettings,
     TransferParams,
     WorkerBook,
-    cache_shape,
     load_error_blocks,
     next_chunk,
     pages_for,
@@ -34,18 +33,6 @@ def test_pages_for_starts_at_the_page_of_start_and_refuses_short_tables():
         pages_for([7, 3], 0, 70, 32)
     assert err.value.field == "block_ids" and "3 pages" in str(err.value)
     assert load_error_blocks([7, 3, 9, 4], 32, 70, 32) == {3, 9}
-
-
-def test_cache_shape_names_vllm_layouts_and_refuses_others():
-    cpu = cache_shape((1024, 2, 32, 64), on_cpu=True)
-    assert (cpu.layout, cpu.num_blocks, cpu.heads, cpu.block_size, cpu.head_size, cpu.kinds) == \
-        ("packed_page", 1024, 2, 32, 32, ("kv",))
-    gpu = cache_shape((2, 100, 16, 8, 128), on_cpu=False)
-    assert (gpu.layout, gpu.num_blocks, gpu.heads, gpu.block_size, gpu.head_size, gpu.kinds) == \
-        ("NHD", 100, 8, 16, 128, ("k", "v"))
-    with pytest.raises(ConfigError) as err:
-        cache_shape((100, 16, 8, 128), on_cpu=False)
-    assert err.value.field == "kv_caches.shape" and "[100, 16, 8, 128]" in str(err.value)
 
 
 def test_transfer_params_round_trip_through_json_and_name_bad_fields():
