@@ -514,8 +514,17 @@ class Daemon:
     def _register(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         geometry = RankGeometry.from_dict(bounded_geometry(msg["geometry"], "geometry"))
         self.registry.check_new(msg["instance"], msg["role"], geometry)
-        regions = self.mapper.map_regions(geometry, msg["regions"])
         process = ProcessRef.find(msg["pid"]) if "pid" in msg else None
+        # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
+        try:
+            regions = self.mapper.map_regions(geometry, msg["regions"], msg.get("pid"))
+            if process is not None and not process.alive():  # the pid went to another process meanwhile
+                raise RegistrationError(f"engine process {process.pid} exited while registering", field="pid",
+                                        fix="register from a live engine process")
+        except BaseException:
+            # a refused registration keeps nothing mapped (files mapped before the refusal)
+            self.mapper.release_unused(region.flat for r in self.registry for region in r.regions.values())
+            raise
         rank = Rank(msg["instance"], msg["role"], geometry, regions, identity, process)
         old = self.registry.get(rank.id)
         if old is not None:
