@@ -1390,25 +1390,32 @@ class Daemon:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            if now - last_liveness >= 0.5:
+            liveness = now - last_liveness >= 0.5
+            if liveness:
                 last_liveness = now
-                for rank in self.registry:
-                    if rank.process is not None and not rank.process.alive():
-                        log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
-                        self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
-            for entry in self.inbox.all():
-                if entry.fence_until and now > entry.fence_until:
-                    self._fence_done(entry, f"no fenced answer from the source within {t.fence_s}s; a WRITE "
-                                            "still in flight may land in the request's pages")
-                limit = limits.get(entry.state)
-                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
-                    self._fail_dest(entry, f"{entry.state}_timeout",
-                                    f"request spent more than {limit}s in state {entry.state}")
-            for entry in list(self.sources.values()):
-                limit = limits.get(entry.state)
-                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
-                    self._fail_src(entry, f"{entry.state}_timeout",
-                                   f"request spent more than {limit}s in state {entry.state}")
+            # one call per tick: its loop variables die with it, so none of them keeps a dropped
+            # rank (and through it the engine's memory mapping) alive between ticks
+            self._sweep(now, limits, liveness)
+
+    def _sweep(self, now: float, limits: dict[str, float], liveness: bool) -> None:
+        if liveness:
+            for rank in self.registry:
+                if rank.process is not None and not rank.process.alive():
+                    log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
+                    self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
+        for entry in self.inbox.all():
+            if entry.fence_until and now > entry.fence_until:
+                self._fence_done(entry, f"no fenced answer from the source within {self.cfg.timeouts.fence_s}s; "
+                                        "a WRITE still in flight may land in the request's pages")
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                self._fail_dest(entry, f"{entry.state}_timeout",
+                                f"request spent more than {limit}s in state {entry.state}")
+        for entry in list(self.sources.values()):
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                self._fail_src(entry, f"{entry.state}_timeout",
+                               f"request spent more than {limit}s in state {entry.state}")
 
     # -- bookkeeping -----------------------------------------------------------------
     def _remember(self, request_id: str, rid: str, record: dict[str, Any]) -> None:

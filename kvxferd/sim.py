@@ -209,8 +209,9 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
         return 1
-    # the cache file, so the orchestrator can remove it if this process is killed
-    emit({"event": "registered", "rank_id": rid, "shm": cache.path})
+    # a named cache file, so the orchestrator could remove it if this process is killed (a memfd,
+    # the default, goes by itself); the memfd's name tells tests which mappings are this cache
+    emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
     commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def read_stdin() -> None:
@@ -229,6 +230,13 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                 if cmd is None:
                     running = False
                     break
+                if cmd["cmd"] == "register":  # again (a restarted daemon): the same memory, same descriptors
+                    try:
+                        rid = client.register(args.instance, args.role, geometry, cache.descriptors())
+                        emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
+                    except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
+                        emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
+                    continue
                 _worker_command(client, rid, cache, geometry, cmd, pending, emit)
         except queue.Empty:
             pass
@@ -376,6 +384,7 @@ class Worker:
         self._reader.start()
         self.rank_id = ""
         self.shm_path = ""
+        self.memfd = ""
         if wait:
             self.wait_registered()
 
@@ -385,6 +394,7 @@ class Worker:
             raise RuntimeError(f"worker {self.instance} tp{self.geometry.tp_rank} pp{self.geometry.pp_rank}: {first}")
         self.rank_id = first["rank_id"]
         self.shm_path = first.get("shm") or ""
+        self.memfd = first.get("memfd") or ""
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -134,15 +134,14 @@ def test_describe_finds_file_and_offset_of_several_tensors_in_one_file():
         assert [d["offset"] for d in descs] == [3, 1003, 2003]
 
 
-def test_describe_names_a_named_file_by_path_and_refuses_it_once_unlinked():
+def test_describe_names_a_named_file_by_path_and_by_descriptor_once_unlinked():
     t = torch.zeros(2000, dtype=torch.uint8)
     with share_in_place([t], name="t-named", shm_dir="/dev/shm") as pool:
         (d,) = describe_tensors({(0, "k"): t})
         assert d["path"] == pool.path and "fd" not in d
-        os.unlink(pool.path)  # no name, and a named pool keeps no descriptor
-        with pytest.raises(RegistrationError) as err:
-            describe_tensors({(0, "k"): t})
-        assert "no name and no descriptor" in str(err.value) and pool.path in str(err.value)
+        os.unlink(pool.path)  # no name any more: only a descriptor of this process reaches it
+        (d,) = describe_tensors({(0, "k"): t})
+        assert "path" not in d and os.readlink(f"/proc/self/fd/{d['fd']}") == pool.path + " (deleted)"
 
 
 # -- an engine's own tensors through real daemons ------------------------------------------
