@@ -243,6 +243,9 @@ class MemoryMapper:
         return self._open_cuda(r)
 
     def _map_shm(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
+        if r.get("fd") is not None and r.get("path"):
+            raise RegistrationError(f"region names both descriptor {r['fd']} and path {r['path']}",
+                                    field="regions.path", fix="send a memfd's descriptor (fd) or a file's path, not both")
         if r.get("fd") is not None:
             key: tuple[str, Any] = ("fd", r["fd"])
             label, field_name = f"descriptor {r['fd']} of engine process {pid}", "regions.fd"
