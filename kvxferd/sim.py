@@ -12,6 +12,7 @@ stdin and prints JSON results on stdout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -22,7 +23,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,18 +39,51 @@ def head_bytes(spec: InstanceSpec) -> int:
     return spec.head_dim * spec.bits // 8
 
 
+# splitmix64's finalizer constants and step (numpy uint64 arithmetic wraps, and shifts fast)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_STEP = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64, for torch
+PACKED_KIND = 7  # the kind number of packed_page units in the oracle's keys (NHD kinds are 0..2)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _request_seed(request_id: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"))
+
+
+def _pattern(request_id: str, key: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``[*key.shape, nbytes]`` bytes: a unit's bytes from its unique key, vectorised.
+
+    Each unit (one key) gets a 64-bit hash of (request, key); its i-th 8-byte word is that
+    hash plus ``i`` times an odd constant. Two words in different places therefore hold
+    different values (but for a 2^-64 chance), so a misplaced, misordered or foreign word
+    shows as a mismatch, and the cost is one add per word instead of a random generator.
+    """
+    unit = _mix64(_mix64(key.numpy().astype(np.uint64)) ^ _request_seed(request_id)).view(np.int64)
+    words = -(-nbytes // 8)
+    full = torch.from_numpy(unit).unsqueeze(-1) + torch.arange(words, dtype=torch.int64) * _STEP
+    return full.view(torch.uint8)[..., :nbytes]
+
+
 def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
     """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range.
 
-    Generated per layer from a seed of (request, layer), so any rank can rebuild exactly
-    the layers it holds.
+    Every (global layer, kind, token, global head) is its own unit of the pattern, keyed by
+    those coordinates alone, so any rank rebuilds exactly the layers and heads it holds, and
+    bytes in the wrong layer, kind, token or head never match.
     """
     kinds = len(spec.region_kinds)
-    out = torch.empty((layers[1] - layers[0], kinds, n_tokens, spec.kv_heads, head_bytes(spec)), dtype=torch.uint8)
-    for i, layer in enumerate(range(*layers)):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
-        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
-    return out
+    layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1, 1)
+    kind = torch.arange(kinds, dtype=torch.int64).view(1, -1, 1, 1)
+    token = torch.arange(n_tokens, dtype=torch.int64).view(1, 1, -1, 1)
+    head = torch.arange(spec.kv_heads, dtype=torch.int64).view(1, 1, 1, -1)
+    key = (((layer * 8 + kind) << 28) + token << 16) + head
+    return _pattern(request_id, key, head_bytes(spec))
 
 
 def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
@@ -61,12 +94,11 @@ def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tu
     them whole, so the oracle owns every byte of them, the tail of the last one included.
     """
     n_pages = -(-n_tokens // spec.page_size)
-    unit = spec.head_slot_bits // 8
-    out = torch.empty((layers[1] - layers[0], n_pages, spec.kv_heads, unit), dtype=torch.uint8)
-    for i, layer in enumerate(range(*layers)):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}/packed".encode()))
-        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
-    return out
+    layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1)
+    page = torch.arange(n_pages, dtype=torch.int64).view(1, -1, 1)
+    head = torch.arange(spec.kv_heads, dtype=torch.int64).view(1, 1, -1)
+    key = (((layer * 8 + PACKED_KIND) << 28) + page << 16) + head
+    return _pattern(request_id, key, spec.head_slot_bits // 8)
 
 
 def _packed_table(cache: Any, geometry: RankGeometry, layer: int) -> torch.Tensor:
