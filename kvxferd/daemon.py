@@ -986,6 +986,7 @@ class Daemon:
             self.metrics.chunks.labels(transport, moved.mode).inc()
             self.metrics.chunk_bytes.observe(moved.nbytes)
             self.metrics.fragments.observe(moved.fragments)
+            self.metrics.phase_latency.labels("chunk").observe(seconds)
             if transport == "local":
                 self.metrics.bytes_received.labels("local").inc(moved.nbytes)
         elif entry.failure is None:

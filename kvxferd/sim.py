@@ -70,8 +70,10 @@ def _pattern(request_id: str, key: torch.Tensor, nbytes: int) -> torch.Tensor:
     return full.view(torch.uint8)[..., :nbytes]
 
 
-def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
-    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range.
+def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
+                  heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range
+    (and a head range: by default all ``spec.kv_heads``).
 
     Every (global layer, kind, token, global head) is its own unit of the pattern, keyed by
     those coordinates alone, so any rank rebuilds exactly the layers and heads it holds, and
@@ -81,12 +83,13 @@ def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tu
     layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1, 1)
     kind = torch.arange(kinds, dtype=torch.int64).view(1, -1, 1, 1)
     token = torch.arange(n_tokens, dtype=torch.int64).view(1, 1, -1, 1)
-    head = torch.arange(spec.kv_heads, dtype=torch.int64).view(1, 1, 1, -1)
+    head = torch.arange(*(heads or (0, spec.kv_heads)), dtype=torch.int64).view(1, 1, 1, -1)
     key = (((layer * 8 + kind) << 28) + token << 16) + head
     return _pattern(request_id, key, head_bytes(spec))
 
 
-def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
+def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
+                  heads: tuple[int, int] | None = None) -> torch.Tensor:
     """packed_page: ``[layers, pages, heads, unit_bytes]`` bytes of a request, one opaque unit
     (K transposed then V of ``page_size`` tokens) per (page of the request, head).
 
@@ -96,7 +99,7 @@ def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tu
     n_pages = -(-n_tokens // spec.page_size)
     layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1)
     page = torch.arange(n_pages, dtype=torch.int64).view(1, -1, 1)
-    head = torch.arange(spec.kv_heads, dtype=torch.int64).view(1, 1, -1)
+    head = torch.arange(*(heads or (0, spec.kv_heads)), dtype=torch.int64).view(1, 1, -1)
     key = (((layer * 8 + PACKED_KIND) << 28) + page << 16) + head
     return _pattern(request_id, key, spec.head_slot_bits // 8)
 
@@ -120,17 +123,17 @@ def fill_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[i
     spec = geometry.spec
     h0, h1 = geometry.heads
     if spec.layout == "packed_page":
-        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers, (h0, h1))
         idx = _request_pages(pages, spec, n_tokens)
         for i, layer in enumerate(range(*geometry.layers)):
-            _packed_table(cache, geometry, layer).index_copy_(0, idx, logical[i, :, h0:h1].contiguous())
+            _packed_table(cache, geometry, layer).index_copy_(0, idx, logical[i].contiguous())
         return
-    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers, (h0, h1))
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     for i, layer in enumerate(range(*geometry.layers)):
         for k, kind in enumerate(spec.region_kinds):
             table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
-            table.index_copy_(0, rows, logical[i, k, :, h0:h1].reshape(n_tokens, -1))
+            table.index_copy_(0, rows, logical[i, k].reshape(n_tokens, -1))
 
 
 def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> int:
@@ -138,19 +141,24 @@ def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[
     spec = geometry.spec
     h0, h1 = geometry.heads
     if spec.layout == "packed_page":
-        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers, (h0, h1))
         idx = _request_pages(pages, spec, n_tokens)
-        return sum(int((_packed_table(cache, geometry, layer).index_select(0, idx) != logical[i, :, h0:h1]).sum())
+        return sum(_mismatched(_packed_table(cache, geometry, layer).index_select(0, idx), logical[i])
                    for i, layer in enumerate(range(*geometry.layers)))
-    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers, (h0, h1))
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     bad = 0
     for i, layer in enumerate(range(*geometry.layers)):
         for k, kind in enumerate(spec.region_kinds):
             table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
             got = table.index_select(0, rows)
-            bad += int((got != logical[i, k, :, h0:h1].reshape(n_tokens, -1)).sum())
+            bad += _mismatched(got, logical[i, k].reshape(n_tokens, -1))
     return bad
+
+
+def _mismatched(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Differing bytes; the common all-equal case costs one comparison, not a count."""
+    return 0 if torch.equal(got, want) else int((got != want).sum())
 
 
 def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
@@ -279,9 +287,13 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
             info = pending.pop(event["request_id"])
             result = {"event": "finished", "request_id": event["request_id"], "state": event["state"],
                       "code": event.get("code"), "reason": event.get("reason"), "t": time.time()}
+            if "fill_s" in info:
+                result["fill_s"] = info["fill_s"]  # the oracle's time, apart from the daemons'
             if args.role == "decode" and event["state"] == "done":
+                t0 = time.perf_counter()
                 result["mismatched_bytes"] = check_rank(cache, geometry, event["request_id"], info["pages"],
                                                         info["n"])
+                result["check_s"] = time.perf_counter() - t0
                 aux = event.get("aux")
                 result["aux"] = aux.hex() if isinstance(aux, bytes) else None
             emit(result)
@@ -297,8 +309,9 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
             client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
                           source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"])
         elif op == "send":
+            t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
-            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "fill_s": time.perf_counter() - t0}
             ps = geometry.spec.page_size
             chunks = cmd.get("chunks") or [[0, cmd["n"]]]
             if cmd.get("hold_last"):
@@ -308,8 +321,9 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
         elif op == "send_chunks":  # explicit [start, end, last] chunks, e.g. the rest of a held request
+            t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
-            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "fill_s": time.perf_counter() - t0}
             ps = geometry.spec.page_size
             for start, end, last in cmd["chunks"]:
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,

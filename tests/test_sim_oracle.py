@@ -23,6 +23,7 @@ def test_logical_cache_is_deterministic_per_request_and_layer_range():
     assert torch.equal(logical_cache("r-1", 50, s, (0, 6)), whole)
     assert torch.equal(logical_cache("r-1", 50, s, (2, 5)), whole[2:5])  # a PP rank rebuilds its own layers
     assert torch.equal(logical_cache("r-1", 20, s, (0, 6)), whole[:, :, :20])  # token i never depends on n
+    assert torch.equal(logical_cache("r-1", 50, s, (0, 6), (1, 3)), whole[:, :, :, 1:3])  # a TP rank's heads
     other = logical_cache("r-2", 50, s, (0, 6))
     assert float((other == whole).float().mean()) < 0.01  # another request: other bytes
 
