@@ -4,7 +4,11 @@ The oracle: every request has a *logical* KV cache ``[layers, kinds, tokens, hea
 head_bytes]`` derived from its id alone. A prefill rank writes its own slice of it (its
 heads, its layers) into its pages; a decode rank checks that its pages hold exactly its
 own slice of the same logical cache. Neither side uses the planner to decide what it
-should hold, so a planner or transport bug shows up as a byte mismatch.
+should hold, so a planner or transport bug shows up as a byte mismatch. The logical
+bytes are a hash pattern keyed by (request, global layer, kind, token, global head) and
+word offset, computed with vectorised ops: every 8-byte word of a request differs, so a
+misplaced or misordered word never matches, and filling and checking stay cheap next to
+the transfer they verify.
 
 A worker is a real process: ``python -m kvxferd.sim worker ...`` reads JSON commands on
 stdin and prints JSON results on stdout.
