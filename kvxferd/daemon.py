@@ -514,8 +514,17 @@ class Daemon:
     def _register(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
         geometry = RankGeometry.from_dict(bounded_geometry(msg["geometry"], "geometry"))
         self.registry.check_new(msg["instance"], msg["role"], geometry)
-        regions = self.mapper.map_regions(geometry, msg["regions"])
         process = ProcessRef.find(msg["pid"]) if "pid" in msg else None
+        # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
+        try:
+            regions = self.mapper.map_regions(geometry, msg["regions"], msg.get("pid"))
+            if process is not None and not process.alive():  # the pid went to another process meanwhile
+                raise RegistrationError(f"engine process {process.pid} exited while registering", field="pid",
+                                        fix="register from a live engine process")
+        except BaseException:
+            # a refused registration keeps nothing mapped (files mapped before the refusal)
+            self.mapper.release_unused(region.flat for r in self.registry for region in r.regions.values())
+            raise
         rank = Rank(msg["instance"], msg["role"], geometry, regions, identity, process)
         old = self.registry.get(rank.id)
         if old is not None:
@@ -986,6 +995,7 @@ class Daemon:
             self.metrics.chunks.labels(transport, moved.mode).inc()
             self.metrics.chunk_bytes.observe(moved.nbytes)
             self.metrics.fragments.observe(moved.fragments)
+            self.metrics.phase_latency.labels("chunk").observe(seconds)
             if transport == "local":
                 self.metrics.bytes_received.labels("local").inc(moved.nbytes)
         elif entry.failure is None:
@@ -1390,25 +1400,32 @@ class Daemon:
         while True:
             await asyncio.sleep(0.1)
             now = time.monotonic()
-            if now - last_liveness >= 0.5:
+            liveness = now - last_liveness >= 0.5
+            if liveness:
                 last_liveness = now
-                for rank in self.registry:
-                    if rank.process is not None and not rank.process.alive():
-                        log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
-                        self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
-            for entry in self.inbox.all():
-                if entry.fence_until and now > entry.fence_until:
-                    self._fence_done(entry, f"no fenced answer from the source within {t.fence_s}s; a WRITE "
-                                            "still in flight may land in the request's pages")
-                limit = limits.get(entry.state)
-                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
-                    self._fail_dest(entry, f"{entry.state}_timeout",
-                                    f"request spent more than {limit}s in state {entry.state}")
-            for entry in list(self.sources.values()):
-                limit = limits.get(entry.state)
-                if limit is not None and entry.failure is None and now - entry.phase_since > limit:
-                    self._fail_src(entry, f"{entry.state}_timeout",
-                                   f"request spent more than {limit}s in state {entry.state}")
+            # one call per tick: its loop variables die with it, so none of them keeps a dropped
+            # rank (and through it the engine's memory mapping) alive between ticks
+            self._sweep(now, limits, liveness)
+
+    def _sweep(self, now: float, limits: dict[str, float], liveness: bool) -> None:
+        if liveness:
+            for rank in self.registry:
+                if rank.process is not None and not rank.process.alive():
+                    log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
+                    self._drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
+        for entry in self.inbox.all():
+            if entry.fence_until and now > entry.fence_until:
+                self._fence_done(entry, f"no fenced answer from the source within {self.cfg.timeouts.fence_s}s; "
+                                        "a WRITE still in flight may land in the request's pages")
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                self._fail_dest(entry, f"{entry.state}_timeout",
+                                f"request spent more than {limit}s in state {entry.state}")
+        for entry in list(self.sources.values()):
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and now - entry.phase_since > limit:
+                self._fail_src(entry, f"{entry.state}_timeout",
+                               f"request spent more than {limit}s in state {entry.state}")
 
     # -- bookkeeping -----------------------------------------------------------------
     def _remember(self, request_id: str, rid: str, record: dict[str, Any]) -> None:

@@ -4,13 +4,15 @@ kvxferd's own engines allocate their cache with :func:`kvxferd.memory.allocate_c
 the file behind every region is known. A real engine (SGLang, vLLM) allocates its KV pool
 itself and hands its attention layers the tensors. Two helpers bridge that:
 
-- :func:`share_in_place` moves CPU tensors into one kvxferd shared-memory file and rebinds
-  the very tensor objects to it (``Tensor.set_``), so the layers that hold them compute
-  into memory the daemon can map. Tensors that shared a storage keep sharing it.
+- :func:`share_in_place` moves CPU tensors into one kvxferd shared-memory file (a sealed
+  memfd by default, see :mod:`kvxferd.shmfile`) and rebinds the very tensor objects to it
+  (``Tensor.set_``), so the layers that hold them compute into memory the daemon can map.
+  Tensors that shared a storage keep sharing it.
 - :func:`describe_tensors` turns existing tensors into the region descriptors ``register``
   takes: for CPU it finds the file and offset behind the data pointer in
-  ``/proc/self/maps`` (the daemon maps files, not pointers); for CUDA it sends the
-  storage's IPC handle plus the tensor's offset inside it.
+  ``/proc/self/maps`` (the daemon maps files, not pointers) and names a memfd or unlinked
+  file by this process's descriptor of it; for CUDA it sends the storage's IPC handle plus
+  the tensor's offset inside it.
 
 Kept apart from :mod:`kvxferd.memory` (which re-exports these names) and free of imports
 from it at module level, so either module can be imported first.
@@ -18,9 +20,7 @@ from it at module level, so either module can be imported first.
 
 from __future__ import annotations
 
-import mmap
 import os
-import uuid
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
@@ -28,37 +28,43 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 import torch
 
+from . import shmfile
 from .errors import RegistrationError
 
 _ALIGN = 4096  # each moved storage starts on a page of the file (keeps every dtype aligned)
 SHARE_FIX = "place the pool in shared memory first: kvxferd.memory.share_in_place(tensors, name=...)"
 
 
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+def _release(path: str | None, fd: int | None) -> None:
+    if path is not None:
+        shmfile.unlink(path)
+    shmfile.close_fd(fd)
 
 
 @dataclass
 class SharedPool:
-    """The shared-memory file an engine's tensors were moved into.
+    """The shared memory an engine's tensors were moved into.
 
-    :meth:`close` unlinks the file (idempotent); the mapping itself lives as long as any
-    tensor uses it. Without close() the file is unlinked once no tensor uses the mapping
-    any more, or when the process exits normally. Register the tensors before closing: the
-    daemon opens the file by its path (a daemon that already mapped it keeps its mapping).
+    By default a memfd (``path`` None, ``fd`` this process's descriptor of it): it has no
+    name to leak, and the descriptor lets the engine register again after a daemon restart.
+    :meth:`close` closes the descriptor (unlinks a named file; idempotent); the mapping
+    itself lives as long as any tensor uses it, and the memory goes with the last mapping.
+    Without close() the same happens once no tensor uses the mapping any more, or when the
+    process exits. Register the tensors before closing (a daemon that already mapped the
+    memory keeps its mapping).
     """
 
     path: str | None
     size: int
     _finalizer: Any = field(default=None, repr=False)
+    fd: int | None = None
+    name: str | None = None  # the memfd's or file's name, as /proc/<pid>/maps shows it
 
     def close(self) -> None:
         if self._finalizer is not None:
-            self._finalizer()  # runs _unlink once; later calls are no-ops
+            self._finalizer()  # runs _release once; later calls are no-ops
         self.path = None
+        self.fd = None
 
     def __enter__(self) -> "SharedPool":
         return self
@@ -71,7 +77,7 @@ def _align(n: int) -> int:
     return (n + _ALIGN - 1) // _ALIGN * _ALIGN
 
 
-def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str = "/dev/shm") -> SharedPool:
+def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str | None = None) -> SharedPool:
     """Move CPU tensors' storages into one kvxferd shared-memory file, rebinding them in place.
 
     Every storage is copied once (current contents kept) to its own page-aligned range of
@@ -80,6 +86,9 @@ def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str =
     holder of a given tensor object sees the shared memory. A holder of a *different*
     tensor object over the old storage (a base tensor the engine also keeps) does not:
     pass every tensor the engine uses.
+
+    ``shm_dir`` puts a named file there instead of a memfd, for a daemon that cannot see
+    this process's pid; such a file outlives a SIGKILLed engine.
     """
     tensors = list(tensors)
     for i, t in enumerate(tensors):
@@ -108,16 +117,10 @@ def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str =
         offsets[ptr] = total
         total += _align(max(nbytes, 1))
     total = max(total, _ALIGN)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
-    path = os.path.join(shm_dir, f"kvxferd-{safe}-{uuid.uuid4().hex[:12]}")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    shared_file = shmfile.create(name, total, shm_dir)
+    path, fd = shared_file.path, shared_file.fd
     try:
-        try:
-            os.ftruncate(fd, total)
-            mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-        finally:
-            os.close(fd)
-        array = np.frombuffer(mm, dtype=np.uint8)
+        array = np.frombuffer(shared_file.mm, dtype=np.uint8)
         base = torch.from_numpy(array)  # the storage keeps ``array`` and so the mapping alive
         for ptr, s in storages.items():
             old = torch.empty(0, dtype=torch.uint8).set_(s, 0, (s.nbytes(),))
@@ -129,11 +132,11 @@ def share_in_place(tensors: Sequence[torch.Tensor], *, name: str, shm_dir: str =
             with torch.no_grad():
                 t.set_(shared, byte_offset // size, t.size(), t.stride())
     except BaseException:
-        _unlink(path)
+        _release(path, fd)
         raise
-    # the name goes when close() is called, when no tensor uses the mapping any more, or at
-    # normal interpreter exit, whichever comes first
-    return SharedPool(path, total, weakref.finalize(array, _unlink, path))
+    # the name (or descriptor) goes when close() is called, when no tensor uses the mapping
+    # any more, or at interpreter exit, whichever comes first
+    return SharedPool(path, total, weakref.finalize(array, _release, path, fd), fd=fd, name=shared_file.name)
 
 
 # -- describing existing tensors ----------------------------------------------------------
@@ -145,6 +148,7 @@ class _Mapping:
     shared: bool
     offset: int  # file offset of ``start``
     path: str  # "" for anonymous memory
+    inode: int = 0
 
 
 def _read_maps() -> list[_Mapping]:
@@ -157,11 +161,12 @@ def _read_maps() -> list[_Mapping]:
                 continue
             lo, hi = (int(x, 16) for x in parts[0].split("-"))
             path = parts[5] if len(parts) == 6 else ""
-            m = _Mapping(lo, hi, parts[1][3] == "s", int(parts[2], 16), path)
+            m = _Mapping(lo, hi, parts[1][3] == "s", int(parts[2], 16), path, int(parts[4]))
             prev = out[-1] if out else None
             if (prev is not None and prev.end == m.start and prev.path == m.path and m.path.startswith("/")
-                    and prev.shared == m.shared and prev.offset + (prev.end - prev.start) == m.offset):
-                out[-1] = _Mapping(prev.start, m.end, m.shared, prev.offset, m.path)
+                    and prev.inode == m.inode and prev.shared == m.shared
+                    and prev.offset + (prev.end - prev.start) == m.offset):
+                out[-1] = _Mapping(prev.start, m.end, m.shared, prev.offset, m.path, m.inode)
             else:
                 out.append(m)
     return out
@@ -174,7 +179,28 @@ def _find(maps: list[_Mapping], ptr: int) -> _Mapping | None:
     return None
 
 
-def _describe_cpu(key: tuple[int, str], t: torch.Tensor, maps: list[_Mapping]) -> dict[str, Any]:
+def _own_fd(m: _Mapping) -> int | None:
+    """A descriptor this process holds of the (unnamed) file behind a mapping, if any.
+
+    Matched by link text and inode, never by a remembered number: a closed descriptor's
+    number may since name another file.
+    """
+    try:
+        fds = os.listdir("/proc/self/fd")
+    except OSError:
+        return None
+    for name in fds:
+        fd = int(name)
+        try:
+            if shmfile.fd_target(fd) == m.path and os.fstat(fd).st_ino == m.inode:
+                return fd
+        except OSError:
+            continue  # closed meanwhile (the listing's own descriptor among them)
+    return None
+
+
+def _describe_cpu(key: tuple[int, str], t: torch.Tensor, maps: list[_Mapping],
+                  fds: dict[_Mapping, int | None]) -> dict[str, Any]:
     layer, kind = key
     nbytes = t.numel() * t.element_size()
     ptr = t.data_ptr()
@@ -185,13 +211,19 @@ def _describe_cpu(key: tuple[int, str], t: torch.Tensor, maps: list[_Mapping]) -
         raise RegistrationError(
             f"{where} at 0x{ptr:x} lives in private memory ({what}); the daemon can only map a "
             "shared-memory file", field="tensors", fix=SHARE_FIX)
-    if m.path.endswith(" (deleted)"):
-        raise RegistrationError(f"{where} lives in file {m.path[:-10]} which was unlinked, so the daemon "
-                                "cannot open it", field="tensors", fix=SHARE_FIX)
     if ptr + nbytes > m.end:
         raise RegistrationError(f"{where} of {nbytes} bytes runs past the end of its mapping of {m.path}",
                                 field="tensors", fix=SHARE_FIX)
-    return {"layer": layer, "kind": kind, "mem": "shm", "path": m.path, "offset": m.offset + ptr - m.start,
+    where_file: dict[str, Any] = {"path": m.path}
+    if m.path.endswith(shmfile.DELETED) or m.path.startswith(shmfile.MEMFD_LINK):
+        if m not in fds:
+            fds[m] = _own_fd(m)
+        fd = fds[m]  # a memfd or unlinked file: the daemon opens it through our descriptor
+        if fd is None:
+            raise RegistrationError(f"{where} lives in {m.path} which has no name and no descriptor in this "
+                                    "process, so the daemon cannot open it", field="tensors", fix=SHARE_FIX)
+        where_file = {"fd": fd}
+    return {"layer": layer, "kind": kind, "mem": "shm", **where_file, "offset": m.offset + ptr - m.start,
             "nbytes": nbytes}
 
 
@@ -212,6 +244,7 @@ def describe_tensors(tensors: Mapping[tuple[int, str], torch.Tensor]) -> list[di
     described by their storage's IPC handle.
     """
     maps: list[_Mapping] | None = None
+    fds: dict[_Mapping, int | None] = {}
     out = []
     for key, t in tensors.items():
         layer, kind = key
@@ -229,5 +262,5 @@ def describe_tensors(tensors: Mapping[tuple[int, str], torch.Tensor]) -> list[di
                                     field="tensors", fix="register CPU (shared memory) or CUDA tensors")
         if maps is None:
             maps = _read_maps()
-        out.append(_describe_cpu(key, t, maps))
+        out.append(_describe_cpu(key, t, maps, fds))
     return out

@@ -1,19 +1,20 @@
 """KV memory both an engine and the daemon can touch.
 
-CPU: one shared-memory file per rank (under ``/dev/shm``) holds every region; the engine
-sees torch tensors over it, the daemon maps the same file. GPU: the engine hands over a
-CUDA IPC handle per region and the daemon opens it (same node, same device visibility).
+CPU: one shared-memory file per rank holds every region, by default an anonymous memfd
+(:mod:`kvxferd.shmfile`: nothing in ``/dev/shm`` to outlive a killed engine); the engine
+sees torch tensors over it, the daemon maps the same file, opened through the engine's
+descriptor. GPU: the engine hands over a CUDA IPC handle per region and the daemon opens
+it (same node, same device visibility).
 
-The daemon only maps files inside its configured shared-memory directories, opened with
-``O_NOFOLLOW``, and checks every region's bounds against the file before it is used.
+The daemon only maps memfds of the registering engine and files inside its configured
+shared-memory directories (named ones opened with ``O_NOFOLLOW``), and checks every
+region's bounds against the file before it is used.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
-import stat
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
@@ -21,6 +22,7 @@ from typing import Any, Iterable
 import numpy as np
 import torch
 
+from . import shmfile
 from .errors import RegistrationError
 from .geometry import RankGeometry
 
@@ -71,14 +73,18 @@ class KVCache:
     """An engine rank's KV cache in daemon-mappable memory.
 
     ``tensors[(layer, kind)]`` is the NHD tensor of one region; ``descriptors()`` is what
-    ``register`` sends. Call :meth:`close` (or use as a context manager) to unlink.
+    ``register`` sends, again after a daemon restart (the memfd's descriptor ``fd`` stays
+    open for that). Call :meth:`close` (or use as a context manager) to let go of it: the
+    descriptor is closed (a named file unlinked), the memory goes with the last mapping.
     """
 
     geometry: RankGeometry
     tensors: dict[tuple[int, str], torch.Tensor]
-    path: str | None
+    path: str | None  # a named file (allocate_cpu(shm_dir=...)), None for a memfd or GPU memory
     _descriptors: list[dict[str, Any]]
     _mmap: Any = field(default=None, repr=False)
+    fd: int | None = None  # the memfd, open while the cache is shared
+    name: str | None = None  # the memfd's or file's name, as /proc/<pid>/maps shows it
 
     def descriptors(self) -> list[dict[str, Any]]:
         return [dict(d) for d in self._descriptors]
@@ -95,11 +101,10 @@ class KVCache:
     def close(self) -> None:
         self.tensors.clear()
         if self.path:
-            try:
-                os.unlink(self.path)
-            except FileNotFoundError:
-                pass
+            shmfile.unlink(self.path)
             self.path = None
+        shmfile.close_fd(self.fd)
+        self.fd = None
 
     def __enter__(self) -> "KVCache":
         return self
@@ -108,21 +113,21 @@ class KVCache:
         self.close()
 
 
-def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str = "/dev/shm",
+def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str | None = None,
                  fill: int | None = 0) -> KVCache:
-    """Allocate every region of a rank in one shared-memory file."""
+    """Allocate every region of a rank in one shared-memory file.
+
+    By default a sealed memfd, registered by descriptor: it goes away with the engine and
+    the daemon's mapping, however either ends. ``shm_dir`` makes a named file there instead,
+    for a daemon that cannot see this process's pid (it outlives a SIGKILLed engine).
+    """
     names = geometry.region_names()
     nbytes = geometry.region_bytes
     stride = _align(nbytes)
     total = stride * len(names)
-    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in name)[:64]
-    path = os.path.join(shm_dir, f"kvxferd-{safe}-{uuid.uuid4().hex[:12]}")
-    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-    try:
-        os.ftruncate(fd, total)
-        mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-    finally:
-        os.close(fd)
+    shared = shmfile.create(name, total, shm_dir)
+    mm, path = shared.mm, shared.path
+    where: dict[str, Any] = {"path": path} if path is not None else {"fd": shared.fd}
     base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
     if fill is not None:
         base.fill_(fill)
@@ -133,9 +138,9 @@ def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str = "/d
     for i, (layer, kind) in enumerate(names):
         offset = i * stride
         tensors[(layer, kind)] = base[offset:offset + nbytes].view(dtype).view(shape)
-        descriptors.append({"layer": layer, "kind": kind, "mem": "shm", "path": path,
+        descriptors.append({"layer": layer, "kind": kind, "mem": "shm", **where,
                             "offset": offset, "nbytes": nbytes})
-    return KVCache(geometry, tensors, path, descriptors, mm)
+    return KVCache(geometry, tensors, path, descriptors, mm, fd=shared.fd, name=shared.name)
 
 
 def allocate_cuda(geometry: RankGeometry, *, device: int | str = 0) -> KVCache:
@@ -199,13 +204,20 @@ class MappedRegion:
 
 
 class MemoryMapper:
-    """Maps engine-described regions into the daemon, sharing one mapping per file."""
+    """Maps engine-described regions into the daemon, sharing one mapping per file.
+
+    A region names its file by ``path`` (inside ``shm_dirs``) or by ``fd``, a descriptor
+    open in the registering engine's process ``pid`` (see :mod:`kvxferd.shmfile`).
+    Mappings are keyed by the file's identity (device, inode), so however a file is named
+    it is mapped once, and the key cannot be reused while the mapping holds the file.
+    """
 
     def __init__(self, shm_dirs: Iterable[str]) -> None:
         self.shm_dirs = [os.path.realpath(d) for d in shm_dirs]
-        self._files: dict[str, tuple[mmap.mmap, torch.Tensor]] = {}
+        self._files: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
 
-    def map_regions(self, geometry: RankGeometry, regions: list[dict[str, Any]]) -> dict[tuple[int, str], MappedRegion]:
+    def map_regions(self, geometry: RankGeometry, regions: list[dict[str, Any]],
+                    pid: int | None = None) -> dict[tuple[int, str], MappedRegion]:
         expected = geometry.region_names()
         got = sorted((r["layer"], r["kind"]) for r in regions)
         if got != sorted(expected):
@@ -219,6 +231,7 @@ class MemoryMapper:
                 field="regions", fix="register exactly one region per local layer and kind")
         need = geometry.region_bytes
         out: dict[tuple[int, str], MappedRegion] = {}
+        opened: dict[tuple[str, Any], torch.Tensor] = {}  # each named file / descriptor opened once
         for r in regions:
             if r["nbytes"] != need:
                 raise RegistrationError(
@@ -226,48 +239,53 @@ class MemoryMapper:
                     f"{need} ({geometry.num_pages} pages of {geometry.spec.page_bytes} bytes"
                     + (f" every {geometry.page_stride} bytes" if geometry.page_stride else "") + ")",
                     field="regions.nbytes", fix="allocate regions from the same geometry you register")
-            flat = self._map_one(r)
+            flat = self._map_one(r, pid, opened)
             out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat)
         return out
 
-    def _map_one(self, r: dict[str, Any]) -> torch.Tensor:
+    def _map_one(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
         if r["mem"] == "shm":
-            return self._map_shm(r)
+            return self._map_shm(r, pid, opened)
         return self._open_cuda(r)
 
-    def _map_shm(self, r: dict[str, Any]) -> torch.Tensor:
-        path = r.get("path")
-        if not path:
-            raise RegistrationError("shm region without a path", field="regions.path",
-                                    fix="send the shared-memory file path")
-        real = os.path.realpath(path)
-        if not any(real.startswith(d + os.sep) for d in self.shm_dirs):
-            raise RegistrationError(f"region file {path} is outside the allowed directories {self.shm_dirs}",
-                                    field="regions.path", fix="allocate KV memory under engine.shm_dirs")
-        entry = self._files.get(real)
-        if entry is None:
-            try:
-                fd = os.open(real, os.O_RDWR | os.O_NOFOLLOW)
-            except OSError as exc:
-                raise RegistrationError(f"cannot open region file {path}: {exc.strerror}",
-                                        field="regions.path", fix="check the file exists and is readable") from None
-            try:
-                st = os.fstat(fd)
-                if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
-                    raise RegistrationError(f"region file {path} is not a non-empty regular file",
-                                            field="regions.path", fix="use the file allocate_cpu made")
-                mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            finally:
-                os.close(fd)
-            entry = (mm, torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)))
-            self._files[real] = entry
-        base = entry[1]
+    def _map_shm(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
+        if r.get("fd") is not None and r.get("path"):
+            raise RegistrationError(f"region names both descriptor {r['fd']} and path {r['path']}",
+                                    field="regions.path", fix="send a memfd's descriptor (fd) or a file's path, not both")
+        if r.get("fd") is not None:
+            key: tuple[str, Any] = ("fd", r["fd"])
+            label, field_name = f"descriptor {r['fd']} of engine process {pid}", "regions.fd"
+        elif r.get("path"):
+            key = ("path", r["path"])
+            label, field_name = str(r["path"]), "regions.path"
+        else:
+            raise RegistrationError("shm region without a path or a descriptor", field="regions.path",
+                                    fix="send the region's memfd descriptor (fd) or shared-memory file path")
+        base = opened.get(key)
+        if base is None:
+            base = opened[key] = self._map_file(key, pid, label, field_name)
         offset = r.get("offset", 0)
         if offset + r["nbytes"] > base.numel():
             raise RegistrationError(
-                f"region [{offset}, {offset + r['nbytes']}) exceeds file {path} of {base.numel()} bytes",
+                f"region [{offset}, {offset + r['nbytes']}) exceeds {label} of {base.numel()} bytes",
                 field="regions.offset", fix="describe regions inside the shared-memory file")
         return base[offset:offset + r["nbytes"]]
+
+    def _map_file(self, key: tuple[str, Any], pid: int | None, label: str, field_name: str) -> torch.Tensor:
+        if key[0] == "fd":
+            fd = shmfile.open_engine_fd(pid, key[1], self.shm_dirs)
+        else:
+            fd = shmfile.open_path(key[1], self.shm_dirs)
+        try:
+            st = os.fstat(fd)
+            entry = self._files.get((st.st_dev, st.st_ino))
+            if entry is None:
+                mm, st = shmfile.map_open(fd, label, field_name)
+                entry = (mm, torch.from_numpy(np.frombuffer(mm, dtype=np.uint8)))
+                self._files[(st.st_dev, st.st_ino)] = entry
+        finally:
+            os.close(fd)  # the mapping keeps the file; no descriptor stays open in the daemon
+        return entry[1]
 
     def _open_cuda(self, r: dict[str, Any]) -> torch.Tensor:  # pragma: no cover - needs a GPU
         if not torch.cuda.is_available():

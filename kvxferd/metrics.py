@@ -41,7 +41,8 @@ class Metrics:
         self.phase_latency = Histogram(
             "kvxferd_phase_duration_seconds",
             "Time spent per phase: bootstrap (handshake/matching), queue (chunk ready to start), "
-            "transfer (bytes on the move).", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
+            "transfer (decode side: a request's first byte in to its last), chunk (source side: one chunk "
+            "moved to one destination, start to acknowledged).", ["phase"], buckets=LATENCY_BUCKETS, registry=r)
         self.chunk_bytes = Histogram(
             "kvxferd_chunk_size_bytes", "Bytes per moved chunk.", buckets=SIZE_BUCKETS, registry=r)
         self.fragments = Histogram(

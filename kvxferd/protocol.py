@@ -177,7 +177,7 @@ ADDRESS = text(300)
 REGION = Schema(
     required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent", "kv")),
               "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
-    optional={"path": text(4096), "offset": integer(0, 1 << 48), "handle": mapping},
+    optional={"path": text(4096), "fd": integer(0, 1 << 31), "offset": integer(0, 1 << 48), "handle": mapping},
 )
 
 

@@ -4,7 +4,11 @@ The oracle: every request has a *logical* KV cache ``[layers, kinds, tokens, hea
 head_bytes]`` derived from its id alone. A prefill rank writes its own slice of it (its
 heads, its layers) into its pages; a decode rank checks that its pages hold exactly its
 own slice of the same logical cache. Neither side uses the planner to decide what it
-should hold, so a planner or transport bug shows up as a byte mismatch.
+should hold, so a planner or transport bug shows up as a byte mismatch. The logical
+bytes are a hash pattern keyed by (request, global layer, kind, token, global head) and
+word offset, computed with vectorised ops: every 8-byte word of a request differs, so a
+misplaced or misordered word never matches, and filling and checking stay cheap next to
+the transfer they verify.
 
 A worker is a real process: ``python -m kvxferd.sim worker ...`` reads JSON commands on
 stdin and prints JSON results on stdout.
@@ -12,6 +16,7 @@ stdin and prints JSON results on stdout.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -22,7 +27,6 @@ import sys
 import tempfile
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -40,21 +44,57 @@ def head_bytes(spec: InstanceSpec) -> int:
     return spec.head_slot_bits // 8
 
 
-def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
-    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range.
+# splitmix64's finalizer constants and step (numpy uint64 arithmetic wraps, and shifts fast)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+_STEP = 0x9E3779B97F4A7C15 - (1 << 64)  # as a signed int64, for torch
+PACKED_KIND = 7  # the kind number of packed_page units in the oracle's keys (NHD kinds are 0..2)
 
-    Generated per layer from a seed of (request, layer), so any rank can rebuild exactly
-    the layers it holds.
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def _request_seed(request_id: str) -> np.uint64:
+    return np.uint64(int.from_bytes(hashlib.blake2b(request_id.encode(), digest_size=8).digest(), "little"))
+
+
+def _pattern(request_id: str, key: torch.Tensor, nbytes: int) -> torch.Tensor:
+    """``[*key.shape, nbytes]`` bytes: a unit's bytes from its unique key, vectorised.
+
+    Each unit (one key) gets a 64-bit hash of (request, key); its i-th 8-byte word is that
+    hash plus ``i`` times an odd constant. Two words in different places therefore hold
+    different values (but for a 2^-64 chance), so a misplaced, misordered or foreign word
+    shows as a mismatch, and the cost is one add per word instead of a random generator.
+    """
+    unit = _mix64(_mix64(key.numpy().astype(np.uint64)) ^ _request_seed(request_id)).view(np.int64)
+    words = -(-nbytes // 8)
+    full = torch.from_numpy(unit).unsqueeze(-1) + torch.arange(words, dtype=torch.int64) * _STEP
+    return full.view(torch.uint8)[..., :nbytes]
+
+
+def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
+                  heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range
+    (and a head range: by default all ``spec.kv_heads``).
+
+    Every (global layer, kind, token, global head) is its own unit of the pattern, keyed by
+    those coordinates alone, so any rank rebuilds exactly the layers and heads it holds, and
+    bytes in the wrong layer, kind, token or head never match.
     """
     kinds = len(spec.region_kinds)
-    out = torch.empty((layers[1] - layers[0], kinds, n_tokens, spec.kv_heads, head_bytes(spec)), dtype=torch.uint8)
-    for i, layer in enumerate(range(*layers)):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
-        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
-    return out
+    layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1, 1)
+    kind = torch.arange(kinds, dtype=torch.int64).view(1, -1, 1, 1)
+    token = torch.arange(n_tokens, dtype=torch.int64).view(1, 1, -1, 1)
+    head = torch.arange(*(heads or (0, spec.kv_heads)), dtype=torch.int64).view(1, 1, 1, -1)
+    key = (((layer * 8 + kind) << 28) + token << 16) + head
+    return _pattern(request_id, key, head_bytes(spec))
 
 
-def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int]) -> torch.Tensor:
+def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
+                  heads: tuple[int, int] | None = None) -> torch.Tensor:
     """packed_page: ``[layers, pages, heads, unit_bytes]`` bytes of a request, one opaque unit
     (K transposed then V of ``page_size`` tokens) per (page of the request, head).
 
@@ -62,12 +102,11 @@ def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tu
     them whole, so the oracle owns every byte of them, the tail of the last one included.
     """
     n_pages = -(-n_tokens // spec.page_size)
-    unit = spec.head_slot_bits // 8
-    out = torch.empty((layers[1] - layers[0], n_pages, spec.kv_heads, unit), dtype=torch.uint8)
-    for i, layer in enumerate(range(*layers)):
-        g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}/packed".encode()))
-        out[i] = torch.randint(0, 256, out[i].shape, dtype=torch.uint8, generator=g)
-    return out
+    layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1)
+    page = torch.arange(n_pages, dtype=torch.int64).view(1, -1, 1)
+    head = torch.arange(*(heads or (0, spec.kv_heads)), dtype=torch.int64).view(1, 1, -1)
+    key = (((layer * 8 + PACKED_KIND) << 28) + page << 16) + head
+    return _pattern(request_id, key, spec.head_slot_bits // 8)
 
 
 def _packed_table(cache: Any, geometry: RankGeometry, layer: int) -> torch.Tensor:
@@ -89,17 +128,17 @@ def fill_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[i
     spec = geometry.spec
     h0, h1 = geometry.heads
     if spec.packed:
-        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers, (h0, h1))
         idx = _request_pages(pages, spec, n_tokens)
         for i, layer in enumerate(range(*geometry.layers)):
-            _packed_table(cache, geometry, layer).index_copy_(0, idx, logical[i, :, h0:h1].contiguous())
+            _packed_table(cache, geometry, layer).index_copy_(0, idx, logical[i].contiguous())
         return
-    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers, (h0, h1))
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     for i, layer in enumerate(range(*geometry.layers)):
         for k, kind in enumerate(spec.region_kinds):
             table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
-            table.index_copy_(0, rows, logical[i, k, :, h0:h1].reshape(n_tokens, -1))
+            _wide(table).index_copy_(0, rows, _wide(logical[i, k].reshape(n_tokens, -1)))
 
 
 def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[int], n_tokens: int) -> int:
@@ -107,19 +146,33 @@ def check_rank(cache: Any, geometry: RankGeometry, request_id: str, pages: list[
     spec = geometry.spec
     h0, h1 = geometry.heads
     if spec.packed:
-        logical = logical_pages(request_id, n_tokens, spec, geometry.layers)
+        logical = logical_pages(request_id, n_tokens, spec, geometry.layers, (h0, h1))
         idx = _request_pages(pages, spec, n_tokens)
-        return sum(int((_packed_table(cache, geometry, layer).index_select(0, idx) != logical[i, :, h0:h1]).sum())
+        return sum(_mismatched(_packed_table(cache, geometry, layer).index_select(0, idx), logical[i])
                    for i, layer in enumerate(range(*geometry.layers)))
-    logical = logical_cache(request_id, n_tokens, spec, geometry.layers)
+    logical = logical_cache(request_id, n_tokens, spec, geometry.layers, (h0, h1))
     rows = _token_rows(pages, spec.page_size, 0, n_tokens)
     bad = 0
     for i, layer in enumerate(range(*geometry.layers)):
         for k, kind in enumerate(spec.region_kinds):
             table = cache.tensors[(layer, kind)].view(torch.uint8).reshape(-1, spec.row_bytes)
-            got = table.index_select(0, rows)
-            bad += int((got != logical[i, k, :, h0:h1].reshape(n_tokens, -1)).sum())
+            got = _wide(table).index_select(0, rows)
+            bad += _mismatched(got, _wide(logical[i, k].reshape(n_tokens, -1)))
     return bad
+
+
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """Byte rows as 8-byte words where they allow it: a copy or comparison per word, not per byte."""
+    if rows.shape[-1] % 8 == 0 and rows.is_contiguous() and rows.data_ptr() % 8 == 0:
+        return rows.view(torch.int64)
+    return rows
+
+
+def _mismatched(got: torch.Tensor, want: torch.Tensor) -> int:
+    """Differing bytes; the common all-equal case costs one comparison, not a count."""
+    if torch.equal(got, want):
+        return 0
+    return int((got.contiguous().view(torch.uint8) != want.contiguous().view(torch.uint8)).sum())
 
 
 def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
@@ -210,8 +263,9 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
         return 1
-    # the cache file, so the orchestrator can remove it if this process is killed
-    emit({"event": "registered", "rank_id": rid, "shm": cache.path})
+    # a named cache file, so the orchestrator could remove it if this process is killed (a memfd,
+    # the default, goes by itself); the memfd's name tells tests which mappings are this cache
+    emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
     commands: queue.Queue[dict[str, Any] | None] = queue.Queue()
 
     def read_stdin() -> None:
@@ -230,6 +284,13 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                 if cmd is None:
                     running = False
                     break
+                if cmd["cmd"] == "register":  # again (a restarted daemon): the same memory, same descriptors
+                    try:
+                        rid = client.register(args.instance, args.role, geometry, cache.descriptors())
+                        emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
+                    except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
+                        emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
+                    continue
                 _worker_command(client, rid, cache, geometry, cmd, pending, emit)
         except queue.Empty:
             pass
@@ -240,9 +301,13 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
             info = pending.pop(event["request_id"])
             result = {"event": "finished", "request_id": event["request_id"], "state": event["state"],
                       "code": event.get("code"), "reason": event.get("reason"), "t": time.time()}
+            if "fill_s" in info:
+                result["fill_s"] = info["fill_s"]  # the oracle's time, apart from the daemons'
             if args.role == "decode" and event["state"] == "done":
+                t0 = time.perf_counter()
                 result["mismatched_bytes"] = check_rank(cache, geometry, event["request_id"], info["pages"],
                                                         info["n"])
+                result["check_s"] = time.perf_counter() - t0
                 aux = event.get("aux")
                 result["aux"] = aux.hex() if isinstance(aux, bytes) else None
             emit(result)
@@ -258,8 +323,9 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
             client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
                           source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"])
         elif op == "send":
+            t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
-            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "fill_s": time.perf_counter() - t0}
             ps = geometry.spec.page_size
             chunks = cmd.get("chunks") or [[0, cmd["n"]]]
             if cmd.get("hold_last"):
@@ -269,8 +335,9 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
         elif op == "send_chunks":  # explicit [start, end, last] chunks, e.g. the rest of a held request
+            t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
-            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "fill_s": time.perf_counter() - t0}
             ps = geometry.spec.page_size
             for start, end, last in cmd["chunks"]:
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
@@ -377,6 +444,7 @@ class Worker:
         self._reader.start()
         self.rank_id = ""
         self.shm_path = ""
+        self.memfd = ""
         if wait:
             self.wait_registered()
 
@@ -386,6 +454,7 @@ class Worker:
             raise RuntimeError(f"worker {self.instance} tp{self.geometry.tp_rank} pp{self.geometry.pp_rank}: {first}")
         self.rank_id = first["rank_id"]
         self.shm_path = first.get("shm") or ""
+        self.memfd = first.get("memfd") or ""
 
     def _read(self) -> None:
         assert self.proc.stdout is not None

@@ -10,3 +10,78 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 
 # e2e helpers live beside the tests
 sys.path.insert(0, str(Path(__file__).parent))
+
+
+# -- nothing of kvxferd may stay in /dev/shm --------------------------------------------------
+# Engine caches are memfds and leave no file; a named file (allocate_cpu / share_in_place with
+# shm_dir, the bench's own buffers) must be removed by whoever made it, even when a test kills
+# processes. At the end of the run, a kvxferd file that appeared during it and that no process
+# maps or holds open is a leak nothing will ever remove: the run fails, naming it. New files
+# some live process still uses (another test run sharing this host's /dev/shm, or a process
+# this run left behind) are reported with the processes. KVXFERD_TEST_SHM_CHECK=report only
+# reports.
+SHM_DIR = "/dev/shm"
+
+
+def _kvxferd_shm() -> set[str]:
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith("kvxferd-")}
+    except FileNotFoundError:
+        return set()
+
+
+def _users(paths: set[str]) -> dict[str, list[int]]:
+    """The pids that map or hold open each of ``paths``."""
+    out: dict[str, list[int]] = {p: [] for p in paths}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps") as fh:
+                seen = {p for p in paths if p in fh.read()}
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{entry}/fd/{fd}")
+                except OSError:
+                    continue
+                if target in paths:
+                    seen.add(target)
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+        for p in seen:
+            out[p].append(int(entry))
+    return out
+
+
+def pytest_sessionstart(session):
+    session.config._kvxferd_shm_before = _kvxferd_shm()
+    session.config._kvxferd_shm_left = {}
+
+
+def pytest_sessionfinish(session, exitstatus):
+    before = getattr(session.config, "_kvxferd_shm_before", None)
+    if before is None:
+        return
+    new = {os.path.join(SHM_DIR, n) for n in _kvxferd_shm() - before}
+    users = _users(new) if new else {}
+    session.config._kvxferd_shm_left = users
+    orphans = [p for p, pids in users.items() if not pids]
+    if orphans and os.environ.get("KVXFERD_TEST_SHM_CHECK", "fail") != "report" and session.exitstatus == 0:
+        session.exitstatus = 1  # pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    users = getattr(config, "_kvxferd_shm_left", {})
+    if not users:
+        return
+    orphans = sorted(p for p, pids in users.items() if not pids)
+    terminalreporter.section(f"kvxferd files new in {SHM_DIR}: {len(orphans)} left behind, "
+                             f"{len(users) - len(orphans)} still in use", red=bool(orphans), bold=True)
+    for path in sorted(users):
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            size = -1
+        pids = users[path]
+        what = f"in use by pids {pids}" if pids else "LEFT BEHIND: no process uses it"
+        terminalreporter.write_line(f"{path} ({size} bytes) {what}", red=not pids)

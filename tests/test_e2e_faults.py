@@ -107,11 +107,16 @@ def test_register_refuses_regions_that_do_not_match_geometry(cluster):
             with pytest.raises(DaemonError) as err:
                 client.register("badreg", "decode", geo, regions)
             assert err.value.field == "regions.nbytes"
-            regions = cache.descriptors()
+            regions = [{k: v for k, v in d.items() if k != "fd"} for d in cache.descriptors()]
             regions[1]["path"] = "/etc/passwd"
             with pytest.raises(DaemonError) as err:
                 client.register("badreg", "decode", geo, regions)
             assert err.value.field == "regions.path"
+            regions = cache.descriptors()
+            regions[1]["fd"] = 0  # this engine's stdin: neither a memfd nor a file in the shm dirs
+            with pytest.raises(DaemonError) as err:
+                client.register("badreg", "decode", geo, regions)
+            assert err.value.field == "regions.fd" and "descriptor 0" in str(err.value)
 
 
 def test_malformed_peer_messages_get_errors(cluster):

@@ -27,8 +27,21 @@ from kvxferd.memory import SharedPool, describe_tensors, share_in_place
 MARK = 0x5A
 
 
-def _file_bytes(path: str) -> np.ndarray:
-    return np.fromfile(path, dtype=np.uint8)
+def _file_bytes(pool: SharedPool) -> np.ndarray:
+    """The pool's memory read through its descriptor, not through the tensors."""
+    return np.fromfile(pool.path or f"/proc/self/fd/{pool.fd}", dtype=np.uint8)
+
+
+def _holders(name: str) -> list[str]:
+    """This process's descriptors that still name the memfd ``name`` (Python's mmap keeps one of its own)."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            if os.readlink(f"/proc/self/fd/{fd}").startswith(f"/memfd:{name} "):
+                out.append(fd)
+        except OSError:
+            pass
+    return out
 
 
 # -- share_in_place ------------------------------------------------------------------------
@@ -42,8 +55,8 @@ def test_share_in_place_keeps_values_views_and_rebinds_the_objects():
     gap = layers[2].data_ptr() - layers[0].data_ptr()
     pool = share_in_place(layers + [other], name="t-share")
     try:
-        assert isinstance(pool, SharedPool) and os.path.exists(pool.path)
-        assert os.path.basename(pool.path).startswith("kvxferd-t-share-")
+        assert isinstance(pool, SharedPool) and pool.path is None  # a memfd: no name in /dev/shm
+        assert pool.name.startswith("kvxferd-t-share-") and str(pool.fd) in _holders(pool.name)
         for got, want in zip(layers + [other], before):
             assert torch.equal(got, want)
         # still one storage with the same relative offsets, and not the old one any more
@@ -55,18 +68,18 @@ def test_share_in_place_keeps_values_views_and_rebinds_the_objects():
         holder["layer1"][1, 4] = 123.0
         assert float(layers[1][1, 4]) == 123.0
         assert float(raw[19]) == 19.0  # the old storage is no longer written
-        file = _file_bytes(pool.path)
+        file = _file_bytes(pool)
         offset = holder["layer1"].data_ptr() - layers[0].untyped_storage().data_ptr()
         assert file[offset + 9 * 4:offset + 10 * 4].view(np.float32)[0] == 123.0
         other[6] = -2
         o = other.data_ptr() - other.untyped_storage().data_ptr()
-        assert _file_bytes(pool.path)[o + 12:o + 14].view(np.int16)[0] == -2
-        path = pool.path
+        assert _file_bytes(pool)[o + 12:o + 14].view(np.int16)[0] == -2
+        name, fd = pool.name, pool.fd
     finally:
         pool.close()
-    assert not os.path.exists(path)
+    assert str(fd) not in _holders(name)  # the pool's descriptor is closed
     pool.close()  # idempotent
-    assert pool.path is None
+    assert pool.path is None and pool.fd is None
     layers[0][0, 0] = 1.0  # the mapping outlives the file name while tensors use it
     assert float(layers[0][0, 0]) == 1.0
 
@@ -77,9 +90,10 @@ def test_share_in_place_refuses_non_cpu_tensors_naming_index_and_device():
     assert "tensors[1]" in str(err.value) and "meta" in str(err.value) and err.value.field == "tensors"
 
 
-def test_shared_file_is_removed_at_normal_exit_without_close():
+def test_named_shared_file_is_removed_at_normal_exit_without_close():
     code = ("import torch\nfrom kvxferd.memory import share_in_place\n"
-            "t = torch.ones(1000)\np = share_in_place([t], name='t-exit')\nprint(p.path, flush=True)\n")
+            "t = torch.ones(1000)\np = share_in_place([t], name='t-exit', shm_dir='/dev/shm')\n"
+            "print(p.path, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                          env={**os.environ})
     assert out.returncode == 0, out.stderr
@@ -113,11 +127,21 @@ def test_describe_finds_file_and_offset_of_several_tensors_in_one_file():
         for i, t in parts.items():
             t.fill_(10 + i[0])
         descs = describe_tensors(parts)
-        file = _file_bytes(pool.path)
-        for d in descs:
-            assert d["mem"] == "shm" and d["path"] == pool.path and d["nbytes"] == 500
+        file = _file_bytes(pool)
+        for d in descs:  # a memfd is named by this process's descriptor of it
+            assert d["mem"] == "shm" and d["fd"] == pool.fd and "path" not in d and d["nbytes"] == 500
             assert (file[d["offset"]:d["offset"] + 500] == 10 + d["layer"]).all()
         assert [d["offset"] for d in descs] == [3, 1003, 2003]
+
+
+def test_describe_names_a_named_file_by_path_and_by_descriptor_once_unlinked():
+    t = torch.zeros(2000, dtype=torch.uint8)
+    with share_in_place([t], name="t-named", shm_dir="/dev/shm") as pool:
+        (d,) = describe_tensors({(0, "k"): t})
+        assert d["path"] == pool.path and "fd" not in d
+        os.unlink(pool.path)  # no name any more: only a descriptor of this process reaches it
+        (d,) = describe_tensors({(0, "k"): t})
+        assert "path" not in d and os.readlink(f"/proc/self/fd/{d['fd']}") == pool.path + " (deleted)"
 
 
 # -- an engine's own tensors through real daemons ------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 
 import pytest
@@ -12,12 +13,15 @@ from kvxferd.errors import RegistrationError
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import MemoryMapper, allocate_cpu
 
+PID = os.getpid()  # the test process is the engine: the mapper opens its descriptors
+
 
 def test_daemon_mapping_shares_bytes_with_the_engine_and_is_released():
     geo = RankGeometry(spec(num_layers=2), 0, 0, 4)
     mapper = MemoryMapper(["/dev/shm"])
     with allocate_cpu(geo, name="mem-test") as cache:
-        regions = mapper.map_regions(geo, cache.descriptors())
+        assert cache.path is None and all("fd" in d and "path" not in d for d in cache.descriptors())
+        regions = mapper.map_regions(geo, cache.descriptors(), PID)
         assert set(regions) == {(0, "k"), (0, "v"), (1, "k"), (1, "v")}
         cache.k(1).view(torch.uint8).fill_(7)          # the engine writes ...
         assert int(regions[(1, "k")].flat.min()) == 7  # ... the daemon sees it
@@ -33,7 +37,9 @@ def test_daemon_mapping_shares_bytes_with_the_engine_and_is_released():
 def test_mapping_refuses_files_outside_the_shm_dirs_and_out_of_bounds(tmp_path):
     geo = RankGeometry(spec(num_layers=1), 0, 0, 2)
     mapper = MemoryMapper(["/dev/shm"])
-    with allocate_cpu(geo, name="mem-test-2") as cache:
+    with allocate_cpu(geo, name="mem-test-2", shm_dir="/dev/shm") as cache:  # a named file
+        assert cache.path.startswith("/dev/shm/kvxferd-mem-test-2-")
+        assert mapper.map_regions(geo, cache.descriptors()).keys() == {(0, "k"), (0, "v")}
         outside = cache.descriptors()
         elsewhere = tmp_path / "kv"
         elsewhere.write_bytes(b"\0" * os.path.getsize(cache.path))  # a file outside /dev/shm
@@ -50,3 +56,50 @@ def test_mapping_refuses_files_outside_the_shm_dirs_and_out_of_bounds(tmp_path):
         with pytest.raises(RegistrationError) as err:
             mapper.map_regions(geo, missing)
         assert err.value.field == "regions" and "missing" in str(err.value)
+
+
+def test_descriptor_regions_follow_the_same_rule_as_paths(tmp_path):
+    """A region named by descriptor opens /proc/<pid>/fd/<fd>: only a memfd sealed against
+    shrinking, or a file in the shm dirs (named or unlinked), of the registering process."""
+    geo = RankGeometry(spec(num_layers=1), 0, 0, 2)
+    mapper = MemoryMapper(["/dev/shm"])
+
+    def refused(regions, pid=PID) -> RegistrationError:
+        with pytest.raises(RegistrationError) as err:
+            mapper.map_regions(geo, regions, pid)
+        assert err.value.field == "regions.fd", err.value
+        assert mapper._files == {}  # a refused region maps nothing
+        return err.value
+
+    with allocate_cpu(geo, name="mem-fd") as cache:
+        assert "no pid" in str(refused(cache.descriptors(), None))
+        size = os.fstat(cache.fd).st_size
+        loose = os.memfd_create("kvxferd-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        outside = os.open(tmp_path / "kv", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(loose, size)
+            os.ftruncate(outside, size)
+            unsealed = [{**d, "fd": loose} for d in cache.descriptors()]
+            assert "not sealed against shrinking" in str(refused(unsealed))
+            elsewhere = [{**d, "fd": outside} for d in cache.descriptors()]
+            err = refused(elsewhere)
+            assert str(tmp_path / "kv") in str(err) and "/dev/shm" in str(err)
+            fcntl.fcntl(loose, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
+            assert len(mapper.map_regions(geo, unsealed, PID)) == 2  # sealed: accepted
+            mapper.release_unused([])
+        finally:
+            os.close(loose)
+            os.close(outside)
+        closed = os.dup(cache.fd)
+        os.close(closed)  # a descriptor number the engine does not hold
+        err = refused([{**d, "fd": closed} for d in cache.descriptors()])
+        assert f"descriptor {closed} of engine process {PID}" in str(err)
+    with allocate_cpu(geo, name="mem-unlinked", shm_dir="/dev/shm") as cache:
+        fd = os.open(cache.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            os.unlink(cache.path)  # a file of the shm dirs without a name any more
+            regions = mapper.map_regions(geo, [{**d, "fd": fd, "path": None} for d in cache.descriptors()], PID)
+            cache.k(0).view(torch.uint8).fill_(3)
+            assert int(regions[(0, "k")].flat.min()) == 3
+        finally:
+            os.close(fd)

@@ -38,15 +38,18 @@ def descendants(pid: int) -> set[int]:
     return out
 
 
+SHM_MARKS = ("/dev/shm/kvxferd-", "/memfd:kvxferd-")  # named files, and the memfds engine caches are
+
+
 def shm_files(pids: set[int]) -> set[str]:
-    """The kvxferd shared-memory files these processes have mapped."""
+    """The kvxferd shared-memory files (named or memfd) these processes have mapped."""
     out: set[str] = set()
     for pid in pids:
         try:
             maps = Path(f"/proc/{pid}/maps").read_text()
         except OSError:
             continue
-        out.update(line.split()[-1] for line in maps.splitlines() if "/dev/shm/kvxferd-" in line)
+        out.update(line.split(maxsplit=5)[-1] for line in maps.splitlines() if any(m in line for m in SHM_MARKS))
     return {p.removesuffix(" (deleted)") for p in out}
 
 
@@ -56,6 +59,19 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return b""
+
+
+def still_there(name: str) -> bool:
+    """A named file that still exists, or a memfd some process still maps (then its memory is kept)."""
+    if not name.startswith("/memfd:"):
+        return os.path.exists(name)
+    for maps in Path("/proc").glob("[0-9]*/maps"):
+        try:
+            if name + " " in maps.read_text():
+                return True
+        except OSError:
+            continue
+    return False
 
 
 def alive(pid: int) -> bool:
@@ -97,7 +113,7 @@ def assert_clean(started: set[int], files: set[str]) -> None:
     while any(alive(p) for p in started) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not [p for p in started if alive(p)], "processes the tool started outlived it"
-    assert files and not [f for f in files if os.path.exists(f)], "shared-memory files outlived the tool"
+    assert files and not [f for f in files if still_there(f)], "shared-memory files outlived the tool"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])

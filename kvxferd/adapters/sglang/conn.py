@@ -72,7 +72,7 @@ class PoolContext:
     metadata_buffers: Any
     model_total_kv_heads: int | None
     num_hidden_layers: int
-    shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool, unlinked once registered
+    shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
 
 
 CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
@@ -183,9 +183,6 @@ class KvxferdKVManager(BaseKVManager):
         except BaseException:
             self.client.close()
             raise
-        finally:
-            if ctx.shared is not None:
-                ctx.shared.close()  # the daemon mapped the file; its name is no longer needed
         try:
             self.daemon_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
             log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,

@@ -85,10 +85,16 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
     token = CURRENT_POOL.set(ctx)
     try:
         return original(queue)
+    except BaseException:
+        if shared is not None:
+            shared.close()
+        raise
     finally:
         CURRENT_POOL.reset(token)
-        if shared is not None:
-            shared.close()  # registered by now, or failed: the name must not outlive start-up
+        if shared is not None and shared.path is not None:
+            shared.close()  # a named file: the daemon mapped it, the name must not outlive start-up
+        # a memfd stays open: it has no name to leak, and re-registering after a daemon
+        # restart hands the daemon this descriptor again
 
 
 def register() -> None:

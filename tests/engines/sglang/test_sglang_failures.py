@@ -198,7 +198,7 @@ def test_kvargs_point_into_kvxferd_shared_memory(cluster):
         maps = open("/proc/self/maps").read().splitlines()
         ptr = k[0].data_ptr()
         [line] = [ln for ln in maps if int(ln.split()[0].split("-")[0], 16) <= ptr < int(ln.split()[0].split("-")[1], 16)]
-        assert "/dev/shm/kvxferd-sglang-prefill-tp0-pp0-" in line and line.endswith("(deleted)")
+        assert "/memfd:kvxferd-sglang-prefill-tp0-pp0-" in line and line.endswith("(deleted)")
         with EngineClient(cluster.daemons["pd"].socket_path) as kv:
             ranks = {r["rank_id"]: r for r in kv.status()["ranks"]}
         mine = ranks[rank.manager.rank_id]
