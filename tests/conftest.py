@@ -2,6 +2,8 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
+
 # UCX (under NIXL) loads its InfiniBand module wherever libibverbs is installed, and on a
 # host without an RDMA device that module crashes at process exit. The tests run UCX over
 # loopback TCP only, so they leave it out; tests/test_nixl.py checks that a daemon still
@@ -85,3 +87,17 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         pids = users[path]
         what = f"in use by pids {pids}" if pids else "LEFT BEHIND: no process uses it"
         terminalreporter.write_line(f"{path} ({size} bytes) {what}", red=not pids)
+
+
+@pytest.fixture
+def cluster():
+    """An empty loopback cluster for one test: whatever daemons and engines the test starts in
+    it are stopped afterwards (a test module may define its own, e.g. module-scoped, one)."""
+    from ops_support import close_cluster
+    from kvxferd.sim import Cluster
+
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        close_cluster(c)

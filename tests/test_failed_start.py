@@ -14,16 +14,7 @@ import sys
 import pytest
 
 from kvxferd.client import EngineClient
-from kvxferd.sim import Cluster, DaemonProc
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
+from kvxferd.sim import DaemonProc
 
 
 def serve_until_exit(d: DaemonProc, timeout: float = 120) -> subprocess.CompletedProcess[str]:

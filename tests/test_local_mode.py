@@ -12,20 +12,7 @@ import os
 import subprocess
 import sys
 
-import pytest
-
-from kvxferd.sim import Cluster
-
-from ops_support import NUM_PAGES, Scrape, close_cluster, kv_bytes, pages, spec, transfer
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        close_cluster(c)
+from ops_support import NUM_PAGES, Scrape, kv_bytes, pages, spec, transfer
 
 
 def clean_env() -> dict[str, str]:

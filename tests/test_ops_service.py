@@ -28,20 +28,11 @@ from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
 from kvxferd.sim import Cluster, DaemonProc
 
-from ops_support import (NUM_PAGES, base_url, close_cluster, http_get, in_parallel, next_for, pages, spec,
+from ops_support import (NUM_PAGES, base_url, http_get, in_parallel, next_for, pages, spec,
                          status_now, status_of, transfer, wait_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 SLACK_S = 20.0  # generous bound for "exits soon after the grace period" on a loaded machine
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        close_cluster(c)
 
 
 def start_pair(cluster: Cluster, prefill_toml: str = "", decode_toml: str = "",

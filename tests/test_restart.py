@@ -30,11 +30,6 @@ LONG = (f"[timeouts]\nbootstrap_s = {NEVER_S}\nwaiting_for_input_s = {NEVER_S}\n
         "handshake_retry_s = 0.2\ndrain_grace_s = 1.0\n")
 
 
-def remove_shm(instance: str) -> None:
-    for path in Path("/dev/shm").glob(f"kvxferd-{instance}-*"):
-        path.unlink(missing_ok=True)
-
-
 def slow_heartbeats(d, interval: float | None = None) -> None:
     """Heartbeats never declare the peer dead within the test (and, with ``interval``, are rare)."""
     text = d.config_path.read_text().replace("peer_timeout_s = 1.5", f"peer_timeout_s = {NEVER_S}")
@@ -68,15 +63,6 @@ def restart(d, env: dict[str, str] | None = None) -> str:
     return old
 
 
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
-        remove_shm("rp")
-        remove_shm("rd")
 
 
 def pair(c: Cluster, decode_heartbeat: float | None = None, env: dict[str, str] | None = None):
@@ -113,7 +99,6 @@ def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(clu
     old = restart(pd, env)
     for w in prefill:  # its engine lost its daemon; it comes back and registers again
         w.kill()
-    remove_shm("rp")
     # heartbeats resume from the new process: the change of incarnation ends the request at once
     ev = finished(decode[0], "pending", timeout=WAIT_S)
     assert ev["state"] == "failed" and ev["code"] == "peer_restarted", ev
@@ -155,7 +140,6 @@ def test_first_request_after_an_unnoticed_restart_handshakes_again(cluster):
     restart(pd)
     for w in prefill:
         w.kill()
-    remove_shm("rp")
     prefill = cluster.instance(pd, "rp", "prefill", spec(), NUM_PAGES)
     dec, pre = transfer(prefill, decode, "after", 13, src_pages=[9, 10, 11, 12], dst_pages=[13, 14, 15, 16],
                         source_address=pd.address)
@@ -191,7 +175,6 @@ def test_restarted_decode_daemon_fails_its_pending_sources_and_serves_the_next(c
     old = restart(dd)
     for w in decode:
         w.kill()
-    remove_shm("rd")
     decode = cluster.instance(dd, "rd", "decode", spec(), NUM_PAGES)
     # the new decode daemon's first request: its handshake replaces the dead link at once
     dec, pre = transfer(prefill, decode, "after", 13, src_pages=[9, 10, 11, 12], dst_pages=[13, 14, 15, 16],

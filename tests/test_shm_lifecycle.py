@@ -14,9 +14,7 @@ import subprocess
 import sys
 import time
 
-import pytest
-
-from e2e_util import Cluster, assert_verified, spec, transfer, wait_in_flight
+from e2e_util import assert_verified, spec, transfer, wait_in_flight
 from kvxferd.client import EngineClient
 
 NUM_PAGES = 16
@@ -61,15 +59,6 @@ def wait_until(check, what, timeout: float = WAIT_S) -> None:
 def ranks(d) -> list[str]:
     with EngineClient(d.socket_path, timeout=30) as client:
         return [r["rank_id"] for r in client.status()["ranks"]]
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_sigkilled_engine_leaves_no_memory_once_its_daemon_drops_the_rank(cluster):

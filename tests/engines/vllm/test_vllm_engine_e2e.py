@@ -16,7 +16,6 @@ import glob
 import json
 import os
 import random
-from pathlib import Path
 
 import pytest
 
