@@ -13,6 +13,7 @@ outside the destination rows of a legitimate request, and keep serving real engi
 from __future__ import annotations
 
 import math
+import os
 import random
 import shutil
 import sys
@@ -167,13 +168,16 @@ class EngineFuzzer:
                     (0, -3, 2**20, 10**9, 2**40))
             elif choice < 0.6 and regions:
                 x = r.choice(regions)
-                field = r.choice(("offset", "nbytes", "path", "layer", "kind", "mem"))
+                field = r.choice(("offset", "nbytes", "path", "fd", "layer", "kind", "mem"))
                 x[field] = r.choice((junk(r), -1, 2**47, x.get("offset", 0) + 2**30, "/etc/passwd",
                                      "/dev/shm/does-not-exist", "/dev/shm", "latent", "cuda_ipc", 7))
             elif choice < 0.7:
                 regions = regions[:-1] if r.random() < 0.5 else regions + regions[:1]
             msg.update(instance=r.choice(("fz-d", "fz-d", "fz-x", "", "a/b", "x" * 129)),
                        role=r.choice(("decode", "decode", "prefill", "both", "")), geometry=geo, regions=regions)
+            # CPU caches are memfds the daemon opens through the registering engine's pid
+            if r.random() < 0.8:
+                msg["pid"] = os.getpid() if r.random() < 0.8 else r.choice((1, 2**31 - 1, junk(r)))
         elif op == "unregister":
             msg.update(rank_id=r.choice(self.foreign + ["nobody/tp0/pp0", ""]))
         elif op == "expect":
@@ -286,7 +290,7 @@ def node():
     sock.connect(f"ipc://{d.socket_path}")
     ranks = {}
     for inst, role, cache in (("fz-d", "decode", dcache), ("fz-p", "prefill", pcache)):
-        sock.send(msgpack.packb({"op": "register", "seq": 1, "instance": inst, "role": role,
+        sock.send(msgpack.packb({"op": "register", "seq": 1, "instance": inst, "role": role, "pid": os.getpid(),
                                  "geometry": geo.to_dict(), "regions": cache.descriptors()}))
         reply = msgpack.unpackb(sock.recv())
         assert reply["ok"], reply
