@@ -193,11 +193,6 @@ class Config:
             return socket.gethostname()
         return self.peer.bind_host
 
-    @property
-    def peer_address(self) -> str:
-        """What other daemons and engines name this daemon by: ``host:control_port``."""
-        return f"{self.advertise_host}:{self.peer.control_port}"
-
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

@@ -1055,11 +1055,6 @@ class Daemon:
             if req == request_id:
                 self._fail_src(entry, code, message, propagate=False)
 
-    def _abort_local(self, request_id: str, code: str, message: str) -> None:
-        for entry in self.inbox.for_request(request_id):
-            self._fail_dest(entry, code, message, propagate=False)
-        self._abort_sources(request_id, code, message)
-
     def _abort_from_engine(self, rank: Rank, request_id: str, reason: str) -> dict[str, Any]:
         if rank.role == "decode":
             entry = self.inbox.get(request_id, rank.id)

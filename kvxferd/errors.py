@@ -6,7 +6,6 @@ reading it is an operator looking at a log line, not at our source.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 
@@ -88,14 +87,6 @@ class TransferError(KvxferError):
 
 class ConfigError(KvxferError, ValueError):
     code = "config"
-
-
-@dataclass(frozen=True)
-class Failure:
-    """A terminal failure as told to engines: a bounded ``code`` plus free text."""
-
-    code: str
-    message: str
 
 
 def _plain(value: Any) -> Any:

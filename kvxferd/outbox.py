@@ -68,7 +68,6 @@ class SrcEntry:
     closed: bool = False
     failure: tuple[str, str] | None = None
     bytes_sent: int = 0
-    sent_any: bool = False
 
     def add_chunk(self, chunk: Chunk) -> None:
         if self.last_end is not None:

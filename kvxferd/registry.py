@@ -58,10 +58,6 @@ class Rank:
     def coords(self) -> tuple[int, int]:
         return (self.geometry.tp_rank, self.geometry.pp_rank)
 
-    @property
-    def tensors_mapped(self) -> bool:
-        return True
-
     def region(self, layer: int, kind: str) -> MappedRegion:
         return self.regions[(layer, kind)]
 
@@ -83,9 +79,6 @@ class Registry:
 
     def get(self, rid: str) -> Rank | None:
         return self._ranks.get(rid)
-
-    def find(self, instance: str, coords: tuple[int, int]) -> Rank | None:
-        return self._ranks.get(rank_id(instance, *coords))
 
     def spec(self, instance: str, role: str | None = None) -> InstanceSpec | None:
         for rank in self._ranks.values():
@@ -120,9 +113,6 @@ class Registry:
 
     def remove(self, rid: str) -> Rank | None:
         return self._ranks.pop(rid, None)
-
-    def by_identity(self, identity: bytes) -> list[Rank]:
-        return [r for r in self._ranks.values() if r.identity == identity]
 
     def count_by_role(self) -> dict[str, int]:
         counts = {"prefill": 0, "decode": 0}
