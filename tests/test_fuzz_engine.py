@@ -279,30 +279,32 @@ def blast(sock: zmq.Socket, frames_list: list[list[bytes]], timeout_ms: int = 20
 @pytest.fixture(scope="module")
 def node():
     c = Cluster()
-    d = c.daemon("fuzz-engine-node", extra_toml=CONFIG)
-    prefill, decode = c.instances((d, "lp", "prefill", spec(), NUM_PAGES),
-                                      (d, "ld", "decode", spec(), NUM_PAGES))
     geo = RankGeometry(spec(), 0, 0, NUM_PAGES)
     dcache = allocate_cpu(geo, name="fz-d", fill=CANARY)
     pcache = allocate_cpu(geo, name="fz-p", fill=CANARY)
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(f"ipc://{d.socket_path}")
-    ranks = {}
-    for inst, role, cache in (("fz-d", "decode", dcache), ("fz-p", "prefill", pcache)):
-        sock.send(msgpack.packb({"op": "register", "seq": 1, "instance": inst, "role": role, "pid": os.getpid(),
-                                 "geometry": geo.to_dict(), "regions": cache.descriptors()}))
-        reply = msgpack.unpackb(sock.recv())
-        assert reply["ok"], reply
-        ranks[role] = reply["rank_id"]
-    state = {"cluster": c, "daemon": d, "prefill": prefill, "decode": decode, "sock": sock, "geo": geo,
-             "dcache": dcache, "pcache": pcache, "ranks": ranks, "allowed_decode": [], "allowed_prefill": []}
-    yield state
-    sock.close(0)
-    dcache.close()
-    pcache.close()
-    c.close()
-    shutil.rmtree(c.root, ignore_errors=True)
+    try:  # a failed set-up must stop what it started too
+        d = c.daemon("fuzz-engine-node", extra_toml=CONFIG)
+        prefill, decode = c.instances((d, "lp", "prefill", spec(), NUM_PAGES),
+                                      (d, "ld", "decode", spec(), NUM_PAGES))
+        sock.connect(f"ipc://{d.socket_path}")
+        ranks = {}
+        for inst, role, cache in (("fz-d", "decode", dcache), ("fz-p", "prefill", pcache)):
+            sock.send(msgpack.packb({"op": "register", "seq": 1, "instance": inst, "role": role,
+                                     "pid": os.getpid(), "geometry": geo.to_dict(),
+                                     "regions": cache.descriptors()}))
+            reply = msgpack.unpackb(sock.recv())
+            assert reply["ok"], reply
+            ranks[role] = reply["rank_id"]
+        yield {"cluster": c, "daemon": d, "prefill": prefill, "decode": decode, "sock": sock, "geo": geo,
+               "dcache": dcache, "pcache": pcache, "ranks": ranks, "allowed_decode": [], "allowed_prefill": []}
+    finally:
+        sock.close(0)
+        dcache.close()
+        pcache.close()
+        c.close()
+        shutil.rmtree(c.root, ignore_errors=True)
 
 
 def legit(state: dict[str, Any], tag: str) -> None:
