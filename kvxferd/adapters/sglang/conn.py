@@ -359,11 +359,14 @@ class KvxferdKVManager(BaseKVManager):
 class _Conclusion:
     """Shared bookkeeping of a request's end state on one rank."""
 
-    kv_mgr: KvxferdKVManager
-    bootstrap_room: int
-    request_id: str
-    conclude_state: Optional[int]
-    failure: tuple[str, str] | None
+    def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: Any) -> None:
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = bootstrap_room
+        self.request_id = str(bootstrap_room)  # the kvxferd request id on both sides
+        self.aux_index: int | None = None
+        self.conclude_state: Optional[int] = None
+        self.failure: tuple[str, str] | None = None
 
     def _conclude(self, poll: int, record: dict[str, Any] | None = None) -> int:
         if poll == KVPoll.Failed and self.failure is None:
@@ -403,17 +406,11 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
 
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
-        self.kv_mgr = mgr
-        self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = bootstrap_room
-        self.request_id = str(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.num_pages: int | None = None
-        self.aux_index: int | None = None
         self.cursor = 0
         self.pages_sent = 0
         self.sent = False
-        self.conclude_state: Optional[int] = None
-        self.failure: tuple[str, str] | None = None
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
@@ -469,16 +466,10 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
     """A decode rank's side of one request."""
 
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None) -> None:
-        self.kv_mgr = mgr
-        self.bootstrap_addr = bootstrap_addr
-        self.bootstrap_room = bootstrap_room
-        self.request_id = str(bootstrap_room)
+        super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.route: PrefillInfo | None = None
-        self.aux_index: int | None = None
         self.metadata_sent = False
         self.aux_landed = False
-        self.conclude_state: Optional[int] = None
-        self.failure: tuple[str, str] | None = None
         # members SGLang's decode scheduler reads outside the base class
         self.require_staging = False
         self.abort_notified = False
