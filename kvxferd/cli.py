@@ -241,7 +241,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import main as demo_main
+    from .tools.demo import main as demo_main
     return demo_main(args)
 
 
@@ -284,13 +284,20 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     def cmd_bench(args: argparse.Namespace) -> int:
-        from .bench import main as bench_main
+        from .tools.bench.cli import main as bench_main
         return bench_main(args)
 
     b = sub.add_parser("bench", help="measure throughput, latency and limits on loopback; verify every byte")
-    b.add_argument("--quick", action="store_true", help="small payloads, few repeats (about a minute)")
-    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    b.add_argument("--plot", metavar="FILE.png", help="also write a bar chart (needs matplotlib)")
+    size = b.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true",
+                      help="only the rows the ratios and targets read, at payloads big enough for them")
+    size.add_argument("--smoke", action="store_true",
+                      help="the machinery only: one row of each kind, tiny payloads, no ratios (what the tests run)")
+    b.add_argument("--json", action="store_true", help="print one JSON object instead of the table (save it "
+                   "to draw or print it again with --from-json)")
+    b.add_argument("--plot", metavar="FILE.svg", help="also draw every target against its goal, as SVG")
+    b.add_argument("--from-json", metavar="FILE", help="run nothing: read a run saved with --json, and print "
+                   "or draw it (ratios and targets computed again)")
     b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches")
     b.add_argument("--seed", type=int, default=1)
     b.set_defaults(func=cmd_bench)

@@ -94,7 +94,7 @@ def cluster():
     """An empty loopback cluster for one test: whatever daemons and engines the test starts in
     it are stopped afterwards (a test module may define its own, e.g. module-scoped, one)."""
     from ops_support import close_cluster
-    from kvxferd.sim import Cluster
+    from kvxferd.tools.sim import Cluster
 
     c = Cluster()
     try:

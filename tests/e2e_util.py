@@ -9,7 +9,7 @@ from typing import Any
 import zmq
 
 from kvxferd.geometry import InstanceSpec
-from kvxferd.sim import Cluster, DaemonProc, Worker
+from kvxferd.tools.sim import Cluster, DaemonProc, Worker
 
 EVENT_TIMEOUT = 60
 

@@ -16,7 +16,7 @@ import pytest
 import zmq
 
 from e2e_util import Cluster, assert_verified, close, pages_for, transfer, untouched_bytes
-from kvxferd.sim import Worker
+from kvxferd.tools.sim import Worker
 from kvxferd.transport import nixl as nixl_mod
 
 #: UCX on loopback TCP only: no RDMA devices, no shared-memory shortcut between the daemons

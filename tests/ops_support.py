@@ -15,7 +15,7 @@ from typing import Any, Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvxferd.geometry import InstanceSpec
-from kvxferd.sim import Cluster, DaemonProc, Worker
+from kvxferd.tools.sim import Cluster, DaemonProc, Worker
 
 EVENT_TIMEOUT = 60.0
 

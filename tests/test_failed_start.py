@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from kvxferd.client import EngineClient
-from kvxferd.sim import DaemonProc
+from kvxferd.tools.sim import DaemonProc
 
 
 def serve_until_exit(d: DaemonProc, timeout: float = 120) -> subprocess.CompletedProcess[str]:

@@ -35,7 +35,7 @@ import zmq
 
 from e2e_util import Cluster, finished, spec
 from kvxferd.client import EngineClient
-from kvxferd.sim import logical_cache
+from kvxferd.tools.oracle import logical_cache
 from test_fuzz_engine import canary, junk, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

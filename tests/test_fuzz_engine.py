@@ -32,7 +32,7 @@ from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
-from kvxferd.sim import CANARY
+from kvxferd.tools.oracle import CANARY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
@@ -61,7 +61,7 @@ def canary(worker, allowed: list[list[Any]]) -> dict[str, Any]:
 
 
 def local_canary(cache, allowed: list[list[Any]] = ()) -> dict[str, Any]:
-    from kvxferd.sim import canary_report
+    from kvxferd.tools.oracle import canary_report
     return canary_report(cache, cache.geometry, list(allowed))
 
 
@@ -469,7 +469,7 @@ def test_source_addresses_named_by_engines_do_not_pile_up_links():
 
     Nothing here depends on timing: the requests cannot time out while the links are counted
     (a link is kept while a request waits on it), and they end by the engine's abort."""
-    from kvxferd.sim import free_port
+    from kvxferd.tools.sim import free_port
     c = Cluster()
     started = time.monotonic()
     try:

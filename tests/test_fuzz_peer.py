@@ -28,7 +28,7 @@ from hypothesis import strategies as st
 from e2e_util import Cluster, assert_verified, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
-from kvxferd.sim import free_port
+from kvxferd.tools.sim import free_port
 from test_fuzz_engine import canary, encoded_mutations, junk, value, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -21,7 +21,7 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
-from kvxferd.sim import Cluster
+from kvxferd.tools.sim import Cluster
 
 from ops_support import (NUM_PAGES, Scrape, base_url, close_cluster, http_get, kv_bytes, next_for, pages, spec,
                          start_pair, transfer, wait_for)

@@ -1,4 +1,4 @@
-"""The byte oracle of the simulated engines (kvxferd/sim.py): deterministic, different in
+"""The byte oracle of the simulated engines (kvxferd/tools/oracle.py): deterministic, different in
 every place, and a check that catches misplaced, misordered and corrupted bytes."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from e2e_util import spec
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
-from kvxferd.sim import check_rank, fill_rank, logical_cache, logical_pages
+from kvxferd.tools.oracle import check_rank, fill_rank, logical_cache, logical_pages
 
 
 def _words(t: torch.Tensor) -> torch.Tensor:

@@ -127,7 +127,7 @@ def test_demo_stopped_by_a_signal_stops_its_daemons_and_removes_its_files(sig):
 @pytest.mark.slow
 def test_bench_stopped_by_sigterm_stops_its_daemons_and_removes_its_files():
     code, started, files = stop_when_busy(
-        [sys.executable, "-m", "kvxferd", "bench", "--quick", "--only", "^local direct"], signal.SIGTERM,
+        [sys.executable, "-m", "kvxferd", "bench", "--smoke", "--only", "^local direct"], signal.SIGTERM,
         want_engines=1)
     assert code == 128 + signal.SIGTERM, code
     assert_clean(started, files)

@@ -27,7 +27,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 
 load_plugins()
 
-from kvxferd.sim import Cluster  # noqa: E402
+from kvxferd.tools.sim import Cluster  # noqa: E402
 
 # a prefill rank retries its bootstrap registration this long (SGLang starts the server beside it)
 os.environ.setdefault("KVXFERD_SGLANG_BOOTSTRAP_WAIT_S", "5")
@@ -60,7 +60,7 @@ def gloo():
     """A one-process gloo group, so SGLang's own poll reducers (poll_and_all_reduce*) run."""
     import torch.distributed as dist
 
-    from kvxferd.sim import free_port
+    from kvxferd.tools.sim import free_port
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
     try:

@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.common import kv_to_page_indices
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool
 from sglang.srt.runtime_context import get_context, get_parallel
 
-from kvxferd.sim import DaemonProc, free_port
+from kvxferd.tools.sim import DaemonProc, free_port
 
 BACKEND = TransferBackend("kvxferd")
 POLL_TIMEOUT = 30.0

@@ -6,11 +6,12 @@ import json
 import queue
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Any
 
-from kvxferd.sim import DaemonProc
+from kvxferd.tools import jsonlines
+from kvxferd.tools.jsonlines import read_events, send_command
+from kvxferd.tools.sim import DaemonProc
 
 HERE = Path(__file__).parent
 EVENT_TIMEOUT = 120.0
@@ -25,17 +26,7 @@ class JsonProc:
         self.proc = subprocess.Popen([sys.executable, str(HERE / script), json.dumps(config)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
                                      bufsize=1)
-        self.events: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            try:
-                self.events.put(json.loads(line))
-            except json.JSONDecodeError:
-                pass
-        self.events.put({"event": "exit"})
+        self.events = read_events(self.proc)
 
     def next(self, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
         try:
@@ -47,26 +38,14 @@ class JsonProc:
         return event
 
     def call(self, timeout: float = EVENT_TIMEOUT, **cmd: Any) -> dict[str, Any]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(cmd) + "\n")
-        self.proc.stdin.flush()
+        send_command(self.proc, cmd)
         return self.next(timeout)
 
     def log_tail(self, n: int = 4000) -> str:
         return self.log_path.read_text(errors="replace")[-n:] if self.log_path.exists() else ""
 
     def close(self, timeout: float = 30) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.close()
-            except OSError:
-                pass
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        jsonlines.close(self.proc, timeout)
         self._log.close()
 
 

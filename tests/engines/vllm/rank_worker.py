@@ -1,7 +1,7 @@
 """One vLLM worker rank in its own process: vLLM's parallel state, vLLM's KV allocation, the connector.
 
 Started by the tests as ``python rank_worker.py '<json>'``; reads JSON commands on stdin and
-prints JSON events on stdout (like ``kvxferd.sim``'s workers). The rank is real vLLM as far
+prints JSON events on stdout (like ``kvxferd.tools.sim``'s workers). The rank is real vLLM as far
 as the connector can tell: vLLM's distributed groups are initialised (gloo, one process per
 TP rank), the KV cache comes from vLLM's own ``allocate_kv_cache`` in the CPU backend's
 layout, and the connector is built as a WORKER from the same config an engine would use.

@@ -20,7 +20,7 @@ import random
 import pytest
 
 import vllm_util as vu
-from kvxferd.sim import Cluster
+from kvxferd.tools.sim import Cluster
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status, metric
 

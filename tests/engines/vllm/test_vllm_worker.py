@@ -28,7 +28,7 @@ import pytest
 
 import vllm_util as vu
 from kvxferd.geometry import InstanceSpec
-from kvxferd.sim import Cluster, free_port
+from kvxferd.tools.sim import Cluster, free_port
 from e2e_util import wait_in_flight
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status

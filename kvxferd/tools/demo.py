@@ -20,14 +20,126 @@ import shutil
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import ConfigError
-from .geometry import InstanceSpec
+from ..errors import ConfigError
+from ..geometry import InstanceSpec
 from .sim import Cluster
 
 DEMO_SPEC = dict(attention="mha", num_layers=8, total_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16,
                  model="demo-gqa")
+
+
+@dataclass
+class _Stream:
+    """A stream of requests of varied lengths, some chunked, ``window`` in flight, each with its
+    own prefill and decode pages (prefill pages are reused; decode pages stay to be checked)."""
+
+    prefill: list[Any]
+    decode: list[Any]
+    source: str
+    per_token: int
+    rng: random.Random
+    free: list[int]
+    window: int = 8
+    sent_at: dict[str, float] = field(default_factory=dict)
+    in_use: dict[str, list[int]] = field(default_factory=dict)
+    lat: list[float] = field(default_factory=list)
+    failed: list[dict[str, Any]] = field(default_factory=list)
+    oracle: dict[str, float] = field(default_factory=lambda: {"fill_s": 0.0, "check_s": 0.0})
+    total_bytes: int = 0
+    issued: int = 0
+
+    def issue(self) -> bool:
+        """Start the next request on every rank; False when the pages for it are not free yet."""
+        n = self.rng.choice([1, 15, 16, 17, 100, 333, 512, 1000])
+        pages_needed = -(-n // 16)
+        if len(self.free) < 2 * pages_needed:
+            return False
+        src_pages = [self.free.pop() for _ in range(pages_needed)]
+        dst_pages = [self.free.pop() for _ in range(pages_needed)]
+        rid = f"demo-{self.issued}"
+        self.in_use[rid] = src_pages
+        chunks = None
+        if n > 64 and self.rng.random() < 0.5:
+            cut = self.rng.randrange(1, pages_needed) * 16 if pages_needed > 1 else n
+            chunks = [[0, min(cut, n)], [min(cut, n), n]] if cut < n else None
+        self.sent_at[rid] = time.perf_counter()
+        for w in self.decode:
+            w.command(cmd="expect", request_id=rid, pages=dst_pages, n=n, source_instance="prefill-a",
+                      source_address=self.source or None)
+        for w in self.prefill:
+            w.command(cmd="send", request_id=rid, pages=src_pages, n=n, chunks=chunks, aux=b"first-token".hex())
+        self.total_bytes += n * self.per_token
+        self.issued += 1
+        return True
+
+    def landed(self, event: dict[str, Any], progress: Any) -> bool:
+        """Account for one decode-side event; True when it ends a request (done, failed or refused)."""
+        if event.get("event") == "error":
+            self.failed.append(event)
+            return True
+        if event.get("event") != "finished":
+            return False
+        rid = event["request_id"]
+        self.lat.append(time.perf_counter() - self.sent_at[rid])
+        self.oracle["check_s"] += event.get("check_s") or 0.0
+        if not (event["state"] == "done" and event.get("mismatched_bytes") == 0):
+            self.failed.append(event)
+        self.free.extend(self.in_use.pop(rid))
+        if progress:
+            progress(f"  request {rid:<10} {event['state']:<6} mismatched={event.get('mismatched_bytes')}")
+        return True
+
+    def run(self, requests: int, progress: Any) -> None:
+        done = outstanding = 0
+        while done < requests:
+            while self.issued < requests and outstanding < self.window and self.issue():
+                outstanding += 1
+            if self.landed(self.decode[0].next_event(120), progress):
+                done += 1
+                outstanding -= 1
+
+    def drain_prefill(self, requests: int) -> None:
+        """Every prefill rank must have reported its pages free as well."""
+        for w in self.prefill:
+            seen = 0
+            deadline = time.monotonic() + 30
+            while seen < requests and time.monotonic() < deadline:
+                ev = w.next_event(30)
+                if ev.get("event") == "finished":
+                    seen += 1
+                    self.oracle["fill_s"] += ev.get("fill_s") or 0.0
+                    if ev["state"] != "done":
+                        self.failed.append(ev)
+            if seen < requests:
+                self.failed.append({"event": "missing", "reason": f"a prefill rank reported {seen} of {requests}"})
+
+
+def _start(cluster: Cluster, transport: str, mode: str) -> tuple[Any, Any]:
+    """The prefill and decode daemons (one daemon for ``local``)."""
+    env = {"KVXFERD_PEER_MODE": mode}
+    if transport == "nixl":  # both daemons offer NIXL; UCX stays on loopback unless told otherwise
+        env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
+                   UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
+    if transport == "local":
+        pd = cluster.daemon("node", env=env)
+        return pd, pd
+    return cluster.daemon("prefill-node", env=env), cluster.daemon("decode-node", env=env)
+
+
+def _moved_as_asked(pd: Any, transport: str, mode: str, failed: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bytes the prefill daemon sent per transport and mode; a run that did not move them as
+    asked (NIXL fell back to tcp, another mode) fails instead of passing for what it was not."""
+    moved = _sent_by(pd.metrics_url, "transport")
+    by_mode = _sent_by(pd.metrics_url, "transport", "mode")
+    if transport == "nixl" and not moved.get("nixl"):
+        failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
+                                                      f"{pd.log_path} for event=nixl_unavailable"})
+    if mode != "auto" and not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
+        failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
+    return {"bytes_by_transport": moved, "bytes_by_transport_mode": by_mode}
 
 
 def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", seed: int = 1,
@@ -38,117 +150,31 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
     rng = random.Random(seed)
     cluster = Cluster()
     keep_logs = False
-    env = {"KVXFERD_PEER_MODE": mode}
-    if transport == "nixl":  # both daemons offer NIXL; UCX stays on loopback unless told otherwise
-        env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
-                   UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
     try:
-        if transport == "local":
-            pd = cluster.daemon("node", env=env)
-            dd = pd
-        else:
-            pd = cluster.daemon("prefill-node", env=env)
-            dd = cluster.daemon("decode-node", env=env)
+        pd, dd = _start(cluster, transport, mode)
         pspec = InstanceSpec(tp_size=2, **DEMO_SPEC)
-        dspec = InstanceSpec(tp_size=1, **DEMO_SPEC)
         num_pages = 512
         prefill = cluster.instance(pd, "prefill-a", "prefill", pspec, num_pages)
-        decode = cluster.instance(dd, "decode-a", "decode", dspec, num_pages)
-        source = "" if dd is pd else pd.address
-        started = time.perf_counter()
-        sent_at: dict[str, float] = {}
-        lat: list[float] = []
-        total_bytes = 0
-        failed: list[dict[str, Any]] = []
-        verified = True
-        oracle = {"fill_s": 0.0, "check_s": 0.0}
+        decode = cluster.instance(dd, "decode-a", "decode", InstanceSpec(tp_size=1, **DEMO_SPEC), num_pages)
         free = list(range(num_pages))
         rng.shuffle(free)
-        in_use: dict[str, tuple[list[int], list[int]]] = {}
-        outstanding = 0
-        issued = 0
-        window = 8
-        done_count = 0
-        per_token = pspec.num_layers * 2 * pspec.kv_heads * pspec.head_dim * 2
-        while done_count < requests:
-            while issued < requests and outstanding < window:
-                n = rng.choice([1, 15, 16, 17, 100, 333, 512, 1000])
-                pages_needed = -(-n // 16)
-                if len(free) < 2 * pages_needed:
-                    break
-                src_pages = [free.pop() for _ in range(pages_needed)]
-                dst_pages = [free.pop() for _ in range(pages_needed)]
-                rid = f"demo-{issued}"
-                in_use[rid] = (src_pages, dst_pages)
-                chunks = None
-                if n > 64 and rng.random() < 0.5:
-                    cut = rng.randrange(1, pages_needed) * 16 if pages_needed > 1 else n
-                    chunks = [[0, min(cut, n)], [min(cut, n), n]] if cut < n else None
-                sent_at[rid] = time.perf_counter()
-                for w in decode:
-                    w.command(cmd="expect", request_id=rid, pages=dst_pages, n=n, source_instance="prefill-a",
-                              source_address=source or None)
-                for w in prefill:
-                    w.command(cmd="send", request_id=rid, pages=src_pages, n=n, chunks=chunks, aux=b"first-token".hex())
-                total_bytes += n * per_token
-                issued += 1
-                outstanding += 1
-            event = decode[0].next_event(120)
-            if event.get("event") == "error":
-                failed.append(event)
-                verified = False
-                done_count += 1
-                outstanding -= 1
-                continue
-            if event.get("event") != "finished":
-                continue
-            rid = event["request_id"]
-            lat.append(time.perf_counter() - sent_at[rid])
-            oracle["check_s"] += event.get("check_s") or 0.0
-            ok = event["state"] == "done" and event.get("mismatched_bytes") == 0
-            if not ok:
-                verified = False
-                failed.append(event)
-            src_pages, dst_pages = in_use.pop(rid)
-            free.extend(src_pages)  # prefill pages are reused; decode pages stay to be checked
-            done_count += 1
-            outstanding -= 1
-            if progress:
-                progress(f"  request {rid:<10} {event['state']:<6} mismatched={event.get('mismatched_bytes')}")
+        stream = _Stream(prefill, decode, "" if dd is pd else pd.address,
+                         pspec.num_layers * 2 * pspec.kv_heads * pspec.head_dim * 2, rng, free)
+        started = time.perf_counter()
+        stream.run(requests, progress)
         seconds = time.perf_counter() - started
-        # every prefill rank must have reported its pages free as well
-        for w in prefill:
-            seen = 0
-            deadline = time.monotonic() + 30
-            while seen < requests and time.monotonic() < deadline:
-                ev = w.next_event(30)
-                if ev.get("event") == "finished":
-                    seen += 1
-                    oracle["fill_s"] += ev.get("fill_s") or 0.0
-                    if ev["state"] != "done":
-                        verified = False
-                        failed.append(ev)
-            if seen < requests:
-                verified = False
-        lat.sort()
-        moved = _sent_by(pd.metrics_url, "transport")
-        by_mode = _sent_by(pd.metrics_url, "transport", "mode")
-        if transport == "nixl" and not moved.get("nixl"):
-            verified = False  # negotiation fell back to tcp: say so instead of passing as NIXL
-            failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
-                                                          f"{pd.log_path} for event=nixl_unavailable"})
-        if mode != "auto" and not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
-            verified = False  # the mode asked for was not the mode used
-            failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
-        keep_logs = not (verified and not failed)  # the daemons' logs of a failed run stay for a look
-        return {"requests": requests, "failed": len(failed), "verified": verified and not failed,
-                "bytes": total_bytes, "seconds": round(seconds, 4),
-                "gbps": round(total_bytes / seconds / 1e9, 4) if seconds else 0.0,
+        stream.drain_prefill(requests)
+        moved = _moved_as_asked(pd, transport, mode, stream.failed)
+        keep_logs = bool(stream.failed)  # the daemons' logs of a failed run stay for a look
+        lat = sorted(stream.lat)
+        return {"requests": requests, "failed": len(stream.failed), "verified": not stream.failed,
+                "bytes": stream.total_bytes, "seconds": round(seconds, 4),
+                "gbps": round(stream.total_bytes / seconds / 1e9, 4) if seconds else 0.0,
                 "p50_ms": round(lat[len(lat) // 2] * 1e3, 3) if lat else None,
                 "p99_ms": round(lat[min(len(lat) - 1, int(len(lat) * 0.99))] * 1e3, 3) if lat else None,
-                "daemon": daemon_figures(pd.metrics_url, dd.metrics_url), "oracle": {k: round(v, 4) for k, v in oracle.items()},
-                "transport": transport, "mode": mode, "bytes_by_transport": moved,
-                "bytes_by_transport_mode": by_mode, "failures": failed[:5]}
+                "daemon": daemon_figures(pd.metrics_url, dd.metrics_url),
+                "oracle": {k: round(v, 4) for k, v in stream.oracle.items()},
+                "transport": transport, "mode": mode, **moved, "failures": stream.failed[:5]}
     finally:
         cluster.close()
         if not keep_logs:
@@ -235,7 +261,7 @@ def main(args: Any) -> int:
               file=sys.stderr)
         return 2
     if args.transport == "nixl":
-        from .transport.nixl import available
+        from ..transport.nixl import available
         ok, why = available()
         if not ok:
             print(f"kvxferd demo: --transport nixl needs the NIXL package: {why}\n"
@@ -243,7 +269,7 @@ def main(args: Any) -> int:
             return 2
     if not args.json:
         print(f"kvxferd demo: {args.requests} requests, transport={args.transport}, mode={args.mode}")
-    from .signals import cleanup_on_signals
+    from ..signals import cleanup_on_signals
     with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
         summary = run_demo(args.requests, args.transport, args.mode, args.seed, progress)
     if args.json:

@@ -1,0 +1,185 @@
+"""From rows to what a reader reads: ratios to limits and peers, targets met or missed, the table.
+
+Pure functions of the rows, so a saved run (``--json``) renders the same as a live one.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from .model import STEADY_BYTES, STREAMS_BYTES, TARGETS, Row, Workload, size_label
+
+
+def _find_row(rows: list[Row], pred: Callable[[Row], bool]) -> Row | None:
+    return next((r for r in rows if pred(r)), None)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def steady(row: Row) -> bool:
+    """Whether a throughput row's payload is large enough for a ratio (:data:`STEADY_BYTES`)."""
+    return bool(row.bytes) and row.bytes >= STEADY_BYTES
+
+
+def _limit_of(row: Row, limits: dict[tuple[Any, Any], float | None], peer_at: Callable[..., float | None]
+              ) -> tuple[str, float | None]:
+    if row.transport == "nixl":
+        return "raw nixl", peer_at("nixl", row.bytes)
+    kind = "memcpy" if row.transport == "local" else "socket"
+    return kind, row.extra.get("adjacent_limit_gbps") or limits.get((kind, row.bytes))
+
+
+def _row_ratios(rows: list[Row], limits: dict[tuple[Any, Any], float | None],
+                peer_at: Callable[..., float | None]) -> None:
+    """``vs_limit`` and ``vs_peer`` of every verified kvxferd row at steady state; the others say why not."""
+    peers = [r for r in rows if r.group == "peer" and r.gbps]
+    for r in rows:
+        if r.group != "kvxferd" or not r.gbps or not r.verified:
+            continue
+        r.limit, lim = _limit_of(r, limits, peer_at)
+        if not steady(r):
+            r.extra["no_ratio"] = f"payload {size_label(r.bytes or 0)} is below {size_label(STEADY_BYTES)}"
+            continue
+        r.vs_limit = _ratio(r.gbps, lim)
+        same = [p.gbps for p in peers if p.bytes == r.bytes] or [p.gbps for p in peers]
+        r.vs_peer = _ratio(r.gbps, max(same)) if same else None
+
+
+def compute(rows: list[Row], headline: Workload, tp_workloads: list[Workload]) -> dict[str, Any]:
+    """The run's ratios (None where a row is missing, failed, or too small to say)."""
+    limits = {(r.extra.get("limit"), r.bytes): r.gbps for r in rows if r.group == "limit"}
+
+    def peer_at(name: str, nbytes: int | None) -> float | None:
+        r = _find_row(rows, lambda x: x.group == "peer" and x.extra.get("peer") == name and x.bytes == nbytes)
+        return r.gbps if r else None
+
+    _row_ratios(rows, limits, peer_at)
+    ok = [r for r in rows if r.group == "kvxferd" and r.verified and r.gbps and steady(r)]
+
+    def best(transport: str, wl: Workload, mode: str | None = None) -> float | None:
+        vals = [r.gbps for r in ok if r.transport == transport and r.workload == wl.label
+                and (mode is None or r.mode == mode)]
+        return max(vals) if vals else None  # type: ignore[type-var]
+
+    def head(transport: str) -> Row | None:
+        return _find_row(ok, lambda r: r.transport == transport and r.mode == "direct" and r.workload == headline.label)
+
+    def tp_ratio(transport: str) -> float | None:
+        """The slowest mismatched plan over the matched one (each at its best mode)."""
+        matched = [w for w in tp_workloads if w.p_tp == w.d_tp]
+        worst = [best(transport, w) for w in tp_workloads if w.p_tp != w.d_tp]
+        m = best(transport, matched[0]) if matched else None
+        if not m or not worst or any(v is None for v in worst):
+            return None
+        return _ratio(min(v for v in worst if v is not None), m)
+
+    tcp_row, local_row = head("tcp"), head("local")
+    tcp_head = tcp_row.gbps if tcp_row else None
+    hb = headline.nbytes
+    streams = limits.get(("socket_streams", hb)) if hb >= STREAMS_BYTES else None
+    nixl, mooncake = peer_at("nixl", hb), peer_at("mooncake", hb)
+    return {
+        # against the limit measured right before the scenario (same machine state)
+        "tcp_vs_socket": tcp_row.vs_limit if tcp_row else None,
+        "tcp_vs_socket_streams": _ratio(tcp_head, streams),
+        "local_vs_memcpy": local_row.vs_limit if local_row else None,
+        "local_vs_shm_copy": _ratio(local_row.gbps if local_row else None, limits.get(("shm_shared", hb))),
+        "tp_mismatch_vs_matched": tp_ratio("tcp"),
+        "tp_mismatch_vs_matched_local": tp_ratio("local"),
+        "nixl_sliced_vs_matched": tp_ratio("nixl"),
+        "nixl_vs_raw_nixl": _ratio(best("nixl", headline), nixl),
+        "vs_nixl_ucx_tcp": _ratio(tcp_head, nixl),
+        "vs_mooncake_tcp": _ratio(tcp_head, mooncake),
+    }
+
+
+def _target(out: list[dict[str, Any]], key: str, label: str, value: float | None, note: str | None = None) -> None:
+    t = TARGETS[key]
+    entry = {"target": label, "value": value, "goal": t.describe(), "met": t.met(value), "goal_value": t.goal,
+             "higher_is_better": t.higher_is_better, "unit": t.unit}
+    if value is None and note:
+        entry["note"] = note
+    out.append(entry)
+
+
+def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every target of the run with its figure: one line each, never asserted."""
+    out: list[dict[str, Any]] = []
+    small = f"no row at {size_label(STEADY_BYTES)} or more"
+    for key in ("tcp_vs_socket", "tcp_vs_socket_streams", "tp_mismatch_vs_matched"):
+        _target(out, key, key, ratios.get(key), small if key != "tcp_vs_socket_streams"
+                else f"no tcp row at {size_label(STREAMS_BYTES)} or more")
+    _target(out, "tp_mismatch_vs_matched", "tp_mismatch_vs_matched (local)", ratios.get("tp_mismatch_vs_matched_local"),
+            small)
+    _target(out, "nixl_sliced_vs_matched", "nixl_sliced_vs_matched", ratios.get("nixl_sliced_vs_matched"),
+            "no NIXL rows (full run, NIXL installed)")
+    for r in rows:
+        if r.group == "kvxferd" and r.transport == "local" and r.mode == "direct" and r.verified:
+            _target(out, "local_vs_memcpy", f"local_vs_memcpy ({r.workload})", r.vs_limit, r.extra.get("no_ratio"))
+    for r in rows:
+        if r.group == "latency" and r.p50_ms is not None:
+            where = f"({r.transport}, {(r.workload or '').split()[0]})"
+            _target(out, "one_page_p50_ms", f"one_page_p50_ms {where}", round(r.p50_ms, 3))
+            _target(out, "one_page_p99_ms", f"one_page_p99_ms {where}", round(r.p99_ms or 0.0, 3))
+    for r in rows:
+        if r.group == "rate" and r.requests_per_s is not None:
+            pair = r.transport != "local"
+            _target(out, "small_requests_per_s_pair" if pair else "small_requests_per_s_local",
+                    f"small_requests_per_s ({'tcp pair' if pair else 'one daemon'}, {r.extra.get('client', 'sync')} "
+                    "client)", round(r.requests_per_s))
+    for r in rows:
+        if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
+            _target(out, "plan_128k_ms", "plan_128k_ms", round(r.ms, 3))
+    return out
+
+
+def _cells(r: Row) -> tuple[str, ...]:
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    other = ""
+    if r.requests_per_s is not None:
+        other = f"{r.requests_per_s:,.0f} req/s"
+    elif r.ms is not None:
+        other = f"{r.ms:.2f} ms"
+    if r.moved_as and r.group == "kvxferd" and r.moved_as != r.mode:
+        other = (other + " " if other else "") + f"moved {r.moved_as}"
+    if r.extra.get("first_attempt_error"):
+        other = (other + " " if other else "") + "retried"
+    check = ("skipped: " + r.skipped) if r.skipped else ("-" if r.verified is None else "yes" if r.verified else "FAILED")
+    lim = f"{r.vs_limit:.2f} {r.limit}" if r.vs_limit is not None else "n/a (small)" if r.extra.get("no_ratio") else "-"
+    noise = r.extra.get("others_cpu_pct")
+    return (r.name, size_label(r.bytes) if r.bytes else "-", f(r.gbps, ".2f"), lim, f(r.vs_peer, ".2f"),
+            f(r.p50_ms, ".3f"), f(r.p99_ms, ".3f"), other, "-" if noise is None else f"{noise:.0f}%", check)
+
+
+def render_table(rows: list[Row]) -> str:
+    head = ("scenario", "bytes/req", "GB/s", "x limit", "x peer", "p50 ms", "p99 ms", "other", "others' CPU",
+            "bytes ok")
+    lines = [head] + [_cells(r) for r in rows]
+    widths = [max(len(str(x[c])) for x in lines) for c in range(len(head))]
+    out = []
+    for i, ln in enumerate(lines):
+        out.append("  ".join(str(c).ljust(widths[j]) if j in (0, 7, 9) else str(c).rjust(widths[j])
+                             for j, c in enumerate(ln)).rstrip())
+        if i == 0:
+            out.append("  ".join("-" * w for w in widths))
+    return "\n".join(out)
+
+
+def render_text(report: dict[str, Any], rows: list[Row]) -> str:
+    """The whole human-readable report: header, table, ratios, targets, the verdict on the bytes."""
+    m = report["machine"]
+    lines = [f"kvxferd bench ({report.get('size') or ('quick' if report['quick'] else 'full')}) on {m['cores']} "
+             f"cores, {m['cpu']}, {report['seconds']:.0f}s", "", render_table(rows), "",
+             "ratios: " + "  ".join(f"{k}={'-' if v is None else v}" for k, v in report["ratios"].items()),
+             "targets:"]
+    for t in report["targets"]:
+        met = "n/a" if t["met"] is None else "met" if t["met"] else "MISSED"
+        why = f"  ({t['note']})" if t.get("note") else ""
+        lines.append(f"  {t['target']:<52} {'-' if t['value'] is None else t['value']!s:>10}  goal "
+                     f"{t['goal']:<12} {met}{why}")
+    lines.append(f"\nbytes verified: {'yes' if report['verified'] else 'NO - some scenario moved wrong bytes or failed'}")
+    return "\n".join(lines)

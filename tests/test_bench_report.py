@@ -1,0 +1,94 @@
+"""The bench's ratio and target rules and its plot, on made-up rows (no processes, no timing).
+
+A ratio to a limit is given only for payloads that reach steady state, is the kvxferd
+figure over the limit measured for it, and a target is met on the side its goal says.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from kvxferd.tools.bench.model import MiB, STEADY_BYTES, TARGETS, Row, Workload
+from kvxferd.tools.bench.plot import render_svg, share_of_goal
+from kvxferd.tools.bench.report import compute, render_table, targets_report
+from kvxferd.tools.bench.scenarios import build_scenarios, headline_workload, tp_workloads
+
+
+def _rows(wl: Workload, tp: list[Workload], gbps: dict[str, float]) -> list[Row]:
+    n = wl.nbytes
+    rows = [Row("limit memcpy", "limit", bytes=n, gbps=20.0, extra={"limit": "memcpy"}),
+            Row("limit socket", "limit", bytes=n, gbps=4.0, extra={"limit": "socket"}),
+            Row("local direct", "kvxferd", bytes=n, gbps=gbps["local"], verified=True, transport="local",
+                mode="direct", workload=wl.label, extra={"adjacent_limit_gbps": 16.0}),
+            Row("tcp direct", "kvxferd", bytes=n, gbps=gbps["tcp"], verified=True, transport="tcp", mode="direct",
+                workload=wl.label)]
+    for w, v in zip(tp[1:], (gbps["tp21"], gbps["tp12"])):
+        rows.append(Row(f"tcp direct {w.label}", "kvxferd", bytes=w.nbytes, gbps=v, verified=True, transport="tcp",
+                        mode="direct", workload=w.label))
+    return rows
+
+
+def test_quick_sizes_reach_steady_state_and_smoke_sizes_do_not():
+    for size, steady in (("quick", True), ("full", True), ("smoke", False)):
+        throughput = [s for s in build_scenarios(size) if s.kind == "throughput"]
+        assert throughput
+        assert all((s.workload.nbytes >= STEADY_BYTES) is steady for s in throughput), size
+        assert (headline_workload(size).nbytes >= STEADY_BYTES) is steady
+
+
+def test_ratios_at_steady_state_read_the_limit_measured_for_the_row():
+    wl = headline_workload("quick")
+    tp = tp_workloads("quick")
+    ratios = compute(_rows(wl, tp, {"local": 8.0, "tcp": 3.0, "tp21": 2.7, "tp12": 2.4}), wl, tp)
+    assert ratios["local_vs_memcpy"] == 0.5  # over the adjacent 16 GB/s, not the 20 of the limit row
+    assert ratios["tcp_vs_socket"] == 0.75
+    assert ratios["tp_mismatch_vs_matched"] == 0.8  # the slower mismatched plan, 2.4 / 3.0
+    assert ratios["tcp_vs_socket_streams"] is None  # 128 MiB: below the multi-stream comparison's sizes
+
+
+def test_small_payloads_give_no_ratio_and_say_why():
+    wl = Workload("8B", 64)
+    assert wl.nbytes == 8 * MiB
+    tp = tp_workloads("smoke")
+    rows = _rows(wl, tp, {"local": 8.0, "tcp": 3.0, "tp21": 2.7, "tp12": 2.4})
+    ratios = compute(rows, wl, tp)
+    assert ratios["local_vs_memcpy"] is None and ratios["tcp_vs_socket"] is None
+    assert ratios["tp_mismatch_vs_matched"] is None
+    assert all(r.vs_limit is None and "below" in r.extra["no_ratio"] for r in rows if r.group == "kvxferd")
+    assert "n/a (small)" in render_table(rows)
+    local = [t for t in targets_report(rows, ratios) if t["target"].startswith("local_vs_memcpy")]
+    assert local and all(t["value"] is None and t["met"] is None and "below" in t["note"] for t in local)
+
+
+@pytest.mark.parametrize("name, value, met, share", [
+    ("tcp_vs_socket", 0.95, True, 0.95 / 0.9), ("tcp_vs_socket", 0.5, False, 0.5 / 0.9),
+    ("one_page_p50_ms", 0.5, True, 2.0), ("one_page_p50_ms", 4.0, False, 0.25),
+    ("small_requests_per_s_pair", 1000.0, False, 0.2)])
+def test_targets_are_met_on_the_side_their_goal_says(name, value, met, share):
+    t = TARGETS[name]
+    assert t.met(value) is met
+    entry = {"target": name, "value": value, "goal": t.describe(), "met": t.met(value), "goal_value": t.goal,
+             "higher_is_better": t.higher_is_better, "unit": t.unit}
+    assert share_of_goal(entry) == pytest.approx(share)
+
+
+def test_plot_has_one_bar_per_measured_target_and_a_note_for_the_others():
+    targets = [{"target": "a > b", "value": 2.0, "goal": ">= 1x", "met": True, "goal_value": 1.0,
+                "higher_is_better": True, "unit": "x"},
+               {"target": "latency", "value": 9.0, "goal": "<= 1 ms", "met": False, "goal_value": 1.0,
+                "higher_is_better": False, "unit": "ms"},
+               {"target": "ratio", "value": None, "goal": ">= 1x", "met": None, "goal_value": 1.0,
+                "higher_is_better": True, "unit": "x", "note": "payload below 128 MiB"}]
+    svg = render_svg({"targets": targets, "machine": {"cores": 2, "cpu": "x"}, "verified": True, "size": "quick"})
+    assert svg == render_svg({"targets": targets, "machine": {"cores": 2, "cpu": "x"}, "verified": True,
+                              "size": "quick"})
+    root = ET.fromstring(svg)
+    ns = "{http://www.w3.org/2000/svg}"
+    bars = [r for r in root.iter(f"{ns}rect") if r.find(f"{ns}title") is not None]
+    assert [b.get("fill") for b in bars] == ["#2e7d32", "#c62828"]
+    widths = [float(b.get("width")) for b in bars]
+    assert widths[0] > widths[1] > 0  # 2x the goal against 1/9 of it
+    texts = [t.text for t in root.iter(f"{ns}text")]
+    assert "a > b" in texts and "n/a: payload below 128 MiB" in texts
