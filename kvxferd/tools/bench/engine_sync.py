@@ -41,8 +41,8 @@ class SyncDriver:
         if out:
             return out
         ready = dict(self.poller.poll(timeout_ms))
-        for r in self.ranks:
-            while r.client.sock in ready:
+        for r in (r for r in self.ranks if r.client.sock in ready):
+            while True:
                 try:
                     raw = r.client.sock.recv(zmq.NOBLOCK)
                 except zmq.Again:

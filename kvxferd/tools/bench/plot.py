@@ -13,7 +13,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-WIDTH = 980
+WIDTH = 1060
 LABEL_W = 330
 BAR_W = 380
 ROW_H = 22
@@ -57,22 +57,23 @@ def _row(i: int, t: dict[str, Any]) -> list[str]:
 
 def _axis(height: int) -> list[str]:
     goal_x = LABEL_W + BAR_W / SCALE_MAX
-    out = [f'<line x1="{LABEL_W}" y1="{TOP - 4}" x2="{LABEL_W}" y2="{height - 24}" stroke="#444"/>',
-           f'<line x1="{goal_x:.1f}" y1="{TOP - 4}" x2="{goal_x:.1f}" y2="{height - 24}" stroke="#000" '
+    bottom = height - 40
+    out = [f'<line x1="{LABEL_W}" y1="{TOP - 4}" x2="{LABEL_W}" y2="{bottom}" stroke="#444"/>',
+           f'<line x1="{goal_x:.1f}" y1="{TOP - 4}" x2="{goal_x:.1f}" y2="{bottom}" stroke="#000" '
            'stroke-dasharray="4 3"/>',
            f'<text x="{goal_x:.1f}" y="{TOP - 8}" text-anchor="middle">goal</text>']
-    for tick in (0.5, 1.5, 2.0):
+    for tick in (0.0, 0.5, 1.0, 1.5, 2.0):
         x = LABEL_W + BAR_W * tick / SCALE_MAX
-        out.append(f'<text x="{x:.1f}" y="{height - 10}" text-anchor="middle" fill="#666">{tick:g}</text>')
-    out.append(f'<text x="{LABEL_W + BAR_W / 2:.1f}" y="{height - 10}" text-anchor="middle" fill="#666">'
-               '1 = goal (share of goal, longer is better)</text>')
+        out.append(f'<text x="{x:.1f}" y="{bottom + 14}" text-anchor="middle" fill="#666">{tick:g}</text>')
+    out.append(f'<text x="{LABEL_W + BAR_W / 2:.1f}" y="{bottom + 32}" text-anchor="middle" fill="#666">'
+               'share of goal (1 = goal met exactly; longer is better)</text>')
     return out
 
 
 def render_svg(report: dict[str, Any]) -> str:
     """The SVG document for a bench report (live or loaded from ``--json``)."""
     targets = report.get("targets") or []
-    height = TOP + ROW_H * max(1, len(targets)) + 32
+    height = TOP + ROW_H * max(1, len(targets)) + 48
     m = report.get("machine") or {}
     size = report.get("size") or ("quick" if report.get("quick") else "full")
     title = f"kvxferd bench ({size} run): figures against their targets"
