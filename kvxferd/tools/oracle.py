@@ -64,22 +64,25 @@ def _pattern(request_id: str, key: torch.Tensor, nbytes: int) -> torch.Tensor:
     return full.view(torch.uint8)[..., :nbytes]
 
 
-def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
-                  heads: tuple[int, int] | None = None) -> torch.Tensor:
-    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range
-    (and a head range: by default all ``spec.kv_heads``).
-
-    Every (global layer, kind, token, global head) is its own unit of the pattern, keyed by
-    those coordinates alone, so any rank rebuilds exactly the layers and heads it holds, and
-    bytes in the wrong layer, kind, token or head never match.
-    """
-    kinds = len(spec.region_kinds)
+def logical_units(request_id: str, layers: tuple[int, int], kinds: int, n_tokens: int, heads: tuple[int, int],
+                  nbytes: int) -> torch.Tensor:
+    """``[layers, kinds, tokens, heads, nbytes]`` bytes: one unit per (global layer, kind, token,
+    global head), keyed by those coordinates alone, so any rank rebuilds exactly the layers and
+    heads it holds, whatever its engine's layout, and bytes in the wrong place never match."""
     layer = torch.arange(*layers, dtype=torch.int64).view(-1, 1, 1, 1)
     kind = torch.arange(kinds, dtype=torch.int64).view(1, -1, 1, 1)
     token = torch.arange(n_tokens, dtype=torch.int64).view(1, 1, -1, 1)
-    head = torch.arange(*(heads or (0, spec.kv_heads)), dtype=torch.int64).view(1, 1, 1, -1)
+    head = torch.arange(*heads, dtype=torch.int64).view(1, 1, 1, -1)
     key = (((layer * 8 + kind) << 28) + token << 16) + head
-    return _pattern(request_id, key, head_bytes(spec))
+    return _pattern(request_id, key, nbytes)
+
+
+def logical_cache(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],
+                  heads: tuple[int, int] | None = None) -> torch.Tensor:
+    """``[layers, kinds, tokens, heads, head_bytes]`` bytes of a request, for a layer range
+    (and a head range: by default all ``spec.kv_heads``), in kvxferd's NHD terms."""
+    return logical_units(request_id, layers, len(spec.region_kinds), n_tokens, heads or (0, spec.kv_heads),
+                         head_bytes(spec))
 
 
 def logical_pages(request_id: str, n_tokens: int, spec: InstanceSpec, layers: tuple[int, int],

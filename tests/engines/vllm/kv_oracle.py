@@ -1,27 +1,28 @@
 """The byte oracle for vLLM's CPU KV layout, independent of the connector and the daemon.
 
-A request's *logical* KV is ``[layers][tokens, kv_heads, 2, head_size]`` (K then V), drawn
-from a seed of (request, layer). vLLM's CPU cache keeps, per layer, ``[num_blocks, heads,
-block_size, 2 * head_size]``; inside one (block, head) the first ``head_size * block_size``
-values are K transposed ``[head_size, block_size]`` and the rest V ``[block_size,
-head_size]``. This module writes and reads tokens through that definition only, so a
+A request's *logical* KV is ``[layers][tokens, kv_heads, 2, head_size]`` (K then V): the
+project's byte oracle (``kvxferd.tools.oracle.logical_units``), one unit per (layer, K or
+V, token, head), every 8-byte word of a request different. vLLM's CPU cache keeps, per
+layer, ``[num_blocks, heads, block_size, 2 * head_size]`` (float32); inside one (block,
+head) the first ``head_size * block_size`` values are K transposed ``[head_size,
+block_size]`` and the rest V ``[block_size, head_size]``. This module writes and reads tokens through that definition only, so a
 wrong page, head, layer or token offset anywhere in the transfer shows as a mismatch.
-Values are compared as int32 bit patterns (random bits include NaNs).
+Values are compared as int32 bit patterns (the oracle's bits include NaNs).
 """
 
 from __future__ import annotations
 
-import zlib
-
 import torch
+
+from kvxferd.tools.oracle import logical_units
 
 CANARY = 0x5A5A5A5A
 
 
 def logical(request_id: str, layer: int, n_tokens: int, kv_heads: int, head_size: int) -> torch.Tensor:
     """``[n_tokens, kv_heads, 2, head_size]`` int32 bit patterns of one layer of a request."""
-    g = torch.Generator().manual_seed(zlib.crc32(f"{request_id}/{layer}".encode()))
-    return torch.randint(-2**31, 2**31 - 1, (n_tokens, kv_heads, 2, head_size), dtype=torch.int32, generator=g)
+    units = logical_units(request_id, (layer, layer + 1), 2, n_tokens, (0, kv_heads), head_size * 4)[0]
+    return units.permute(1, 2, 0, 3).contiguous().view(torch.int32)
 
 
 def _kv_views(cache: torch.Tensor, block: int, head: int) -> tuple[torch.Tensor, torch.Tensor]:
