@@ -150,7 +150,8 @@ def _cells(r: Row) -> tuple[str, ...]:
         other = (other + " " if other else "") + f"moved {r.moved_as}"
     if r.extra.get("first_attempt_error"):
         other = (other + " " if other else "") + "retried"
-    check = ("skipped: " + r.skipped) if r.skipped else ("-" if r.verified is None else "yes" if r.verified else "FAILED")
+    check = ("skipped: " + r.skipped) if r.skipped else (
+        "-" if r.verified is None else "yes" if r.verified else "FAILED")
     lim = f"{r.vs_limit:.2f} {r.limit}" if r.vs_limit is not None else "n/a (small)" if r.extra.get("no_ratio") else "-"
     noise = r.extra.get("others_cpu_pct")
     return (r.name, size_label(r.bytes) if r.bytes else "-", f(r.gbps, ".2f"), lim, f(r.vs_peer, ".2f"),
@@ -183,5 +184,6 @@ def render_text(report: dict[str, Any], rows: list[Row]) -> str:
         why = f"  ({t['note']})" if t.get("note") else ""
         lines.append(f"  {t['target']:<52} {'-' if t['value'] is None else t['value']!s:>10}  goal "
                      f"{t['goal']:<18} {met}{why}")
-    lines.append(f"\nbytes verified: {'yes' if report['verified'] else 'NO - some scenario moved wrong bytes or failed'}")
+    verdict = "yes" if report["verified"] else "NO - some scenario moved wrong bytes or failed"
+    lines.append(f"\nbytes verified: {verdict}")
     return "\n".join(lines)

@@ -18,10 +18,6 @@ from .limits import memcpy_limit, socket_limit
 from .machine import children_cpu, machine_busy, others_pct, proc_cpu, wait_quiet
 from .model import STEADY_BYTES, GiB, MiB, Row, Scenario, Workload, say, size_label
 
-#: what each run size measures; quick and smoke list only what they need (see build_scenarios)
-SIZES = ("full", "quick", "smoke")
-
-
 class _Adder:
     """Builds the scenario list: default request counts and windows from the payload size."""
 
