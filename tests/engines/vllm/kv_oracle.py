@@ -7,7 +7,8 @@ layer, ``[num_blocks, heads, block_size, 2 * head_size]`` (float32); inside one 
 head) the first ``head_size * block_size`` values are K transposed ``[head_size,
 block_size]`` and the rest V ``[block_size, head_size]``. This module writes and reads
 tokens through that definition only, so a wrong page, head, layer or token offset anywhere
-in the transfer shows as a mismatch. Values are compared as int32 bit patterns (the oracle's bits include NaNs).
+in the transfer shows as a mismatch. Values are compared as int32 bit patterns (the
+oracle's bits include NaNs).
 """
 
 from __future__ import annotations
