@@ -6,8 +6,10 @@ take turns; with two slots, a helper thread copies block k+1 while the data thre
 block k (sender), or scatters block k while the data thread receives block k+1
 (receiver). Both the native copy and socket I/O release the GIL, so the two overlap.
 
-A second slot is taken only if the pool has one free right away: under back-pressure a
-chunk falls back to one slot and strict alternation rather than wait for a second.
+A second slot is taken only if the pool has one free right away and more than half of it
+stays available (:meth:`~kvxferd.staging.StagingPool.try_acquire_spare`): under
+back-pressure a chunk falls back to one slot and strict alternation rather than wait for a
+second, or take the slots that receivers need.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def send_blocks(blocks: Sequence[B], fill: Step, send: Step, pool: StagingPool, 
     """``fill(block, slot)`` then ``send(block, slot)`` for every block in order; fills run one
     block ahead on a helper thread. Returns how many slots were used (1 or 2)."""
     first = pool.acquire(timeout)
-    second = pool.try_acquire() if len(blocks) > 1 else None
+    second = pool.try_acquire_spare() if len(blocks) > 1 else None
     if second is None:
         try:
             for b in blocks:
@@ -88,7 +90,7 @@ def receive_blocks(blocks: Sequence[B], receive: Step, drain: Step, pool: Stagin
     on a helper thread while the next block is received. Returns only when every drain has
     finished (their bytes are in place) and raises the first error of any step."""
     first = pool.acquire(timeout)
-    second = pool.try_acquire() if len(blocks) > 1 else None
+    second = pool.try_acquire_spare() if len(blocks) > 1 else None
     if second is None:
         try:
             for b in blocks:
