@@ -56,39 +56,67 @@ def slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int =
     page's start to the next when pages are not dense (``RankGeometry.slot_pitch``), so a
     slot times ``row_bytes`` is still its byte offset and nothing downstream changes.
     """
+    return token_offsets(pages, page_size, start, end, origin, pitch or page_size, 1, 0)
+
+
+def _window(pages: np.ndarray, page_size: int, start: int, end: int, origin: int) -> tuple[int, int]:
+    """Positions in ``pages`` of the first and last page ``[start, end)`` touches (end > start)."""
     if end < start or start < origin:
         raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
                            field="tokens", fix="send start <= end")
-    if end == start:
-        return np.zeros(0, dtype=INDEX_DTYPE)
-    first = start // page_size - origin // page_size  # page positions the range touches
+    first = start // page_size - origin // page_size
     last = (end - 1) // page_size - origin // page_size
-    if last >= pages.size:
+    if end > start and last >= pages.size:
         raise RequestError(f"token range [{start}, {end}) needs {last + 1} pages from token {origin}, "
                            f"page table has {pages.size}", field="pages",
                            fix="send a page for every page_size tokens of the range")
-    # every slot of the touched pages, then the range's window of them: no per-token divisions
-    touched = pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
-    every = (touched[:, None] * (pitch or page_size) + np.arange(page_size, dtype=INDEX_DTYPE)).ravel()
+    return first, last
+
+
+def token_offsets(pages: np.ndarray, page_size: int, start: int, end: int, origin: int, pitch: int,
+                  scale: int, add: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``slot * scale + add`` for every token of ``[start, end)`` (see :func:`slots`), into ``out``
+    (``end - start`` int64) when given.
+
+    Built page by page (one multiply per page, then a broadcast add of the in-page steps)
+    straight into the array returned: a per-token division, or a slot array followed by a
+    separate byte-offset pass, costs several times more at 128k tokens, mostly in the page
+    faults of fresh megabyte temporaries.
+    """
+    first, last = _window(pages, page_size, start, end, origin)
+    n = end - start
+    if out is None:
+        out = np.empty(n, dtype=INDEX_DTYPE)
+    if n == 0:
+        return out
+    base = pages[first:last + 1].astype(INDEX_DTYPE, copy=False) * (pitch * scale)
+    if add:
+        base += add
+    steps = np.arange(0, page_size * scale, scale, dtype=INDEX_DTYPE)
     skip = start % page_size
-    return every[skip:skip + (end - start)]
+    at = 0
+    k = 0
+    if skip:  # the first page, entered part-way
+        at = min(n, page_size - skip)
+        np.add(base[0], steps[skip:skip + at], out=out[:at])
+        k = 1
+    whole = (n - at) // page_size
+    if whole:
+        np.add(base[k:k + whole, None], steps, out=out[at:at + whole * page_size].reshape(whole, page_size))
+        at += whole * page_size
+        k += whole
+    if at < n:  # the last page, left part-way
+        np.add(base[k], steps[:n - at], out=out[at:])
+    return out
 
 
 def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0,
                pitch: int | None = None) -> np.ndarray:
     """The pages ``[start, end)`` touches, whole (packed layouts); same page-table convention as
     :func:`slots`. A slot is a page, so ``pitch`` is in pages (page_stride // page_bytes)."""
-    if end < start or start < origin:
-        raise RequestError(f"token range [{start}, {end}) does not start at or after {origin}",
-                           field="tokens", fix="send start <= end")
+    first, last = _window(pages, page_size, start, end, origin)
     if end == start:
         return np.zeros(0, dtype=INDEX_DTYPE)
-    first = start // page_size - origin // page_size
-    last = (end - 1) // page_size - origin // page_size
-    if last >= pages.size:
-        raise RequestError(f"token range [{start}, {end}) needs {last + 1} pages from token {origin}, "
-                           f"page table has {pages.size}", field="pages",
-                           fix="send a page for every page_size tokens of the range")
     touched = pages[first:last + 1].astype(INDEX_DTYPE, copy=False)
     return touched if pitch is None else touched * pitch
 
@@ -203,8 +231,12 @@ def paired_segments(src_slots: np.ndarray, dst_slots: np.ndarray, writer: Writer
         return Segments(src_slots[starts] * writer.src_row_bytes,
                         dst_slots[starts] * writer.dst_row_bytes, counts * head)
     return Segments(src_slots * writer.src_row_bytes + src_off,
-                    dst_slots * writer.dst_row_bytes + dst_off,
-                    np.full(src_slots.size, head, dtype=INDEX_DTYPE))
+                    dst_slots * writer.dst_row_bytes + dst_off, same_lengths(src_slots.size, head))
+
+
+def same_lengths(n: int, length: int) -> np.ndarray:
+    """``n`` equal run lengths as a read-only broadcast view: no memory per run."""
+    return np.broadcast_to(np.asarray(length, dtype=INDEX_DTYPE), (n,))
 
 
 def head_offset_bytes(writer: Writer, side: str) -> int:
@@ -218,11 +250,57 @@ def request_segments(writer: Writer, src_pages: np.ndarray, src_page_size: int, 
                      dst_pages: np.ndarray, dst_page_size: int, start: int, end: int) -> Segments:
     """(plan writer, page tables, token range) -> coalesced copy segments per region pair.
 
-    The same segments apply to every (layer, kind) region pair of the writer.
+    The same segments apply to every (layer, kind) region pair of the writer. Equal to
+    ``paired_segments(slots(src...), slots(dst...), writer)``, computed without per-token
+    slot arrays: head slices get their byte offsets straight from the page tables, and
+    whole rows look for run breaks only where a page starts on either side (inside a page
+    slots are consecutive), so the work is per page, not per token.
     """
-    src = slots(src_pages, src_page_size, start, end, src_origin)
-    dst = slots(dst_pages, dst_page_size, start, end, 0)
-    return paired_segments(src, dst, writer)
+    if writer.whole_rows:
+        return _whole_row_segments(writer, src_pages, src_page_size, src_origin, dst_pages, dst_page_size,
+                                   start, end)
+    # both sides in one allocation: two fresh megabyte arrays would each be handed back to
+    # the system when freed and fault in again on the next request
+    both = np.empty((2, max(0, end - start)), dtype=INDEX_DTYPE)
+    src = token_offsets(src_pages, src_page_size, start, end, src_origin, src_page_size,
+                        writer.src_row_bytes, head_offset_bytes(writer, "src"), out=both[0])
+    dst = token_offsets(dst_pages, dst_page_size, start, end, 0, dst_page_size,
+                        writer.dst_row_bytes, head_offset_bytes(writer, "dst"), out=both[1])
+    return Segments(src, dst, same_lengths(src.size, writer.slice_bytes))
+
+
+def _page_starts(page_size: int, start: int, end: int) -> np.ndarray:
+    """Tokens in ``(start, end)`` that begin a page."""
+    return np.arange(start // page_size * page_size + page_size, end, page_size, dtype=INDEX_DTYPE)
+
+
+def _slot_at(pages: np.ndarray, page_size: int, origin: int, tokens: np.ndarray) -> np.ndarray:
+    return pages[tokens // page_size - origin // page_size] * page_size + tokens % page_size
+
+
+def _whole_row_segments(writer: Writer, src_pages: np.ndarray, src_ps: int, src_origin: int,
+                        dst_pages: np.ndarray, dst_ps: int, start: int, end: int) -> Segments:
+    _window(src_pages, src_ps, start, end, src_origin)  # the same refusals as slots()
+    _window(dst_pages, dst_ps, start, end, 0)
+    if end == start:
+        empty = np.zeros(0, dtype=INDEX_DTYPE)
+        return Segments(empty, empty, empty)
+    src_pages = src_pages.astype(INDEX_DTYPE, copy=False)
+    dst_pages = dst_pages.astype(INDEX_DTYPE, copy=False)
+    if src_ps % dst_ps == 0:
+        cand = _page_starts(dst_ps, start, end)
+    elif dst_ps % src_ps == 0:
+        cand = _page_starts(src_ps, start, end)
+    else:
+        cand = np.union1d(_page_starts(src_ps, start, end), _page_starts(dst_ps, start, end))
+    before = cand - 1
+    breaks = ((_slot_at(src_pages, src_ps, src_origin, cand) != _slot_at(src_pages, src_ps, src_origin, before) + 1)
+              | (_slot_at(dst_pages, dst_ps, 0, cand) != _slot_at(dst_pages, dst_ps, 0, before) + 1))
+    firsts = np.concatenate((np.array([start], dtype=INDEX_DTYPE), cand[breaks]))
+    row = writer.slice_bytes
+    counts = np.diff(np.append(firsts, end))
+    return Segments(_slot_at(src_pages, src_ps, src_origin, firsts) * writer.src_row_bytes,
+                    _slot_at(dst_pages, dst_ps, 0, firsts) * writer.dst_row_bytes, counts * row)
 
 
 def chunk_bytes(writer: Writer, kinds: int, units: int) -> int:

@@ -122,6 +122,16 @@ class StagingPool:
                 return None
         return self.acquire(0.0)
 
+    def try_acquire_spare(self) -> torch.Tensor | None:
+        """A second slot for a thread that already holds one, only while more than half the
+        pool stays available: a thread holding two must not starve the receivers that other
+        daemons' senders wait on (both directions of a link share one pool)."""
+        with self._cond:
+            available = len(self._free) + self.capacity - self._allocated
+            if available - 1 < -(-self.capacity // 2):
+                return None
+        return self.try_acquire()
+
     def release(self, slot: torch.Tensor) -> None:
         with self._cond:
             self._free.append(slot)

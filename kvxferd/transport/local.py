@@ -6,13 +6,10 @@ chunk, then the bytes move region to region with no socket and no staging.
 
 from __future__ import annotations
 
-from ..copier import FEW_RUNS, copy_runs, copy_slots, settle
-
-LONG_RUN = 8192  # average segment bytes from which per-run slice copies beat index copies
+from ..copier import copy_regions, settle
 from ..errors import KvxferError, TransferError
 from ..inbox import Inbox
 from ..registry import rank_id
-from ..segments import paired_segments
 from .base import ChunkJob, Moved
 
 
@@ -26,18 +23,9 @@ class LocalTransport:
         sink = self.inbox.begin(job.header(), rank_id(job.decode_instance, *job.dst))
         ok = False
         try:
-            segs = paired_segments(job.src_slots, sink.dst_slots, job.writer)
-            fragments = 0
-            for src, dst in zip(job.regions(), sink.regions()):
-                # long runs (whole pages): plain slice copies, no temporaries; short ones: index kernels
-                if len(segs) <= FEW_RUNS or segs.lengths.sum() >= LONG_RUN * len(segs):
-                    copy_runs(src.flat, dst.flat, segs.src, segs.dst, segs.lengths)
-                else:
-                    w = job.writer
-                    copy_slots(src.flat, job.src_slots, w.src_row_bytes, job.head_offset,
-                               dst.flat, sink.dst_slots, w.dst_row_bytes, sink.head_offset,
-                               w.slice_bytes)
-                fragments += len(segs)
+            fragments = copy_regions([r.flat for r in job.regions()], [r.flat for r in sink.regions()],
+                                     job.src_slots, sink.dst_slots, job.writer, job.head_offset,
+                                     sink.head_offset)
             settle(r.flat for r in sink.regions())
             ok = True
             return Moved(job.nbytes, fragments, "direct")

@@ -17,13 +17,16 @@ import threading
 from typing import Any, Callable
 
 import numpy as np
+import torch
+
 from .. import protocol
 from ..copier import gather, scatter, settle
 from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
 from ..segments import Runs, side_runs
-from ..staging import StagingPool, block_bytes, pack
+from ..pipeline import receive_blocks, send_blocks
+from ..staging import Piece, StagingPool, block_bytes, pack
 from .base import ChunkJob, Moved
 
 log = logging.getLogger("kvxferd.tcp")
@@ -201,18 +204,19 @@ class TcpDataServer:
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
-        slot = self.staging.acquire(self.timeout_s)
-        try:
-            view = memoryview(slot.numpy())
-            for block in blocks:
-                _recv_exact(conn, view[:block_bytes(block, w.slice_bytes)])
-                for piece in block:
-                    scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
-                            sink.head_offset, w.slice_bytes,
-                            slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
-            settle(r.flat for r in regions)
-        finally:
-            self.staging.release(slot)
+
+        def receive(block: list[Piece], slot: torch.Tensor) -> None:
+            _recv_exact(conn, memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])
+
+        def drain(block: list[Piece], slot: torch.Tensor) -> None:
+            for piece in block:
+                scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
+                        sink.head_offset, w.slice_bytes,
+                        slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+
+        # scatters of one block overlap the receipt of the next (two slots when the pool has them)
+        receive_blocks(blocks, receive, drain, self.staging, self.timeout_s)
+        settle(r.flat for r in regions)
         return Moved(sink.nbytes, len(blocks), "staged")
 
     def cut(self, entry: Any) -> int:
@@ -343,17 +347,18 @@ class TcpTransport:
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
         n_tokens = job.src_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
-        slot = self.staging.acquire(self.timeout_s)
-        try:
-            view = memoryview(slot.numpy())
-            for block in blocks:
-                for piece in block:
-                    gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
-                           job.head_offset, w.slice_bytes,
-                           slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
-                sock.sendall(view[:block_bytes(block, w.slice_bytes)])
-        finally:
-            self.staging.release(slot)
+
+        def fill(block: list[Piece], slot: torch.Tensor) -> None:
+            for piece in block:
+                gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
+                       job.head_offset, w.slice_bytes,
+                       slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+
+        def send(block: list[Piece], slot: torch.Tensor) -> None:
+            sock.sendall(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])
+
+        # the next block is gathered while this one is sent (two slots when the pool has them)
+        send_blocks(blocks, fill, send, self.staging, self.timeout_s)
         return Moved(job.nbytes, len(blocks), "staged")
 
     def forget(self, address: tuple[str, int]) -> None:

@@ -1,0 +1,118 @@
+/* Batched byte-run copies for kvxferd's CPU data path (loaded with ctypes, see runcopy.py).
+ *
+ * Python callers check every offset against the regions' sizes before calling: these
+ * loops trust their arguments. ctypes releases the GIL around each call, so data threads
+ * copy in parallel with each other and with socket I/O.
+ */
+#include <stdint.h>
+#include <string.h>
+#if defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
+/* Copies for destinations that are not read again soon (KV pages a decode engine reads
+ * later): non-temporal stores skip reading each destination line into the cache first,
+ * which is a third of the memory traffic of a large copy. Plain memcpy elsewhere, and for
+ * short runs, where the stores' partial lines would cost more than they save. */
+static inline void copy_nt(uint8_t *dst, const uint8_t *src, size_t n)
+{
+#if defined(__SSE2__)
+    if (n >= 256) {
+        size_t lead = (size_t)(-(uintptr_t)dst) & 15;
+        memcpy(dst, src, lead);
+        dst += lead; src += lead; n -= lead;
+        for (; n >= 64; n -= 64, dst += 64, src += 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)src);
+            __m128i b = _mm_loadu_si128((const __m128i *)(src + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 32));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 48));
+            _mm_stream_si128((__m128i *)dst, a);
+            _mm_stream_si128((__m128i *)(dst + 16), b);
+            _mm_stream_si128((__m128i *)(dst + 32), c);
+            _mm_stream_si128((__m128i *)(dst + 48), d);
+        }
+    }
+#endif
+    memcpy(dst, src, n);
+}
+
+static inline void fence(int nt)
+{
+#if defined(__SSE2__)
+    if (nt)
+        _mm_sfence(); /* streamed stores visible before the caller reports the copy done */
+#else
+    (void)nt;
+#endif
+}
+
+/* Short runs at scattered addresses leave the hardware prefetcher no time to ramp up:
+ * ask for the next run's source (up to 4 KiB of it) while this one is copied. */
+static inline void prefetch(const uint8_t *src, size_t n)
+{
+    if (n > 4096)
+        n = 4096;
+    for (size_t k = 0; k < n; k += 64)
+        __builtin_prefetch(src + k, 0, 0);
+}
+
+#define COPY(nt, d, s, n) do { if (nt) copy_nt((d), (s), (n)); else memcpy((d), (s), (n)); } while (0)
+
+/* For every region pair r and run i: dst_bases[r] + dst_off[i] <- src_bases[r] + src_off[i],
+ * lengths[i * len_stride] bytes (len_stride 0: one length for every run). */
+void kvx_copy_runs(int64_t n_regions, const uint64_t *src_bases, const uint64_t *dst_bases,
+                   int64_t n_runs, const int64_t *src_off, const int64_t *dst_off,
+                   const int64_t *lengths, int64_t len_stride, int nt)
+{
+    for (int64_t r = 0; r < n_regions; r++) {
+        const uint8_t *src = (const uint8_t *)(uintptr_t)src_bases[r];
+        uint8_t *dst = (uint8_t *)(uintptr_t)dst_bases[r];
+        for (int64_t i = 0; i < n_runs; i++) {
+            if (i + 1 < n_runs)
+                prefetch(src + src_off[i + 1], (size_t)lengths[(i + 1) * len_stride]);
+            COPY(nt, dst + dst_off[i], src + src_off[i], (size_t)lengths[i * len_stride]);
+        }
+    }
+    fence(nt);
+}
+
+/* For every region pair r and token i: the slice_bytes at src_slots[i] * src_row + src_head
+ * go to dst_slots[i] * dst_row + dst_head. */
+void kvx_copy_rows(int64_t n_regions, const uint64_t *src_bases, const uint64_t *dst_bases,
+                   int64_t n, const int64_t *src_slots, int64_t src_row, int64_t src_head,
+                   const int64_t *dst_slots, int64_t dst_row, int64_t dst_head, int64_t slice_bytes, int nt)
+{
+    for (int64_t r = 0; r < n_regions; r++) {
+        const uint8_t *src = (const uint8_t *)(uintptr_t)src_bases[r] + src_head;
+        uint8_t *dst = (uint8_t *)(uintptr_t)dst_bases[r] + dst_head;
+        for (int64_t i = 0; i < n; i++) {
+            if (i + 1 < n)
+                prefetch(src + src_slots[i + 1] * src_row, (size_t)slice_bytes);
+            COPY(nt, dst + dst_slots[i] * dst_row, src + src_slots[i] * src_row, (size_t)slice_bytes);
+        }
+    }
+    fence(nt);
+}
+
+/* Slices of n slots, in order, into the contiguous buffer out (a staging slot about to be
+ * sent: plain stores keep it in cache for the socket). */
+void kvx_gather_rows(const uint8_t *base, int64_t n, const int64_t *slots, int64_t row,
+                     int64_t head, int64_t slice_bytes, uint8_t *out)
+{
+    base += head;
+    for (int64_t i = 0; i < n; i++, out += slice_bytes) {
+        if (i + 1 < n)
+            prefetch(base + slots[i + 1] * row, (size_t)slice_bytes);
+        memcpy(out, base + slots[i] * row, (size_t)slice_bytes);
+    }
+}
+
+/* Inverse of kvx_gather_rows: consecutive slices of data into n slots. */
+void kvx_scatter_rows(uint8_t *base, int64_t n, const int64_t *slots, int64_t row,
+                      int64_t head, int64_t slice_bytes, const uint8_t *data, int nt)
+{
+    base += head;
+    for (int64_t i = 0; i < n; i++, data += slice_bytes)
+        COPY(nt, base + slots[i] * row, data, (size_t)slice_bytes);
+    fence(nt);
+}
