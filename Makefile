@@ -31,8 +31,12 @@ demo: $(STAMP)
 # dependencies); each engine's block below adds its target to ENGINE_TESTS.
 ENGINE_TESTS :=
 
+# The main suite mostly waits on the daemon and engine processes its tests start, so several
+# test files run at once (pytest-xdist), each file in one worker: a module's daemons start once.
+PYTEST_WORKERS ?= 4
+
 test: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/engines $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)

@@ -55,7 +55,16 @@ def _users(paths: set[str]) -> dict[str, list[int]]:
     return out
 
 
+# Under pytest-xdist the check runs in the controller only: its session starts before the
+# workers and ends after every worker's tests and fixtures are done, so it sees every file the
+# run made, and no worker mistakes a file another worker still works with for a leak.
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
+    if _is_xdist_worker(session.config):
+        return
     session.config._kvxferd_shm_before = _kvxferd_shm()
     session.config._kvxferd_shm_left = {}
 
@@ -90,14 +99,11 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 
 
 @pytest.fixture
-def cluster():
+def cluster(request):
     """An empty loopback cluster for one test: whatever daemons and engines the test starts in
-    it are stopped afterwards (a test module may define its own, e.g. module-scoped, one)."""
-    from ops_support import close_cluster
-    from kvxferd.sim import Cluster
+    it are stopped afterwards, and its run dir removed unless the test failed (a test module may
+    define its own, e.g. module-scoped, one)."""
+    from e2e_util import cluster_run
 
-    c = Cluster()
-    try:
+    with cluster_run(request) as c:
         yield c
-    finally:
-        close_cluster(c)
