@@ -32,11 +32,12 @@ demo: $(STAMP)
 ENGINE_TESTS :=
 
 # The main suite mostly waits on the daemon and engine processes its tests start, so several
-# test files run at once (pytest-xdist), each file in one worker: a module's daemons start once.
-PYTEST_WORKERS ?= 4
+# tests run at once (pytest-xdist). A module whose tests share a cluster of daemons runs in one
+# worker, so its daemons start once (tests/conftest.py groups them for --dist loadgroup).
+PYTEST_WORKERS ?= 3
 
 test: $(STAMP)
-	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, close, finished, spec, untouched_bytes
+from e2e_util import Cluster, Node, close, cluster_run, finished, module_cluster, spec, untouched_bytes
 from kvxferd import config, protocol
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
