@@ -37,8 +37,13 @@ demo: venv
 # dependencies); each engine's block below adds its target to ENGINE_TESTS.
 ENGINE_TESTS :=
 
+# The main suite mostly waits on the daemon and engine processes its tests start, so several
+# tests run at once (pytest-xdist). A module whose tests share a cluster of daemons runs in one
+# worker, so its daemons start once (tests/conftest.py groups them for --dist loadgroup).
+PYTEST_WORKERS ?= 3
+
 test: venv
-	$(PY) -m pytest -q --ignore=tests/engines $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)

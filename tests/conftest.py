@@ -55,7 +55,16 @@ def _users(paths: set[str]) -> dict[str, list[int]]:
     return out
 
 
+# Under pytest-xdist the check runs in the controller only: its session starts before the
+# workers and ends after every worker's tests and fixtures are done, so it sees every file the
+# run made, and no worker mistakes a file another worker still works with for a leak.
+def _is_xdist_worker(config) -> bool:
+    return hasattr(config, "workerinput")
+
+
 def pytest_sessionstart(session):
+    if _is_xdist_worker(session.config):
+        return
     session.config._kvxferd_shm_before = _kvxferd_shm()
     session.config._kvxferd_shm_left = {}
 
@@ -89,15 +98,36 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"{path} ({size} bytes) {what}", red=not pids)
 
 
-@pytest.fixture
-def cluster():
-    """An empty loopback cluster for one test: whatever daemons and engines the test starts in
-    it are stopped afterwards (a test module may define its own, e.g. module-scoped, one)."""
-    from ops_support import close_cluster
-    from kvxferd.tools.sim import Cluster
+# -- parallel runs (pytest-xdist, --dist loadgroup) ---------------------------------------------
+# A module whose tests share a module- or class-scoped fixture (a cluster of daemons) runs in
+# one worker, so those daemons start once; the tests of every other module are independent and
+# go wherever a worker is free.
+_SHARED_SCOPES = ("module", "class", "package")
 
-    c = Cluster()
-    try:
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+
+    def shares(item) -> bool:
+        info = getattr(item, "_fixtureinfo", None)
+        return info is not None and any(d.scope in _SHARED_SCOPES
+                                        for defs in info.name2fixturedefs.values() for d in defs)
+
+    shared = {item.module.__name__ for item in items if getattr(item, "module", None) is not None and shares(item)}
+    for item in items:
+        module = getattr(item, "module", None)
+        if module is not None and module.__name__ in shared:
+            item.add_marker(pytest.mark.xdist_group(module.__name__))
+
+
+@pytest.fixture
+def cluster(request):
+    """An empty loopback cluster for one test: whatever daemons and engines the test starts in
+    it are stopped afterwards, and its run dir removed unless the test failed (a test module may
+    define its own, e.g. module-scoped, one)."""
+    from e2e_util import cluster_run
+
+    with cluster_run(request) as c:
         yield c
-    finally:
-        close_cluster(c)

@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
+import threading
 import time
-from typing import Any
+import warnings
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator
 
+import pytest
 import zmq
 
 from kvxferd.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, DaemonProc, Worker
 
 EVENT_TIMEOUT = 60
+NUM_PAGES = 64
+_ids = itertools.count()
 
 
 def spec(**overrides: Any) -> InstanceSpec:
@@ -105,7 +114,8 @@ def wait_in_flight(daemon, key: str, timeout: float = 60) -> None:
 
 
 __all__ = ["wait_in_flight", "Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
-           "close", "untouched_bytes"]
+           "close", "untouched_bytes", "Node", "cluster_run", "start_nodes", "module_cluster", "run_case",
+           "in_parallel", "close_cluster"]
 
 
 def peer_socket(address: str, recv_timeout_ms: int | None = 5000) -> zmq.Socket:
@@ -116,3 +126,137 @@ def peer_socket(address: str, recv_timeout_ms: int | None = 5000) -> zmq.Socket:
         sock.setsockopt(zmq.RCVTIMEO, recv_timeout_ms)
     sock.connect(f"tcp://{address}")
     return sock
+
+
+# -- clusters: started side by side, always stopped, their run dirs removed --------------------
+
+def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Run blocking start-ups side by side (each daemon or engine process imports torch)."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        try:
+            results[i] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def close_cluster(cluster: Cluster, keep_root: bool = False, kill_engines: bool = False) -> None:
+    """Stop every engine, then every daemon (side by side); kill what does not stop. The run dir
+    (configs, sockets, daemon logs) goes too, unless ``keep_root``. ``kill_engines``: SIGKILL the
+    engines at once (their daemons were killed, nothing would ever finish their requests)."""
+    try:
+        if cluster.workers:
+            in_parallel(*[w.kill if kill_engines else w.close for w in cluster.workers])
+        if cluster.daemons:
+            in_parallel(*[d.stop for d in cluster.daemons.values()])
+    finally:
+        for w in cluster.workers:
+            if w.proc.poll() is None:
+                w.kill()
+        # Cluster.close() also unlinks the named cache files of killed engines, and the run dir
+        cluster.close(keep_root=keep_root)
+
+
+class KeptRunDir(UserWarning):
+    """A run dir kept because its tests failed: the daemons' configs and logs, to look at."""
+
+
+@contextmanager
+def cluster_run(request: pytest.FixtureRequest | None = None, kill_engines: bool = False) -> Iterator[Cluster]:
+    """A Cluster whose engines and daemons are stopped however the block ends (see close_cluster).
+
+    Its run dir is removed when the block ends cleanly and (given the fixture's ``request``) no
+    test failed while it was open; otherwise it stays for the daemon logs, named in a warning
+    (pytest's warnings summary), and is left to the reader to remove. KVXFERD_KEEP_LOGS=1 keeps
+    every run dir.
+    """
+    c = Cluster()
+    failed = request.session.testsfailed if request is not None else 0
+    clean = False
+    try:
+        yield c
+        clean = (request is None or request.session.testsfailed == failed) and not os.environ.get("KVXFERD_KEEP_LOGS")
+    finally:
+        close_cluster(c, keep_root=not clean, kill_engines=kill_engines)
+        if not clean:
+            warnings.warn(KeptRunDir(f"a failed run's daemon configs and logs are kept in {c.root}"),
+                          stacklevel=3)
+
+
+@dataclass
+class Node:
+    """A daemon to start: its name, extra config and environment."""
+
+    name: str
+    extra_toml: str = ""
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def start_nodes(cluster: Cluster, *nodes: str | Node) -> list[DaemonProc]:
+    """Start daemons side by side (each imports torch), in the order given."""
+    wanted = [n if isinstance(n, Node) else Node(n) for n in nodes]
+    daemons = [cluster.daemon(n.name, extra_toml=n.extra_toml, start=False) for n in wanted]
+    in_parallel(*[lambda d=d, n=n: d.start(n.env or None) for d, n in zip(daemons, wanted)])
+    return daemons
+
+
+def module_cluster(request: pytest.FixtureRequest, *nodes: str | Node) -> Iterator[Cluster]:
+    """The body of a module's cluster fixture: ``yield from module_cluster(request, ...)``.
+
+    The daemons start once per module; a failed start-up stops what did start.
+    """
+    with cluster_run(request) as c:
+        start_nodes(c, *nodes)
+        yield c
+
+
+def run_case(cluster: Cluster, pspec: InstanceSpec, dspec: InstanceSpec, *, n_tokens: int,
+             transport: str = "tcp", prefill: str = "prefill-node", decode: str = "decode-node",
+             chunks: list[list[int]] | None = None, order: str = "expect_first", requests: int = 2,
+             seed: int = 0, aux: bytes | None = None, tag: str = "", num_pages: int = NUM_PAGES,
+             check: Callable[[list[Worker], list[list[Any]]], None] | None = None) -> None:
+    """Fresh prefill and decode instances move ``requests`` requests, each verified byte-exact.
+
+    Destinations never repeat, and pages that were never one still hold the canary afterwards.
+    The first request carries ``aux``, which must reach the decode ranks unchanged (and the
+    others none). ``transport="local"`` puts both instances on the prefill daemon. ``check``
+    runs last with the decode ranks and every ``[dst pages, n_tokens]`` moved.
+    """
+    rng = random.Random(seed)
+    n = next(_ids)
+    pd = cluster.daemons[prefill]
+    dd = pd if transport == "local" else cluster.daemons[decode]
+    p_workers, d_workers = cluster.instances((pd, f"{tag}p{n}", "prefill", pspec, num_pages),
+                                             (dd, f"{tag}d{n}", "decode", dspec, num_pages))
+    try:
+        used: set[int] = set()
+        moved: list[list[Any]] = []
+        for i in range(requests):
+            src = pages_for(rng, num_pages, n_tokens, pspec.page_size)
+            dst = rng.sample([p for p in range(num_pages) if p not in used], -(-n_tokens // dspec.page_size))
+            used.update(dst)
+            first_aux = aux if i == 0 else None
+            dec, pre = transfer(p_workers, d_workers, f"{tag}req-{n}-{i}", n_tokens, src_pages=src, dst_pages=dst,
+                                source_address=None if transport == "local" else pd.address, chunks=chunks,
+                                order=order, aux=first_aux)
+            assert_verified(dec, pre)
+            assert all(ev["aux"] == (first_aux.hex() if first_aux else None) for ev in dec), dec
+            moved.append([dst, n_tokens])
+        never = [p for p in range(num_pages) if p not in used]
+        for w in d_workers:
+            assert untouched_bytes(w, never) == 0  # nothing strays outside the requests' pages
+        if check is not None:
+            check(d_workers, moved)
+    finally:
+        close(p_workers + d_workers)

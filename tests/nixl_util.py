@@ -4,9 +4,7 @@ stand-in prefill daemon with its own NIXL agent."""
 
 from __future__ import annotations
 
-import itertools
 import os
-import random
 import threading
 import time
 import urllib.request
@@ -15,7 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, assert_verified, close, pages_for, transfer, untouched_bytes
+from e2e_util import Cluster
+from e2e_util import run_case as e2e_run_case
 from kvxferd.tools.sim import Worker
 from kvxferd.transport import nixl as nixl_mod
 
@@ -23,7 +22,6 @@ from kvxferd.transport import nixl as nixl_mod
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
 NIXL_ENV = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl"}
 NUM_PAGES = 64
-_ids = itertools.count()
 
 
 def _probe() -> str:
@@ -78,25 +76,10 @@ SLOW_TIMEOUTS = "[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntra
 
 def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", decode: str = "decode-nixl",
              n_tokens: int, chunks=None, order: str = "expect_first", requests: int = 2) -> None:
-    rng = random.Random(n_tokens)
-    tag = next(_ids)
-    pd, dd = cluster.daemons[prefill], cluster.daemons[decode]
-    p_workers, d_workers = instances(cluster, (pd, f"p{tag}", "prefill", pspec), (dd, f"d{tag}", "decode", dspec))
-    try:
-        used: set[int] = set()
-        for i in range(requests):
-            src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
-            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
-            used.update(dst)
-            dec, pre = transfer(p_workers, d_workers, f"nx-{tag}-{i}", n_tokens, src_pages=src, dst_pages=dst,
-                                source_address=pd.address, chunks=chunks, order=order,
-                                aux=b"first-token" if i == 0 else None)
-            assert_verified(dec, pre)
-        never = [p for p in range(NUM_PAGES) if p not in used]
-        for w in d_workers:
-            assert untouched_bytes(w, never) == 0  # a WRITE never strays outside the request's pages
-    finally:
-        close(p_workers + d_workers)
+    """Byte-exact requests between fresh instances on two NIXL daemons; a WRITE never strays
+    outside the requests' pages."""
+    e2e_run_case(cluster, pspec, dspec, prefill=prefill, decode=decode, n_tokens=n_tokens, chunks=chunks,
+                 order=order, requests=requests, seed=n_tokens, aux=b"first-token", tag="nx-", num_pages=NUM_PAGES)
 
 
 class FakePrefillDaemon:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -14,6 +12,7 @@ from typing import Any, Callable
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from e2e_util import close_cluster, in_parallel  # noqa: F401 - re-exported for the engine tests
 from kvxferd.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, DaemonProc, Worker
 
@@ -35,27 +34,6 @@ def kv_bytes(n_tokens: int, s: InstanceSpec | None = None) -> int:
     return n_tokens * s.num_layers * 2 * s.kv_heads * s.head_dim * 2
 
 
-def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
-    """Run blocking start-ups side by side (each daemon or engine process imports torch)."""
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int, call: Callable[[], Any]) -> None:
-        try:
-            results[i] = call()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
-
 def start_pair(cluster: Cluster, prefill_toml: str = "", decode_toml: str = "",
                decode_env: dict[str, str] | None = None, prefill_env: dict[str, str] | None = None
                ) -> tuple[DaemonProc, DaemonProc, Worker, Worker]:
@@ -68,15 +46,12 @@ def start_pair(cluster: Cluster, prefill_toml: str = "", decode_toml: str = "",
     return pd, dd, pw, dw
 
 
-_backlog: dict[int, list[dict[str, Any]]] = {}
-
-
 def next_for(worker: Worker, request_id: str, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
     """The worker's next ``finished`` or ``error`` event for ``request_id``.
 
     Events for other requests that arrive first are kept for their own ``next_for``.
     """
-    kept = _backlog.setdefault(id(worker), [])
+    kept: list[dict[str, Any]] = worker.__dict__.setdefault("backlog", [])
     for i, event in enumerate(kept):
         if event.get("request_id") == request_id:
             return kept.pop(i)
@@ -160,23 +135,3 @@ def status_of(d: DaemonProc) -> dict[str, Any]:
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
-
-
-def close_cluster(cluster: Cluster) -> None:
-    """Stop every engine, then every daemon (side by side); kill what does not stop."""
-    for w in cluster.workers:
-        _backlog.pop(id(w), None)
-    try:
-        if cluster.workers:
-            in_parallel(*[w.close for w in cluster.workers])
-        if cluster.daemons:
-            in_parallel(*[d.stop for d in cluster.daemons.values()])
-    finally:
-        for w in cluster.workers:
-            if w.proc.poll() is None:
-                w.kill()
-        for d in cluster.daemons.values():
-            if d.proc is not None and d.proc.poll() is None:
-                d.proc.kill()
-                d.proc.wait()
-        shutil.rmtree(cluster.root, ignore_errors=True)

@@ -6,15 +6,14 @@ import asyncio
 
 import torch
 
-from e2e_util import Cluster, spec
+from e2e_util import cluster_run, spec
 from kvxferd.client import AsyncEngineClient, DaemonError
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
 
 
 def test_async_client_moves_bytes_and_reports_events():
-    c = Cluster()
-    try:
+    with cluster_run() as c:
         d = c.daemon("node")
         s = spec(num_layers=2, page_size=4)
 
@@ -53,5 +52,3 @@ def test_async_client_moves_bytes_and_reports_events():
                     decode.close()
 
         asyncio.run(main())
-    finally:
-        c.close()

@@ -11,7 +11,8 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, assert_verified, close, finished, spec, transfer, untouched_bytes, wait_in_flight
+from e2e_util import (assert_verified, close, cluster_run, finished, in_parallel, spec, start_nodes, transfer,
+                      untouched_bytes, wait_in_flight)
 from kvxferd import auth, protocol
 from kvxferd.errors import ConfigError
 
@@ -65,8 +66,7 @@ def test_allowed_peers_transfer_and_strangers_are_shut_out(tmp_path):
     p_pair, p_key = _key_files(tmp_path, "prefill")
     d_pair, d_key = _key_files(tmp_path, "decode")
     stranger, s_key = _key_files(tmp_path, "stranger")
-    c = Cluster()
-    try:
+    with cluster_run() as c:
         pd = c.daemon("prefill-node", start=False)
         dd = c.daemon("decode-node", start=False)
         sd = c.daemon("stranger-node", start=False)
@@ -77,15 +77,14 @@ def test_allowed_peers_transfer_and_strangers_are_shut_out(tmp_path):
         # the stranger knows the server key but its own key is not on the allow-list
         sd.config_path.write_text(sd.config_path.read_text() + fast +
                                   _auth_toml(s_key, [], [f"{pd.address}={p_pair.public}"]))
-        for d in (pd, dd, sd):
-            d.start()
-        prefill = c.instance(pd, "ap", "prefill", spec(tp_size=2), NUM_PAGES)
-        decode = c.instance(dd, "ad", "decode", spec(), NUM_PAGES)
+        in_parallel(pd.start, dd.start, sd.start)
+        prefill, decode, outsider = c.instances((pd, "ap", "prefill", spec(tp_size=2), NUM_PAGES),
+                                                (dd, "ad", "decode", spec(), NUM_PAGES),
+                                                (sd, "sd", "decode", spec(), NUM_PAGES))
         dec, pre = transfer(prefill, decode, "auth-1", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
                             source_address=pd.address)
         assert_verified(dec, pre)
 
-        outsider = c.instance(sd, "sd", "decode", spec(), NUM_PAGES)
         outsider[0].command(cmd="expect", request_id="auth-2", pages=[1, 2], n=5, source_instance="ap",
                             source_address=pd.address)
         ev = finished(outsider[0], "auth-2")
@@ -100,17 +99,12 @@ def test_allowed_peers_transfer_and_strangers_are_shut_out(tmp_path):
         assert sock.poll(1000) == 0
         sock.close(0)
         close(prefill + decode + outsider)
-    finally:
-        c.close()
 
 
 def test_data_header_without_the_link_token_is_refused():
-    c = Cluster()
-    try:
-        pd = c.daemon("prefill-node")
-        dd = c.daemon("decode-node")
-        prefill = c.instance(pd, "tp", "prefill", spec(), NUM_PAGES)
-        decode = c.instance(dd, "td", "decode", spec(), NUM_PAGES)
+    with cluster_run() as c:
+        pd, dd = start_nodes(c, "prefill-node", "decode-node")
+        prefill, decode = c.instances((pd, "tp", "prefill", spec(), NUM_PAGES), (dd, "td", "decode", spec(), NUM_PAGES))
         # a legitimate request is expected, and its prefill is held back
         decode[0].command(cmd="expect", request_id="tok-1", pages=[1, 2], n=8, source_instance="tp",
                           source_address=pd.address)
@@ -135,5 +129,3 @@ def test_data_header_without_the_link_token_is_refused():
                           source_address=pd.address)
         assert_verified([finished(decode[0], "tok-1b")], [finished(prefill[0], "tok-1b")])
         close(prefill + decode)
-    finally:
-        c.close()

@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from e2e_util import Cluster, assert_verified, close, finished, spec, transfer
+from e2e_util import assert_verified, close, cluster_run, finished, in_parallel, spec, transfer
 from kvxferd import auth
 
 from ops_support import Scrape, wait_for
@@ -56,8 +56,7 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
     p_pair, p_key = _keys(tmp_path, "prefill")
     d_pair, d_key = _keys(tmp_path, "decode")
     s_pair, s_key = _keys(tmp_path, "stranger")
-    c = Cluster()
-    try:
+    with cluster_run() as c:
         slow = f"[timeouts]\nbootstrap_s = {BOOTSTRAP_S}\n"
         pd = c.daemon("prefill-node", start=False)
         dd = c.daemon("decode-node", start=False)
@@ -67,11 +66,10 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
                                   _auth_toml(d_key, [], [f"{pd.address}={p_pair.public}"]))
         sd.config_path.write_text(sd.config_path.read_text() + slow +
                                   _auth_toml(s_key, [], [f"{pd.address}={p_pair.public}"]))
-        for d in (pd, dd, sd):
-            d.start()
-        prefill = c.instance(pd, "ap", "prefill", spec(), NUM_PAGES)
-        decode = c.instance(dd, "ad", "decode", spec(), NUM_PAGES)
-        outsider = c.instance(sd, "sd", "decode", spec(), NUM_PAGES)
+        in_parallel(pd.start, dd.start, sd.start)
+        prefill, decode, outsider = c.instances((pd, "ap", "prefill", spec(), NUM_PAGES),
+                                                (dd, "ad", "decode", spec(), NUM_PAGES),
+                                                (sd, "sd", "decode", spec(), NUM_PAGES))
 
         asked = time.time()
         outsider[0].command(cmd="expect", request_id="auth-x", pages=[1, 2], n=5, source_instance="ap",
@@ -110,8 +108,6 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
                             source_address=pd.address)
         assert_verified(dec, pre)
         close(prefill + decode + outsider)
-    finally:
-        c.close()
     rr.record("faults", "peer_key_not_allowed", {
         "survived": True, "terminal_after_s": after, "deadline_s": BOOTSTRAP_S,
         "outcome": f"a decode daemon whose CURVE key is not allowed: its request failed auth_failed {after}s "
@@ -125,22 +121,17 @@ def test_wrong_server_key_fails_promptly_naming_peer_keys(tmp_path):
     p_pair, p_key = _keys(tmp_path, "prefill")
     d_pair, d_key = _keys(tmp_path, "decode")
     wrong = auth.generate().public
-    c = Cluster()
-    try:
+    with cluster_run() as c:
         pd = c.daemon("prefill-node", start=False)
         dd = c.daemon("decode-node", start=False)
         pd.config_path.write_text(pd.config_path.read_text() + _auth_toml(p_key, [d_pair.public], []))
         dd.config_path.write_text(dd.config_path.read_text() + f"[timeouts]\nbootstrap_s = {BOOTSTRAP_S}\n" +
                                   _auth_toml(d_key, [], [f"{pd.address}={wrong}"]))
-        pd.start()
-        dd.start()
-        prefill = c.instance(pd, "ap", "prefill", spec(), NUM_PAGES)
-        decode = c.instance(dd, "ad", "decode", spec(), NUM_PAGES)
+        in_parallel(pd.start, dd.start)
+        prefill, decode = c.instances((pd, "ap", "prefill", spec(), NUM_PAGES), (dd, "ad", "decode", spec(), NUM_PAGES))
         decode[0].command(cmd="expect", request_id="wrong-1", pages=[1, 2], n=5, source_instance="ap",
                           source_address=pd.address)
         ev = finished(decode[0], "wrong-1", timeout=BOOTSTRAP_S / 2)
         assert ev["state"] == "failed" and ev["code"] == "auth_failed", ev
         assert pd.address in ev["reason"] and "auth.peer_keys" in ev["reason"], ev
         close(prefill + decode)
-    finally:
-        c.close()

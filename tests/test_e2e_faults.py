@@ -12,8 +12,8 @@ import signal
 import msgpack
 import pytest
 
-from e2e_util import (Cluster, assert_verified, close, finished, pages_for, peer_socket, spec, transfer,
-                      wait_in_flight)
+from e2e_util import (Cluster, Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for,
+                      peer_socket, spec, start_nodes, transfer, wait_in_flight)
 from kvxferd.client import DaemonError, EngineClient
 
 NUM_PAGES = 32
@@ -22,12 +22,8 @@ FAST = ("[timeouts]\nbootstrap_s = 4.0\nwaiting_for_input_s = 4.0\ntransfer_s = 
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    c.daemon("prefill-node", extra_toml=FAST)
-    c.daemon("decode-node", extra_toml=FAST)
-    yield c
-    c.close()
+def cluster(request):
+    yield from module_cluster(request, Node("prefill-node", FAST), Node("decode-node", FAST))
 
 
 def healthy_transfer(cluster: Cluster, tag: str) -> None:
@@ -199,12 +195,10 @@ def test_unknown_source_times_out_in_bootstrap(cluster):
 
 
 def test_killed_peer_daemon_fails_requests_and_is_rehandshaken_on_return():
-    c = Cluster()
-    try:
-        pd = c.daemon("prefill-node", extra_toml=FAST.replace("4.0", "30.0"))
-        dd = c.daemon("decode-node", extra_toml=FAST.replace("4.0", "30.0"))
-        prefill = c.instance(pd, "kp", "prefill", spec(), NUM_PAGES)
-        decode = c.instance(dd, "kd", "decode", spec(), NUM_PAGES)
+    with cluster_run() as c:
+        slow = FAST.replace("4.0", "30.0")
+        pd, dd = start_nodes(c, Node("prefill-node", slow), Node("decode-node", slow))
+        prefill, decode = c.instances((pd, "kp", "prefill", spec(), NUM_PAGES), (dd, "kd", "decode", spec(), NUM_PAGES))
         dec, pre = transfer(prefill, decode, "k-0", 9, src_pages=[1, 2, 3], dst_pages=[4, 5, 6],
                             source_address=pd.address)
         assert_verified(dec, pre)
@@ -225,5 +219,3 @@ def test_killed_peer_daemon_fails_requests_and_is_rehandshaken_on_return():
         dec, pre = transfer(prefill, decode, "k-2", 11, src_pages=[1, 2, 3], dst_pages=[11, 12, 13],
                             source_address=pd.address)
         assert_verified(dec, pre)
-    finally:
-        c.close()

@@ -8,51 +8,20 @@ cache, so a wrong plan, offset or transport shows up as mismatched bytes.
 
 from __future__ import annotations
 
-import itertools
-import random
+from functools import partial
 
 import pytest
 
-from e2e_util import Cluster, assert_verified, close, pages_for, spec, transfer, untouched_bytes
+from e2e_util import Node, cluster_run, module_cluster, spec, start_nodes
+from e2e_util import run_case as _run_case
 
-NUM_PAGES = 64
-_ids = itertools.count()
+# every request checks the aux bytes that travel with its last chunk (the first one has some)
+run_case = partial(_run_case, aux=b"tok")
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    c.daemon("prefill-node")
-    c.daemon("decode-node")
-    yield c
-    c.close()
-
-
-def run_case(cluster: Cluster, pspec, dspec, *, transport: str, n_tokens: int, chunks=None,
-             order: str = "expect_first", requests: int = 2, seed: int = 0) -> None:
-    rng = random.Random(seed)
-    tag = next(_ids)
-    pd = cluster.daemons["prefill-node"]
-    dd = pd if transport == "local" else cluster.daemons["decode-node"]
-    prefill = cluster.instance(pd, f"p{tag}", "prefill", pspec, NUM_PAGES)
-    decode = cluster.instance(dd, f"d{tag}", "decode", dspec, NUM_PAGES)
-    try:
-        used_dst: set[int] = set()
-        for i in range(requests):
-            src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
-            free_dst = [p for p in range(NUM_PAGES) if p not in used_dst]
-            dst = rng.sample(free_dst, -(-n_tokens // dspec.page_size))
-            used_dst.update(dst)
-            dec, pre = transfer(prefill, decode, f"req-{tag}-{i}", n_tokens, src_pages=src, dst_pages=dst,
-                                source_address=None if transport == "local" else pd.address,
-                                chunks=chunks, order=order, aux=b"tok" if i == 0 else None)
-            assert_verified(dec, pre)
-        # pages that were never destinations keep the canary
-        never = [p for p in range(NUM_PAGES) if p not in used_dst]
-        for w in decode:
-            assert untouched_bytes(w, never) == 0
-    finally:
-        close(prefill + decode)
+def cluster(request):
+    yield from module_cluster(request, "prefill-node", "decode-node")
 
 
 @pytest.mark.parametrize("transport", ["tcp", "local"])
@@ -110,10 +79,7 @@ def test_chunk_not_page_aligned(cluster):
 
 @pytest.mark.parametrize("mode", ["direct", "staged"])
 def test_modes_through_tcp(mode):
-    c = Cluster()
-    try:
-        c.daemon("prefill-node", env={"KVXFERD_PEER_MODE": mode})
-        c.daemon("decode-node", env={"KVXFERD_PEER_MODE": mode})
+    with cluster_run() as c:
+        env = {"KVXFERD_PEER_MODE": mode}
+        start_nodes(c, Node("prefill-node", env=env), Node("decode-node", env=env))
         run_case(c, spec(tp_size=2, page_size=1), spec(page_size=2), transport="tcp", n_tokens=40)
-    finally:
-        c.close()

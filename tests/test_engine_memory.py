@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from e2e_util import Cluster, spec
+from e2e_util import module_cluster, spec
 from kvxferd.client import DaemonError, EngineClient
 from kvxferd.errors import RegistrationError
 from kvxferd.geometry import InstanceSpec, RankGeometry
@@ -188,12 +188,8 @@ def _wait(client: EngineClient, rank: str, request_id: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    c = Cluster()
-    c.daemon("prefill-node")
-    c.daemon("decode-node")
-    yield c
-    c.close()
+def nodes(request):
+    yield from module_cluster(request, "prefill-node", "decode-node")
 
 
 def test_described_engine_tensors_register_and_move_byte_exact(nodes):

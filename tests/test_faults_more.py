@@ -9,9 +9,7 @@ being served; and a returning peer or engine works again.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import signal
 import sys
 import time
@@ -22,7 +20,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, peer_socket, spec, transfer
+from e2e_util import Node, assert_verified, close, finished, module_cluster, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
 from test_fuzz_engine import canary, wait_idle
@@ -45,32 +43,16 @@ SHORT = (f"[timeouts]\nbootstrap_s = 4.0\nwaiting_for_input_s = {SHORT_TRANSFER_
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     """Prefill node A and decode node B with long phase timeouts (so heartbeats, not timeouts, act),
     and a second prefill node C whose requests to B must not notice A's trouble."""
-    c = Cluster()
-    for name in ("node-a", "node-b", "node-c"):
-        c.daemon(name, extra_toml=LONG, start=False)
-    for d in c.daemons.values():  # start together: imports overlap
-        d.start()
-    yield c
-    c.close()
-    if not os.environ.get("KVXFERD_KEEP_LOGS"):
-        shutil.rmtree(c.root, ignore_errors=True)
+    yield from module_cluster(request, *(Node(name, LONG) for name in ("node-a", "node-b", "node-c")))
 
 
 @pytest.fixture(scope="module")
-def short_cluster():
+def short_cluster(request):
     """Two daemons with short phase timeouts, for faults that only a timeout can end."""
-    c = Cluster()
-    for name in ("short-a", "short-b"):
-        c.daemon(name, extra_toml=SHORT, start=False)
-    for d in c.daemons.values():
-        d.start()
-    yield c
-    c.close()
-    if not os.environ.get("KVXFERD_KEEP_LOGS"):
-        shutil.rmtree(c.root, ignore_errors=True)
+    yield from module_cluster(request, *(Node(name, SHORT) for name in ("short-a", "short-b")))
 
 
 def terminal(worker, request_id: str, since: float, timeout: float = 30) -> tuple[dict[str, Any], float]:

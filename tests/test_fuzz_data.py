@@ -18,7 +18,6 @@ send the rest, the request completes byte-exact.
 from __future__ import annotations
 
 import random
-import shutil
 import socket
 import struct
 import sys
@@ -33,7 +32,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster, finished, spec
+from e2e_util import cluster_run, finished, spec
 from kvxferd.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
 from test_fuzz_engine import canary, junk, wait_idle
@@ -243,17 +242,18 @@ def oracle_payload(request_id: str, writer: int, start: int, end: int) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    c = Cluster()
-    dd = c.daemon("data-decode-node", extra_toml=CONFIG)
+def nodes(request):
     fake = FakePrefillDaemon(spec(tp_size=2))
-    decode = c.instance(dd, "dd", "decode", spec(), NUM_PAGES)
-    yield {"cluster": c, "dd": dd, "fake": fake, "decode": decode}
-    decode[0].command(cmd="abort", request_id="legit-0")  # if a failure left it open, the engine stops waiting
-    time.sleep(0.3)
-    c.close()
-    fake.close()
-    shutil.rmtree(c.root, ignore_errors=True)
+    try:
+        with cluster_run(request) as c:
+            dd = c.daemon("data-decode-node", extra_toml=CONFIG)
+            decode = c.instance(dd, "dd", "decode", spec(), NUM_PAGES)
+            yield {"cluster": c, "dd": dd, "fake": fake, "decode": decode}
+            # if a failure left it open, the engine stops waiting
+            decode[0].command(cmd="abort", request_id="legit-0")
+            time.sleep(0.3)
+    finally:
+        fake.close()
 
 
 def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(nodes):

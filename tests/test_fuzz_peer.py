@@ -12,7 +12,6 @@ and after, byte-exact, and neither engine's memory changes outside its requests.
 from __future__ import annotations
 
 import random
-import shutil
 import sys
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, assert_verified, pages_for, peer_socket, spec, transfer
+from e2e_util import Node, assert_verified, cluster_run, pages_for, peer_socket, spec, start_nodes, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
 from kvxferd.tools.sim import free_port
@@ -160,19 +159,13 @@ class PeerFuzzer:
 
 
 @pytest.fixture(scope="module")
-def nodes():
-    c = Cluster()
-    pd = c.daemon("fuzz-prefill-node", extra_toml=CONFIG, start=False)
-    dd = c.daemon("fuzz-decode-node", extra_toml=CONFIG, start=False)
-    pd.start()
-    dd.start()
-    prefill, decode = c.instances((pd, "pp", "prefill", spec(), NUM_PAGES),
+def nodes(request):
+    with cluster_run(request) as c:
+        pd, dd = start_nodes(c, Node("fuzz-prefill-node", CONFIG), Node("fuzz-decode-node", CONFIG))
+        prefill, decode = c.instances((pd, "pp", "prefill", spec(), NUM_PAGES),
                                       (dd, "pd", "decode", spec(), NUM_PAGES))
-    state = {"cluster": c, "pd": pd, "dd": dd, "prefill": prefill, "decode": decode,
-             "allowed_decode": [], "allowed_prefill": []}
-    yield state
-    c.close()
-    shutil.rmtree(c.root, ignore_errors=True)
+        yield {"cluster": c, "pd": pd, "dd": dd, "prefill": prefill, "decode": decode,
+               "allowed_decode": [], "allowed_prefill": []}
 
 
 def legit(state: dict[str, Any], tag: str) -> None:

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 import torch
 
-from e2e_util import Cluster, assert_verified, close, pages_for, transfer, untouched_bytes
+from e2e_util import module_cluster
+from e2e_util import run_case as _run_case
 from kvxferd.client import EngineClient
 from kvxferd.errors import GeometryError, RegistrationError
 from kvxferd.geometry import InstanceSpec, RankGeometry
@@ -132,30 +133,13 @@ def test_plans_pair_kv_layouts_only_with_themselves():
 # -- real daemons, simulated engines ---------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    c.daemon("prefill-node")
-    c.daemon("decode-node")
-    yield c
-    c.close()
+def cluster(request):
+    yield from module_cluster(request, "prefill-node", "decode-node")
 
 
-def run_case(cluster, pspec, dspec, *, n_tokens, chunks=None, seed=0):
-    rng = random.Random(seed)
-    tag = next(_ids)
-    pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
-    prefill = cluster.instance(pd, f"kl-p{tag}", "prefill", pspec, NUM_PAGES)
-    decode = cluster.instance(dd, f"kl-d{tag}", "decode", dspec, NUM_PAGES)
-    try:
-        src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
-        dst = pages_for(rng, NUM_PAGES, n_tokens, dspec.page_size)
-        dec, pre = transfer(prefill, decode, f"kl-{tag}", n_tokens, src_pages=src, dst_pages=dst,
-                            source_address=pd.address, chunks=chunks)
-        assert_verified(dec, pre)
-        for w in decode:
-            assert untouched_bytes(w, [p for p in range(NUM_PAGES) if p not in dst]) == 0
-    finally:
-        close(prefill + decode)
+def run_case(cluster, pspec, dspec, *, n_tokens, chunks=None):
+    """One request, byte-exact; pages that were not its destination keep the canary."""
+    _run_case(cluster, pspec, dspec, n_tokens=n_tokens, chunks=chunks, requests=1, tag="kl-", num_pages=NUM_PAGES)
 
 
 def test_nhd_kv_tp2_to_tp1_with_page_size_mismatch(cluster):

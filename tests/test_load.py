@@ -12,7 +12,6 @@ small constant of where they started.
 from __future__ import annotations
 
 import random
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -20,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from e2e_util import Cluster, spec
+from e2e_util import Node, module_cluster, spec
 from kvxferd.client import EngineClient
 from test_fuzz_engine import wait_idle
 
@@ -71,15 +70,8 @@ def measure(d) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    for name in ("load-a", "load-b"):
-        c.daemon(name, extra_toml=CONFIG, start=False)
-    for d in c.daemons.values():
-        d.start()
-    yield c
-    c.close()
-    shutil.rmtree(c.root, ignore_errors=True)
+def cluster(request):
+    yield from module_cluster(request, Node("load-a", CONFIG), Node("load-b", CONFIG))
 
 
 def run_requests(prefill, decodes, rng: random.Random, count: int, prefix: str, source_address: str,

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from e2e_util import Cluster, close, finished, spec
+from e2e_util import Node, close, cluster_run, finished, spec, start_nodes
 from kvxferd import PROTOCOL_VERSION, config, protocol
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
@@ -31,24 +31,20 @@ from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    c = Cluster()
-    try:
-        c.daemon("prefill-nixl", env=NIXL_ENV)
-        c.daemon("decode-nixl", env=NIXL_ENV)
-        c.daemon("prefill-tcp", env=UCX_ENV)  # NIXL not enabled: negotiation must fall back to tcp
+    with cluster_run(request) as c:
         # NIXL enabled but not installed: every module that could provide it fails to import
         stubs = c.root / "no-nixl"
         for name in nixl_mod.MODULES:
             (stubs / name).mkdir(parents=True)
             (stubs / name / "__init__.py").write_text('raise ImportError("simulated: NIXL is not installed")\n')
-        c.daemon("decode-no-nixl", env={**NIXL_ENV, "PYTHONPATH": os.pathsep.join(
-            [str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])])})
+        start_nodes(c, Node("prefill-nixl", env=NIXL_ENV), Node("decode-nixl", env=NIXL_ENV),
+                    Node("prefill-tcp", env=UCX_ENV),  # NIXL not enabled: negotiation must fall back to tcp
+                    Node("decode-no-nixl", env={**NIXL_ENV, "PYTHONPATH": os.pathsep.join(
+                        [str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])])}))
         yield c
-    finally:
-        c.close()
 
 
 # -- byte-exact transfers over NIXL ----------------------------------------------------
@@ -120,52 +116,51 @@ def test_falls_back_to_tcp_when_the_prefill_side_does_not_enable_nixl(cluster):
 @needs_nixl
 def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():
     """SIGKILL a prefill daemon, then a decode daemon, each with a request half delivered over NIXL."""
-    c = Cluster()
-    try:
-        pa = c.daemon("prefill-a", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
-        pb = c.daemon("prefill-b", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
-        dd = c.daemon("decode-node", extra_toml=SLOW_TIMEOUTS, env=NIXL_ENV)
+    with cluster_run() as c:
+        pa, pb, dd = start_nodes(c, *(Node(name, SLOW_TIMEOUTS, NIXL_ENV)
+                                      for name in ("prefill-a", "prefill-b", "decode-node")))
         prefill_a, prefill_b, decode_a, decode_b = instances(
             c, (pa, "ka", "prefill", spec()), (pb, "kb", "prefill", spec(tp_size=2)),
             (dd, "kda", "decode", spec()), (dd, "kdb", "decode", spec()))
-        # both requests get their first chunk through; the rest stays with the prefill engines
-        decode_a[0].command(cmd="expect", request_id="k-a", pages=[1, 2, 3, 4], n=16, source_instance="ka",
-                            source_address=pa.address)
-        prefill_a[0].command(cmd="send", request_id="k-a", pages=[11, 12, 13, 14], n=16, chunks=[[0, 4], [4, 16]],
-                             hold_last=True)
-        decode_b[0].command(cmd="expect", request_id="k-b", pages=[1, 2, 3], n=12, source_instance="kb",
-                            source_address=pb.address)
-        for w in prefill_b:
-            w.command(cmd="send", request_id="k-b", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]], hold_last=True)
-        deadline = time.monotonic() + 20
-        while metric(dd, "kvxferd_received_bytes_total", transport="nixl") < 2 * 4 * 1024:
-            assert time.monotonic() < deadline, "first chunks never landed"
-            time.sleep(0.05)
+        try:
+            # both requests get their first chunk through; the rest stays with the prefill engines
+            decode_a[0].command(cmd="expect", request_id="k-a", pages=[1, 2, 3, 4], n=16, source_instance="ka",
+                                source_address=pa.address)
+            prefill_a[0].command(cmd="send", request_id="k-a", pages=[11, 12, 13, 14], n=16,
+                                 chunks=[[0, 4], [4, 16]], hold_last=True)
+            decode_b[0].command(cmd="expect", request_id="k-b", pages=[1, 2, 3], n=12, source_instance="kb",
+                                source_address=pb.address)
+            for w in prefill_b:
+                w.command(cmd="send", request_id="k-b", pages=[4, 5, 6], n=12, chunks=[[0, 4], [4, 12]],
+                          hold_last=True)
+            deadline = time.monotonic() + 20
+            while metric(dd, "kvxferd_received_bytes_total", transport="nixl") < 2 * 4 * 1024:
+                assert time.monotonic() < deadline, "first chunks never landed"
+                time.sleep(0.05)
 
-        # the prefill daemon of k-b dies: the decode side fails k-b (heartbeats: dead after 1.5 s)
-        pb.signal(signal.SIGKILL)
-        pb.proc.wait()
-        # waited for less than the 30 s phase timeouts: peer_dead (the heartbeats) or nothing
-        ev = finished(decode_b[0], "k-b", timeout=25)
-        assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+            # the prefill daemon of k-b dies: the decode side fails k-b (heartbeats: dead after 1.5 s)
+            pb.signal(signal.SIGKILL)
+            pb.proc.wait()
+            # waited for less than the 30 s phase timeouts: peer_dead (the heartbeats) or nothing
+            ev = finished(decode_b[0], "k-b", timeout=25)
+            assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
 
-        # the decode daemon freezes (SIGSTOP: no reset reaches the sender, the WRITE just stalls),
-        # then dies; the heartbeat fails k-a long before the 30 s transfer timeout
-        dd.signal(signal.SIGSTOP)
-        prefill_a[0].command(cmd="send_chunks", request_id="k-a", pages=[11, 12, 13, 14], n=16,
-                             chunks=[[4, 16, True]])
-        ev = finished(prefill_a[0], "k-a", timeout=25)  # under the 30 s transfer timeout
-        dd.signal(signal.SIGKILL)
-        dd.proc.wait()
-        if ev["event"] == "finished":
-            assert ev["state"] == "failed" and ev["code"] in ("peer_dead", "transfer"), ev
-            assert "NIXL" in ev["reason"] or "unresponsive" in ev["reason"], ev
-        else:  # the heartbeat failed it before the last chunk was handed over
-            assert ev["code"] == "request_finished" and "peer_dead" in ev["error"], ev
-    finally:
-        for w in prefill_b + decode_a + decode_b:
-            w.kill()  # their daemons are gone: nothing will finish their requests
-        c.close()
+            # the decode daemon freezes (SIGSTOP: no reset reaches the sender, the WRITE just stalls),
+            # then dies; the heartbeat fails k-a long before the 30 s transfer timeout
+            dd.signal(signal.SIGSTOP)
+            prefill_a[0].command(cmd="send_chunks", request_id="k-a", pages=[11, 12, 13, 14], n=16,
+                                 chunks=[[4, 16, True]])
+            ev = finished(prefill_a[0], "k-a", timeout=25)  # under the 30 s transfer timeout
+            dd.signal(signal.SIGKILL)
+            dd.proc.wait()
+            if ev["event"] == "finished":
+                assert ev["state"] == "failed" and ev["code"] in ("peer_dead", "transfer"), ev
+                assert "NIXL" in ev["reason"] or "unresponsive" in ev["reason"], ev
+            else:  # the heartbeat failed it before the last chunk was handed over
+                assert ev["code"] == "request_finished" and "peer_dead" in ev["error"], ev
+        finally:
+            for w in prefill_b + decode_a + decode_b:
+                w.kill()  # their daemons are gone: nothing will finish their requests
 
 
 @needs_nixl
@@ -200,8 +195,7 @@ def test_a_request_failed_on_the_decode_side_waits_for_its_source_to_fence_it(cl
 def test_a_daemon_that_ran_nixl_exits_cleanly_with_every_ucx_module_loaded():
     # UCX_MODULES=all undoes the test-wide exclusion of UCX's InfiniBand module, which
     # crashes at process exit where libibverbs is installed without an RDMA device
-    c = Cluster()
-    try:
+    with cluster_run() as c:
         d = c.daemon("exit-nixl", env={**NIXL_ENV, "UCX_MODULES": "all"})
         ranks = c.instance(d, "exit-d", "decode", spec(), 8)  # the first rank starts the NIXL agent
         with EngineClient(d.socket_path, timeout=5) as client:
@@ -209,8 +203,6 @@ def test_a_daemon_that_ran_nixl_exits_cleanly_with_every_ucx_module_loaded():
         close(ranks)
         d.signal(signal.SIGTERM)
         assert d.proc.wait(30) == 0, d.log()[-2000:]
-    finally:
-        c.close()
 
 
 # -- a notification that fails validation --------------------------------------------

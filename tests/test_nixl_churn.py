@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_util import Cluster, spec
+from e2e_util import Node, module_cluster, spec
 from nixl_util import NIXL_ENV, NIXL_MISSING, SLOW_TIMEOUTS, metric, run_case
 
 CASES = [  # (prefill spec, decode spec, tokens): Llama-8B-like TP1, PP2 -> PP1 with page 4 -> 16, MLA TP2 -> TP4
@@ -26,17 +26,11 @@ CASES = [  # (prefill spec, decode spec, tokens): Llama-8B-like TP1, PP2 -> PP1 
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    c = Cluster()
-    try:
-        env = {**NIXL_ENV, "KVXFERD_PEER_MODE": "direct"}
-        c.daemon("prefill-nixl", extra_toml=SLOW_TIMEOUTS, env=env)
-        c.daemon("decode-nixl", extra_toml=SLOW_TIMEOUTS, env=env)
-        yield c
-    finally:
-        c.close()
+    env = {**NIXL_ENV, "KVXFERD_PEER_MODE": "direct"}
+    yield from module_cluster(request, Node("prefill-nixl", SLOW_TIMEOUTS, env), Node("decode-nixl", SLOW_TIMEOUTS, env))
 
 
 @pytest.mark.parametrize("step", range(len(CASES) + 1))  # every geometry, then the first again

@@ -21,7 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, close, finished, spec, untouched_bytes
+from e2e_util import Cluster, Node, close, cluster_run, finished, module_cluster, spec, untouched_bytes
 from kvxferd import config, protocol
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
@@ -40,19 +40,14 @@ STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    c = Cluster()
-    try:
-        c.daemon("prefill-st", env=STAGED_ENV)
-        c.daemon("decode-st", env=STAGED_ENV)
+    yield from module_cluster(
+        request, Node("prefill-st", env=STAGED_ENV), Node("decode-st", env=STAGED_ENV),
         # a decode daemon that gives no landing ring: sliced plans over NIXL must run direct
-        c.daemon("decode-no-ring", env={**STAGED_ENV, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"})
-        c.daemon("prefill-forced", env={**STAGED_ENV, "KVXFERD_PEER_MODE": "staged"})
-        yield c
-    finally:
-        c.close()
+        Node("decode-no-ring", env={**STAGED_ENV, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
+        Node("prefill-forced", env={**STAGED_ENV, "KVXFERD_PEER_MODE": "staged"}))
 
 
 def moved(cluster: Cluster) -> dict[tuple[str, str, str], float]:
@@ -180,8 +175,7 @@ def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cl
 
 @needs_nixl
 def test_sender_waiting_for_landing_slots_of_a_frozen_decode_daemon_fails_within_the_deadline():
-    c = Cluster()
-    try:
+    with cluster_run(kill_engines=True) as c:
         pd = c.daemon("prefill-f", extra_toml=SLOW_TIMEOUTS, env=STAGED_ENV)
         dd = c.daemon("decode-f", extra_toml=SLOW_TIMEOUTS, env=STAGED_ENV)
         prefill, decode = instances(c, (pd, "fp", "prefill", spec(tp_size=2)), (dd, "fd", "decode", spec()))
@@ -207,10 +201,6 @@ def test_sender_waiting_for_landing_slots_of_a_frozen_decode_daemon_fails_within
                 assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
             else:  # the heartbeat failed it before the last chunk was handed over
                 assert ev["code"] == "request_finished" and "peer_dead" in ev["error"], ev
-    finally:
-        for w in c.workers:
-            w.kill()
-        c.close()
 
 
 # -- pieces without processes ------------------------------------------------------------------
@@ -412,8 +402,7 @@ def test_config_bounds_the_landing_rings():
 def test_agents_of_peer_daemons_that_died_are_removed():
     """Both directions: the decode daemon drops a dead source's agent, the prefill daemon a dead destination's."""
     quick = "[timeouts]\ntransfer_s = 2.0\nwaiting_for_input_s = 10.0\nbootstrap_s = 10.0\ndrain_grace_s = 1.0\n"
-    c = Cluster()
-    try:
+    with cluster_run(kill_engines=True) as c:
         p1 = c.daemon("prefill-1", extra_toml=quick, env=STAGED_ENV)
         p2 = c.daemon("prefill-2", extra_toml=quick, env=STAGED_ENV)
         d1 = c.daemon("decode-1", extra_toml=quick, env=STAGED_ENV)
@@ -438,10 +427,6 @@ def test_agents_of_peer_daemons_that_died_are_removed():
         removed = d1.log().split("event=nixl_agent_removed agent=", 1)[1].split("\n", 1)[0]
         assert "kvxferd-prefill-2-" in removed  # the dead source's agent, not the live one's
         assert "kvxferd-decode-1-" in p1.log().split("event=nixl_agent_removed agent=", 1)[1].split("\n", 1)[0]
-    finally:
-        for w in c.workers:
-            w.kill()
-        c.close()
 
 
 def _mutations(valid: dict, ring: int, rng) -> list[bytes]:

@@ -21,22 +21,18 @@ import pytest
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.memory import allocate_cpu
-from kvxferd.tools.sim import Cluster
 
-from ops_support import (NUM_PAGES, Scrape, base_url, close_cluster, http_get, kv_bytes, next_for, pages, spec,
+from e2e_util import cluster_run
+from ops_support import (NUM_PAGES, Scrape, base_url, http_get, kv_bytes, next_for, pages, spec,
                          start_pair, transfer, wait_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def pair():
-    cluster = Cluster()
-    try:
-        pd, dd, pw, dw = start_pair(cluster)
-        yield pd, dd, pw, dw
-    finally:
-        close_cluster(cluster)
+def pair(request):
+    with cluster_run(request) as cluster:
+        yield start_pair(cluster)
 
 
 _ids = iter(range(10**6))

@@ -8,7 +8,6 @@ the planner or the segment code what should land where.
 from __future__ import annotations
 
 import itertools
-import random
 
 import numpy as np
 import pytest
@@ -16,7 +15,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, assert_verified, close, finished, pages_for, transfer, untouched_bytes
+from e2e_util import Node, close, cluster_run, finished, module_cluster, start_nodes
+from e2e_util import run_case as _run_case
 from kvxferd.client import DaemonError, EngineClient
 from kvxferd.errors import GeometryError, PlanRefusal, RequestError
 from kvxferd.geometry import InstanceSpec, RankGeometry
@@ -192,44 +192,22 @@ def test_packed_and_nhd_do_not_pair():
 # -- real daemons, real engine processes ---------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    c.daemon("prefill-node")
-    c.daemon("decode-node")
-    yield c
-    c.close()
+def cluster(request):
+    yield from module_cluster(request, "prefill-node", "decode-node")
 
 
-def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, requests=2, seed=0):
-    rng = random.Random(seed)
-    tag = next(_ids)
-    pd = cluster.daemons["prefill-node"]
-    dd = pd if transport == "local" else cluster.daemons["decode-node"]
-    prefill = cluster.instance(pd, f"pp{tag}", "prefill", pspec, NUM_PAGES)
-    decode = cluster.instance(dd, f"pd{tag}", "decode", dspec, NUM_PAGES)
-    try:
-        used: set[int] = set()
-        allowed: list[list] = []
-        for i in range(requests):
-            src = pages_for(rng, NUM_PAGES, n_tokens, pspec.page_size)
-            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], -(-n_tokens // dspec.page_size))
-            used.update(dst)
-            dec, pre = transfer(prefill, decode, f"pk-{tag}-{i}", n_tokens, src_pages=src, dst_pages=dst,
-                                source_address=None if transport == "local" else pd.address, chunks=chunks,
-                                aux=b"pk" if i == 0 else None)
-            assert_verified(dec, pre)
-            assert all(ev["aux"] == (b"pk".hex() if i == 0 else None) for ev in dec)
-            allowed.append([dst, n_tokens])
-        never = [p for p in range(NUM_PAGES) if p not in used]
+def run_case(cluster, pspec, dspec, *, transport="tcp", n_tokens, chunks=None, requests=2):
+    """Byte-exact requests (the first with aux bytes); pages never a destination keep the canary, and
+    nothing outside the requests' whole pages changed: not the padding between regions, not another
+    layer's region, not another page."""
+    def whole_pages_only(decode, moved):
         for w in decode:
-            assert untouched_bytes(w, never) == 0
-            # nothing outside the requests' whole pages changed: not the padding between regions,
-            # not another layer's region, not another page
-            report = canary(w, allowed)
+            report = canary(w, moved)
             assert report["outside_bytes"] == 0, report
-            assert set(report["changed_pages"]) == used
-    finally:
-        close(prefill + decode)
+            assert set(report["changed_pages"]) == {p for dst, _ in moved for p in dst}
+
+    _run_case(cluster, pspec, dspec, transport=transport, n_tokens=n_tokens, chunks=chunks, requests=requests,
+              aux=b"pk", tag="pk-", num_pages=NUM_PAGES, check=whole_pages_only)
 
 
 def canary(worker, allowed):
@@ -377,13 +355,11 @@ def test_packed_over_nixl_daemons_moves_by_tcp_or_is_refused():
 
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    c = Cluster()
-    try:
-        pd = c.daemon("prefill-nixl", env=NIXL_ENV)  # offers nixl first, then tcp
-        c.daemon("decode-nixl", env=NIXL_ENV)
+    with cluster_run() as c:
         only = {**NIXL_ENV, "KVXFERD_PEER_TRANSPORTS": "nixl"}
-        c.daemon("prefill-only", env=only)
-        c.daemon("decode-only", env=only)
+        pd, *_ = start_nodes(c, Node("prefill-nixl", env=NIXL_ENV),  # offers nixl first, then tcp
+                             Node("decode-nixl", env=NIXL_ENV), Node("prefill-only", env=only),
+                             Node("decode-only", env=only))
         nixl_case(c, packed(tp_size=2), packed(), n_tokens=27, chunks=[[0, 16], [16, 27]])
         assert metric(pd, "kvxferd_sent_bytes_total", transport="tcp") > 0
         assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == 0
@@ -398,5 +374,3 @@ def test_packed_over_nixl_daemons_moves_by_tcp_or_is_refused():
             assert "layout packed_page is moved by tcp only" in ev["reason"]
         finally:
             close(prefill + decode)
-    finally:
-        c.close()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_util import Cluster, assert_verified, close, finished, spec, transfer
+from e2e_util import Cluster, Worker, assert_verified, close, finished, in_parallel, spec, transfer
 from kvxferd.client import EngineClient
 from nixl_util import NIXL_ENV, NIXL_MISSING
 
@@ -52,28 +52,32 @@ def wait_state(d, wanted: dict[str, int], timeout: float = WAIT_S) -> None:
         time.sleep(0.05)
 
 
-def restart(d, env: dict[str, str] | None = None) -> str:
-    """SIGKILL the daemon and start it again on the same ports; return the old incarnation."""
+def restart(c: Cluster, d, engines: list[Worker], env: dict[str, str] | None = None) -> tuple[str, list[Worker]]:
+    """SIGKILL the daemon and start it again on the same ports; its engines lost it, so they are
+    killed and the instance comes back as new engines that register there. Returns the old
+    incarnation and the new engines."""
     old = status(d)["incarnation"]
     d.killed_at = time.time()
     d.signal(signal.SIGKILL)
     d.proc.wait()
     d.start(env)
     assert status(d)["incarnation"] != old
-    return old
+    for w in engines:
+        w.kill()
+    return old, c.instance(d, engines[0].instance, engines[0].role, spec(), NUM_PAGES)
 
 
-
-
-def pair(c: Cluster, decode_heartbeat: float | None = None, env: dict[str, str] | None = None):
+def warm_pair(c: Cluster, decode_heartbeat: float | None = None, env: dict[str, str] | None = None):
+    """A prefill and a decode daemon with one engine each, linked by a first request verified byte-exact."""
     pd = c.daemon("prefill-node", extra_toml=LONG, start=False)
     dd = c.daemon("decode-node", extra_toml=LONG, start=False)
     slow_heartbeats(pd)
     slow_heartbeats(dd, decode_heartbeat)
-    pd.start(env)
-    dd.start(env)
-    prefill = c.instance(pd, "rp", "prefill", spec(), NUM_PAGES)
-    decode = c.instance(dd, "rd", "decode", spec(), NUM_PAGES)
+    in_parallel(lambda: pd.start(env), lambda: dd.start(env))
+    prefill, decode = c.instances((pd, "rp", "prefill", spec(), NUM_PAGES), (dd, "rd", "decode", spec(), NUM_PAGES))
+    dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
+                        source_address=pd.address)
+    assert_verified(dec, pre)
     return pd, dd, prefill, decode
 
 
@@ -88,23 +92,17 @@ def expect_only(decode, request_id: str, source: str, dst=(1, 2, 3), n: int = 12
 def test_restarted_prefill_daemon_fails_pending_requests_and_serves_the_next(cluster, transport):
     started = time.monotonic()
     env = NIXL_ENV if transport == "nixl" else None
-    pd, dd, prefill, decode = pair(cluster, env=env)
-    dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
-                        source_address=pd.address)
-    assert_verified(dec, pre)
+    pd, dd, prefill, decode = warm_pair(cluster, env=env)
     # the decode side waits for a request the prefill daemon knows (its expect arrived there)
     expect_only(decode, "pending", pd.address)
     wait_state(dd, {"decode:waiting_for_input": 1})
     wait_state(pd, {"prefill:waiting_for_input": 1})
-    old = restart(pd, env)
-    for w in prefill:  # its engine lost its daemon; it comes back and registers again
-        w.kill()
+    old, prefill = restart(cluster, pd, prefill, env)  # its engine comes back and registers again
     # heartbeats resume from the new process: the change of incarnation ends the request at once
     ev = finished(decode[0], "pending", timeout=WAIT_S)
     assert ev["state"] == "failed" and ev["code"] == "peer_restarted", ev
     assert pd.address in ev["reason"] and old in ev["reason"], ev
     after = round(ev["t"] - pd.killed_at, 2)
-    prefill = cluster.instance(pd, "rp", "prefill", spec(), NUM_PAGES)
     # the first request after the restart handshakes again by itself and lands byte-exact
     dec, pre = transfer(prefill, decode, "after", 21, src_pages=[9, 10, 11, 12, 13, 14],
                         dst_pages=[15, 16, 17, 18, 19, 20], source_address=pd.address, chunks=[[0, 8], [8, 21]])
@@ -131,16 +129,10 @@ def test_first_request_after_an_unnoticed_restart_handshakes_again(cluster):
     first expect triggers a new handshake instead of failing that request, and the handshake
     reveals the new incarnation, which fails the request pending at the old one."""
     started = time.monotonic()
-    pd, dd, prefill, decode = pair(cluster, decode_heartbeat=NEVER_S / 4)
-    dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
-                        source_address=pd.address)
-    assert_verified(dec, pre)
+    pd, dd, prefill, decode = warm_pair(cluster, decode_heartbeat=NEVER_S / 4)
     expect_only(decode, "pending", pd.address)
     wait_state(pd, {"prefill:waiting_for_input": 1})
-    restart(pd)
-    for w in prefill:
-        w.kill()
-    prefill = cluster.instance(pd, "rp", "prefill", spec(), NUM_PAGES)
+    _, prefill = restart(cluster, pd, prefill)
     dec, pre = transfer(prefill, decode, "after", 13, src_pages=[9, 10, 11, 12], dst_pages=[13, 14, 15, 16],
                         source_address=pd.address)
     assert_verified(dec, pre)
@@ -162,20 +154,14 @@ def test_first_request_after_an_unnoticed_restart_handshakes_again(cluster):
 
 def test_restarted_decode_daemon_fails_its_pending_sources_and_serves_the_next(cluster):
     started = time.monotonic()
-    pd, dd, prefill, decode = pair(cluster)
-    dec, pre = transfer(prefill, decode, "warm", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
-                        source_address=pd.address)
-    assert_verified(dec, pre)
+    pd, dd, prefill, decode = warm_pair(cluster)
     # a request whose first chunk landed and whose last one the prefill engine still holds
     expect_only(decode, "pending", pd.address)
     for w in prefill:
         w.command(cmd="send", request_id="pending", pages=[1, 2, 3], n=12, chunks=[[0, 4], [4, 12]],
                   hold_last=True)
     wait_state(dd, {"decode:transferring": 1})
-    old = restart(dd)
-    for w in decode:
-        w.kill()
-    decode = cluster.instance(dd, "rd", "decode", spec(), NUM_PAGES)
+    old, decode = restart(cluster, dd, decode)
     # the new decode daemon's first request: its handshake replaces the dead link at once
     dec, pre = transfer(prefill, decode, "after", 13, src_pages=[9, 10, 11, 12], dst_pages=[13, 14, 15, 16],
                         source_address=pd.address)

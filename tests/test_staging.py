@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from e2e_util import Cluster, assert_verified, close, finished, spec, transfer
+from e2e_util import Node, assert_verified, close, finished, module_cluster, spec, transfer
 from kvxferd.errors import TransferError
 from kvxferd.staging import StagingPool, block_bytes, pack
 
@@ -77,13 +77,9 @@ SMALL_POOL = "[limits]\nstaging_bytes = 512\nstaging_slot_bytes = 256\n"
 
 
 @pytest.fixture(scope="module")
-def staged_cluster():
-    c = Cluster()
+def staged_cluster(request):
     env = {"KVXFERD_PEER_MODE": "staged"}
-    c.daemon("prefill-node", extra_toml=SMALL_POOL, env=env)
-    c.daemon("decode-node", extra_toml=SMALL_POOL, env=env)
-    yield c
-    c.close()
+    yield from module_cluster(request, Node("prefill-node", SMALL_POOL, env), Node("decode-node", SMALL_POOL, env))
 
 
 @pytest.mark.parametrize("pspec, dspec, chunks", [

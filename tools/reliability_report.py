@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import fcntl
 import json
 import os
 import re
@@ -43,18 +44,25 @@ def record(section: str, name: str, data: dict[str, Any]) -> None:
     if not path:
         return
     target = Path(path)
-    try:
-        results = json.loads(target.read_text())
-    except (OSError, ValueError):
-        results = {}
-    results.setdefault(section, {})[name] = data
-    results["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(results, fh, indent=2, sort_keys=True, default=str)
-        fh.write("\n")
-    os.replace(tmp, target)
+    # tests run in parallel processes (pytest-xdist) read, merge and replace the same file: one at
+    # a time, under a lock on its directory (a lock file would be left behind)
+    lock = os.open(target.parent, os.O_RDONLY)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            results = json.loads(target.read_text())
+        except (OSError, ValueError):
+            results = {}
+        results.setdefault(section, {})[name] = data
+        results["updated"] = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name + ".")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(results, fh, indent=2, sort_keys=True, default=str)
+            fh.write("\n")
+        os.replace(tmp, target)
+    finally:
+        os.close(lock)  # and with it the lock
 
 
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')

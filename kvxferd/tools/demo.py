@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import sys
 import time
 import urllib.request
@@ -176,9 +175,7 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
                 "oracle": {k: round(v, 4) for k, v in stream.oracle.items()},
                 "transport": transport, "mode": mode, **moved, "failures": stream.failed[:5]}
     finally:
-        cluster.close()
-        if not keep_logs:
-            shutil.rmtree(cluster.root, ignore_errors=True)
+        cluster.close(keep_root=keep_logs)
 
 
 def _families(metrics_url: str) -> dict[str, Any]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
@@ -312,13 +313,16 @@ class Cluster:
                 w.wait_registered()
         return groups
 
-    def close(self) -> None:
+    def close(self, keep_root: bool = False) -> None:
+        """Stop engines and daemons; remove the run dir unless ``keep_root`` (its logs, to debug)."""
         for w in self.workers:
             w.close()
             if w.shm_path:  # a killed worker could not unlink its cache file
                 Path(w.shm_path).unlink(missing_ok=True)
         for d in self.daemons.values():
             d.stop()
+        if not keep_root:
+            shutil.rmtree(self.root, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 
 load_plugins()
 
-from kvxferd.tools.sim import Cluster  # noqa: E402
+from e2e_util import module_cluster  # noqa: E402
 
 # a prefill rank retries its bootstrap registration this long (SGLang starts the server beside it)
 os.environ.setdefault("KVXFERD_SGLANG_BOOTSTRAP_WAIT_S", "5")
@@ -35,15 +35,9 @@ os.environ.setdefault("KVXFERD_SGLANG_CALL_TIMEOUT_S", "2")
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(request):
     """A prefill daemon and a decode daemon, real processes on loopback, shared by a module."""
-    c = Cluster()
-    c.daemon("pd")
-    c.daemon("dd")
-    try:
-        yield c
-    finally:
-        c.close()
+    yield from module_cluster(request, "pd", "dd")
 
 
 @pytest.fixture(autouse=True)

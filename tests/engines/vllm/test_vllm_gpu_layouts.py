@@ -33,7 +33,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from e2e_util import Cluster
+from e2e_util import module_cluster
 from kvxferd.adapters.vllm.layout import LayerLayout, decide, layer_span, rank_geometry, same_for_all
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError
@@ -180,12 +180,8 @@ def test_other_shapes_are_refused_naming_shape():
 # -- real daemons, byte-exact -----------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def cluster():
-    c = Cluster()
-    c.daemon("prefill-node")
-    c.daemon("decode-node")
-    yield c
-    c.close()
+def cluster(request):
+    yield from module_cluster(request, "prefill-node", "decode-node")
 
 
 class Rank:
