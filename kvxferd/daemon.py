@@ -23,7 +23,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import PROTOCOL_VERSION, __version__, auth, linkwatch, protocol, sdnotify
+from . import PROTOCOL_VERSION, __version__, auth, linkwatch, messages, protocol, sdnotify
 from .binding import binding
 from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .errors import KvxferError, PlanRefusal, ProtocolError, RegistrationError, RequestError, TransferError
@@ -116,18 +116,21 @@ class PeerLink:
                             lambda message: daemon.peer_auth_failed(self, message),
                             lambda: setattr(self, "auth_error", "")))
 
-    def send(self, message: dict[str, Any]) -> None:
-        fut = self.sock.send(protocol.encode(message))
+    def send(self, message: messages.Message) -> None:
+        fut = self.sock.send(protocol.encode(message.to_wire()))
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(_ignore)
 
-    async def request(self, message: dict[str, Any], timeout: float) -> dict[str, Any]:
+    async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
         self.seq += 1
-        seq = message["seq"] = self.seq
+        seq = self.seq
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[seq] = fut
         try:
-            self.send(message)
+            wire = {**message.to_wire(), "seq": seq}
+            send = self.sock.send(protocol.encode(wire))
+            if isinstance(send, asyncio.Future):
+                send.add_done_callback(_ignore)
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.waiting.pop(seq, None)
@@ -445,8 +448,9 @@ class Daemon:
             identity, payload = frames[0], frames[-1]
             seq = None
             try:
-                msg = protocol.check_engine(protocol.decode(payload, self.cfg.limits.max_message_bytes))
-                seq = msg.get("seq")
+                raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
+                msg = messages.parse_engine(raw)
+                seq = raw.get("seq")
                 reply = self._engine_op(identity, msg)
             except KvxferError as exc:
                 if isinstance(exc, ProtocolError):
@@ -477,8 +481,8 @@ class Daemon:
                                field="rank_id", fix=f"call it from a {role} rank")
         return rank
 
-    def _engine_op(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        op = msg["op"]
+    def _engine_op(self, identity: bytes, msg: Any) -> dict[str, Any]:
+        op = msg.op
         if op == "ping":
             return {"ok": True}
         if op == "status":
@@ -486,38 +490,38 @@ class Daemon:
         if op == "register":
             return self._register(identity, msg)
         if op == "unregister":
-            rank = self.registry.get(msg["rank_id"])
+            rank = self.registry.get(msg.rank_id)
             if rank is None or rank.identity != identity:
-                raise RequestError(f"rank {msg['rank_id']!r} is not registered on this connection",
+                raise RequestError(f"rank {msg.rank_id!r} is not registered on this connection",
                                    field="rank_id", fix="unregister only ranks this connection registered")
             self._drop_rank(rank, "engine unregistered the rank")
             return {"ok": True}
         if op in ("poll", "abort"):
-            rid = msg["rank_id"]
+            rid = msg.rank_id
             rank = self.registry.get(rid)
             if rank is None or rank.identity != identity:
                 raise RequestError(f"rank {rid!r} is not registered on this connection", field="rank_id",
                                    fix="use the rank_id register returned")
             if op == "abort":
-                return self._abort_from_engine(rank, msg["request_id"], msg.get("reason") or "aborted by engine")
-            return {"ok": True, **self._poll(rank, msg["request_id"])}
-        if self.draining and not (op == "send" and (msg["request_id"], msg["rank_id"]) in self.sources):
+                return self._abort_from_engine(rank, msg.request_id, msg.reason or "aborted by engine")
+            return {"ok": True, **self._poll(rank, msg.request_id)}
+        if self.draining and not (op == "send" and (msg.request_id, msg.rank_id) in self.sources):
             # later chunks of a request already in flight still go through: the drain finishes it
             raise RequestError("daemon is draining and takes no new work", field="op", code="draining",
                                fix="retry on the restarted daemon")
         if op == "expect":
-            return self._expect(self._owned(identity, msg["rank_id"], "decode"), msg)
+            return self._expect(self._owned(identity, msg.rank_id, "decode"), msg)
         if op == "send":
-            return self._send(self._owned(identity, msg["rank_id"], "prefill"), msg)
+            return self._send(self._owned(identity, msg.rank_id, "prefill"), msg)
         raise ProtocolError(f"unhandled op {op!r}", field="op", fix="use a documented op")
 
-    def _register(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        geometry = RankGeometry.from_dict(bounded_geometry(msg["geometry"], "geometry"))
-        self.registry.check_new(msg["instance"], msg["role"], geometry)
-        process = ProcessRef.find(msg["pid"]) if "pid" in msg else None
+    def _register(self, identity: bytes, msg: messages.Register) -> dict[str, Any]:
+        geometry = RankGeometry.from_dict(bounded_geometry(msg.geometry, "geometry"))
+        self.registry.check_new(msg.instance, msg.role, geometry)
+        process = ProcessRef.find(msg.pid) if msg.pid is not None else None
         # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
         try:
-            regions = self.mapper.map_regions(geometry, msg["regions"], msg.get("pid"))
+            regions = self.mapper.map_regions(geometry, msg.regions, msg.pid)
             if process is not None and not process.alive():  # the pid went to another process meanwhile
                 raise RegistrationError(f"engine process {process.pid} exited while registering", field="pid",
                                         fix="register from a live engine process")
@@ -525,7 +529,7 @@ class Daemon:
             # a refused registration keeps nothing mapped (files mapped before the refusal)
             self.mapper.release_unused(region.flat for r in self.registry for region in r.regions.values())
             raise
-        rank = Rank(msg["instance"], msg["role"], geometry, regions, identity, process)
+        rank = Rank(msg.instance, msg.role, geometry, regions, identity, process)
         old = self.registry.get(rank.id)
         if old is not None:
             self._drop_rank(old, "rank re-registered (engine restarted)")
@@ -571,18 +575,18 @@ class Daemon:
                                fix="retry later, or raise limits.max_inflight_requests")
 
     # -- decode side -----------------------------------------------------------------
-    def _expect(self, rank: Rank, msg: dict[str, Any]) -> dict[str, Any]:
+    def _expect(self, rank: Rank, msg: messages.Expect) -> dict[str, Any]:
         self._check_capacity()
-        if len(msg["pages"]) > self.cfg.limits.max_pages_per_request:
-            raise RequestError(f"{len(msg['pages'])} pages exceed limits.max_pages_per_request",
+        if len(msg.pages) > self.cfg.limits.max_pages_per_request:
+            raise RequestError(f"{len(msg.pages)} pages exceed limits.max_pages_per_request",
                                field="pages", fix="split the request or raise the limit")
-        pages = as_pages(msg["pages"], rank.geometry.num_pages, "pages")
-        num_tokens = msg.get("num_tokens")
+        pages = as_pages(msg.pages, rank.geometry.num_pages, "pages")
+        num_tokens = msg.num_tokens
         capacity = pages.size * rank.geometry.spec.page_size
         if num_tokens is not None and num_tokens > capacity:
             raise RequestError(f"num_tokens {num_tokens} exceeds the {capacity} tokens of {pages.size} pages",
                                field="num_tokens", fix="allocate enough pages for the request")
-        start = msg.get("start", 0)
+        start = (msg.start or 0)
         if num_tokens is not None and start >= num_tokens:
             raise RequestError(f"start {start} is not below num_tokens {num_tokens}: nothing would move",
                                field="start", fix="send start (tokens already in the decode pages) below "
@@ -596,13 +600,13 @@ class Daemon:
                                f"{rank.geometry.spec.layout} layout moves whole pages", field="start",
                                fix=f"round start down to a page boundary ({start // unit * unit}): the "
                                    "partly cached page is sent again, whole")
-        self._refuse_finished(msg["request_id"], rank.id)
-        source_address = msg.get("source_address") or ""
+        self._refuse_finished(msg.request_id, rank.id)
+        source_address = msg.source_address or ""
         if source_address == self.address:
             source_address = ""
         if source_address:
             split_address(source_address)
-        entry = DestEntry(msg["request_id"], rank, msg["source_instance"], pages, num_tokens, start)
+        entry = DestEntry(msg.request_id, rank, msg.source_instance, pages, num_tokens, start)
         entry.transport = "tcp" if source_address else "local"
         entry.source_address = source_address
         self.inbox.add(entry)
@@ -649,11 +653,9 @@ class Daemon:
             self._on_expect(entry.request_id, entry.source_instance, entry.rank.instance, entry.rank.coords,
                             plan_route[0], plan_route[1], start=entry.start)
         else:
-            link.send({"op": "expect", "request_id": entry.request_id,
-                       "prefill_instance": entry.source_instance, "decode_instance": entry.rank.instance,
-                       "dst": list(entry.rank.coords), "num_tokens": num_tokens,
-                       **({"start": entry.start} if entry.start else {}),
-                       **self.nixl.expect_fields(link.address, entry)})
+            link.send(messages.PeerExpect(entry.request_id, entry.source_instance, entry.rank.instance,
+                                          list(entry.rank.coords), num_tokens, entry.start or None,
+                                          self.nixl.expect_fields(link.address, entry)))
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
         while True:
@@ -708,13 +710,11 @@ class Daemon:
                 self.metrics.handshakes.labels("timeout").inc()
                 raise asyncio.TimeoutError
             try:
-                reply = await link.request({
-                    "op": "handshake", "v": PROTOCOL_VERSION, "daemon": self.address,
-                    "data_address": self.data_address, "prefill_instance": prefill,
-                    "decode_instance": decode, "decode_spec": spec.to_dict(), "mode": self.cfg.peer.mode,
-                    "transports": self._transports_for(decode), "data_token": link.token,
-                    "incarnation": self.incarnation,
-                    **self.nixl.handshake_fields(link.address, prefill, decode)}, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
+                hello = messages.Handshake(
+                    PROTOCOL_VERSION, self.address, self.data_address, prefill, decode, spec.to_dict(),
+                    self.cfg.peer.mode, self._transports_for(decode), link.token, self.incarnation,
+                    extra=self.nixl.handshake_fields(link.address, prefill, decode))
+                reply = await link.request(hello, timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
@@ -749,10 +749,11 @@ class Daemon:
         op = msg.get("op")
         try:
             if op == "abort":
-                m = protocol.check_peer(msg)
-                for entry in self.inbox.for_request(m["request_id"]):
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.PeerAbort)
+                for entry in self.inbox.for_request(m.request_id):
                     if entry.source_address == link.address:  # only requests this peer is the source of
-                        self._fail_dest(entry, m.get("code") or "peer_aborted", m["reason"], propagate=False)
+                        self._fail_dest(entry, m.code or "peer_aborted", m.reason, propagate=False)
             elif op == "error" and isinstance(msg.get("request_id"), str):
                 rid = msg["request_id"]
                 err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
@@ -766,8 +767,9 @@ class Daemon:
                                         f"source daemon {link.address}: {str(err.get('message'))[:300]}",
                                         propagate=False)
             elif op == "fenced":
-                m = protocol.check_peer(msg)
-                for entry in self.inbox.for_request(m["request_id"]):
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.Fenced)
+                for entry in self.inbox.for_request(m.request_id):
                     if entry.source_address == link.address:
                         self._fence_done(entry)
             elif op == "pong":
@@ -812,7 +814,7 @@ class Daemon:
         if link is None or link.state != "up":
             return  # an unreachable source cannot answer; peer_dead failures are told at once
         entry.fence_until = time.monotonic() + self.cfg.timeouts.fence_s
-        link.send({"op": "fence", "request_id": entry.request_id})
+        link.send(messages.Fence(entry.request_id))
 
     def _fence_done(self, entry: DestEntry, why: str = "") -> None:
         if not entry.fence_until:
@@ -840,8 +842,7 @@ class Daemon:
             record.update(code=code, reason=message)
             self._record_failure("decode", entry.request_id, entry.rank.id, code, message)
         self._remember(entry.request_id, entry.rank.id, record)
-        self._send_engine(entry.rank.identity, {"op": "event", "rank_id": entry.rank.id,
-                                                "request_id": entry.request_id, **record})
+        self._send_engine(entry.rank.identity, messages.Event.of(entry.rank.id, entry.request_id, record).to_wire())
 
     def _propagate_abort_upstream(self, entry: DestEntry, code: str, message: str) -> None:
         if entry.transport == "local":
@@ -849,42 +850,41 @@ class Daemon:
         else:
             link = self.links.get(entry.source_address)
             if link is not None:
-                link.send({"op": "abort", "request_id": entry.request_id, "reason": message[:500],
-                           "code": code[:64]})
+                link.send(messages.PeerAbort.of(entry.request_id, code, message))
 
     # -- prefill side ----------------------------------------------------------------
-    def _send(self, rank: Rank, msg: dict[str, Any]) -> dict[str, Any]:
-        start, end = msg["start"], msg["end"]
+    def _send(self, rank: Rank, msg: messages.Send) -> dict[str, Any]:
+        start, end = msg.start, msg.end
         if end < start:
             raise RequestError(f"end {end} is before start {start}", field="end", fix="send start <= end")
-        if len(msg["pages"]) > self.cfg.limits.max_pages_per_request:
-            raise RequestError(f"{len(msg['pages'])} pages exceed limits.max_pages_per_request",
+        if len(msg.pages) > self.cfg.limits.max_pages_per_request:
+            raise RequestError(f"{len(msg.pages)} pages exceed limits.max_pages_per_request",
                                field="pages", fix="split the request or raise the limit")
-        pages = as_pages(msg["pages"], rank.geometry.num_pages, "pages")
+        pages = as_pages(msg.pages, rank.geometry.num_pages, "pages")
         if end - start > min(pages.size, rank.geometry.num_pages) * rank.geometry.spec.page_size:
             # checked before slots() materialises one index per token of the claimed range
             raise RequestError(f"token range [{start}, {end}) is longer than the {pages.size} pages sent",
                                field="pages", fix="send a page for every page_size tokens of the range")
-        check_whole_pages(rank.geometry.spec, start, end, msg["last"])
+        check_whole_pages(rank.geometry.spec, start, end, msg.last)
         chunk_slots = unit_slots(rank.geometry.spec, pages, start, end, start, rank.geometry.slot_pitch)
-        key = (msg["request_id"], rank.id)
-        self._refuse_finished(msg["request_id"], rank.id)
+        key = (msg.request_id, rank.id)
+        self._refuse_finished(msg.request_id, rank.id)
         entry = self.sources.get(key)
         if entry is None:
             self._check_capacity()
             if sum(len(e.chunks) for e in self.sources.values()) >= self.cfg.limits.max_pending_chunks:
                 raise RequestError("too many chunks are held", field="request_id", code="busy",
                                    fix="retry later, or raise limits.max_pending_chunks")
-            entry = self.sources[key] = SrcEntry(msg["request_id"], rank.id, rank.coords)
-            route = self._routes_for(msg["request_id"], rank.instance)
+            entry = self.sources[key] = SrcEntry(msg.request_id, rank.id, rank.coords)
+            route = self._routes_for(msg.request_id, rank.instance)
             if route is not None:
                 entry.bind(*route)
         elif entry.closed:
             # failed but still draining its chunks in flight: say why, as for a request already ended
             why = f"failed ({entry.failure[0]}: {entry.failure[1]})" if entry.failure else entry.state
-            raise RequestError(f"request {msg['request_id']!r} is {why}", field="request_id",
+            raise RequestError(f"request {msg.request_id!r} is {why}", field="request_id",
                                code="request_finished", fix="start a new request")
-        entry.add_chunk(Chunk(start, end, msg["last"], chunk_slots, msg.get("aux")))
+        entry.add_chunk(Chunk(start, end, msg.last, chunk_slots, msg.aux))
         self._pump(entry)
         self._check_src(entry)
         return {"ok": True, "state": entry.state}
@@ -1039,16 +1039,14 @@ class Daemon:
         self._remember(entry.request_id, entry.rid, record)
         rank = self.registry.get(entry.rid)
         if rank is not None:
-            self._send_engine(rank.identity, {"op": "event", "rank_id": entry.rid,
-                                              "request_id": entry.request_id, **record})
+            self._send_engine(rank.identity, messages.Event.of(entry.rid, entry.request_id, record).to_wire())
 
     def _propagate_abort_downstream(self, request_id: str, route: Route, code: str, message: str) -> None:
         if route.kind == "local":
             for entry in self.inbox.for_request(request_id):
                 self._fail_dest(entry, code, message, propagate=False)
         elif route.identity is not None and self.peer_sock is not None:
-            self._send_peer(route.identity, {"op": "abort", "request_id": request_id,
-                                             "reason": message[:500], "code": code[:64]})
+            self._send_peer(route.identity, messages.PeerAbort.of(request_id, code, message).to_wire())
 
     def _abort_sources(self, request_id: str, code: str, message: str) -> None:
         for (req, _rid), entry in list(self.sources.items()):
@@ -1082,19 +1080,19 @@ class Daemon:
             try:
                 raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
                 seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
-                msg = protocol.check_peer(raw)
-                reply = self._peer_op(identity, msg)
+                answer = self._peer_op(identity, messages.parse_peer(raw))
+                reply = answer.to_wire() if answer is not None else None
             except PlanRefusal as refusal:
                 self.metrics.refusals.labels(refusal.field or "unknown").inc()
                 self.metrics.handshakes.labels("refused").inc()
                 log.warning("event=handshake_refused field=%s msg=%s", refusal.field, q(str(refusal)[:300]))
-                reply = {"op": "handshake_refused", "error": refusal.to_wire()}
+                reply = messages.HandshakeRefused(refusal.to_wire()).to_wire()
             except KvxferError as exc:
                 self.metrics.invalid_messages.labels("peer").inc()
-                reply = {"op": "error", "error": exc.to_wire()}
+                reply = messages.PeerError(exc.to_wire()).to_wire()
             except Exception as exc:  # noqa: BLE001
                 log.exception("event=peer_handler_crash")
-                reply = {"op": "error", "error": {"code": "internal", "message": repr(exc)[:300]}}
+                reply = messages.PeerError({"code": "internal", "message": repr(exc)[:300]}).to_wire()
             if reply is not None:
                 if seq is not None:
                     reply["seq"] = seq
@@ -1106,68 +1104,64 @@ class Daemon:
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(_ignore)
 
-    def _peer_op(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any] | None:
-        op = msg["op"]
+    def _peer_op(self, identity: bytes, msg: Any) -> messages.Message | None:
+        op = msg.op
         peer = self.downstream.get(identity)
         if peer is not None:
             peer.last_seen = time.monotonic()
-        if op in ("ping", "handshake") and msg.get("incarnation"):
-            self._downstream_incarnation(identity, msg["daemon"], msg["incarnation"])
+        if op in ("ping", "handshake") and msg.incarnation:
+            self._downstream_incarnation(identity, msg.daemon, msg.incarnation)
         if op == "ping":
             if peer is None:
-                self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
+                self.downstream[identity] = DownstreamPeer(identity, msg.daemon, (msg.incarnation or ""))
                 self._count_peers()
-            return {"op": "pong", "daemon": self.address, "incarnation": self.incarnation}
+            return messages.Pong(self.address, self.incarnation)
         if op == "handshake":
             return self._peer_handshake(identity, msg)
         if op == "expect":
-            found = self.src_plans.get((msg["prefill_instance"], msg["decode_instance"]))
+            found = self.src_plans.get((msg.prefill_instance, msg.decode_instance))
             if found is None or found[1].identity != identity:
-                return {"op": "error", "request_id": msg["request_id"], "incarnation": self.incarnation,
-                        "error": {"code": "no_handshake", "message": "no handshake for this instance pair; "
-                                  "handshake again"}}
+                return messages.PeerError.about(msg.request_id, "no_handshake", "no handshake for this instance "
+                                                "pair; handshake again", incarnation=self.incarnation)
             plan, route = found
-            bound = self.request_routes.get((msg["request_id"], msg["prefill_instance"]))
-            if bound is not None and (bound[1] != msg["decode_instance"] or bound[2].identity != identity):
+            bound = self.request_routes.get((msg.request_id, msg.prefill_instance))
+            if bound is not None and (bound[1] != msg.decode_instance or bound[2].identity != identity):
                 # first binding wins: a second decode side may not take over a request's bytes
-                return {"op": "error", "request_id": msg["request_id"],
-                        "error": {"code": "request_bound", "field": "request_id",
-                                  "message": f"request {msg['request_id']!r} is already bound to decode "
-                                             f"instance {bound[1]!r} on another peer link"}}
-            dst = msg["dst"]
+                return messages.PeerError.about(msg.request_id, "request_bound",
+                                                f"request {msg.request_id!r} is already bound to decode "
+                                                f"instance {bound[1]!r} on another peer link", "request_id")
+            dst = msg.dst
             if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
                 raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
                                     field="dst", fix="send a rank of the decode instance")
-            start = msg.get("start", 0)
-            if msg["num_tokens"] and start >= msg["num_tokens"]:
-                raise ProtocolError(f"start {start} is not below num_tokens {msg['num_tokens']}", field="start",
+            start = (msg.start or 0)
+            if msg.num_tokens and start >= msg.num_tokens:
+                raise ProtocolError(f"start {start} is not below num_tokens {msg.num_tokens}", field="start",
                                     fix="send a start below the request's length")
-            if self.draining and not any(req == msg["request_id"] for req, _rid in self.sources):
+            if self.draining and not any(req == msg.request_id for req, _rid in self.sources):
                 # a request whose chunks this daemon already holds is in flight: let it finish
-                return {"op": "error", "request_id": msg["request_id"],
-                        "error": {"code": "draining", "message": "source daemon is draining"}}
+                return messages.PeerError.about(msg.request_id, "draining", "source daemon is draining")
             if (self._active_count() >= self.cfg.limits.max_inflight_requests
-                    and not any(req == msg["request_id"] for req, _rid in self.sources)):
-                return {"op": "error", "request_id": msg["request_id"],
-                        "error": {"code": "busy", "message": f"source daemon holds "
-                                  f"{self.cfg.limits.max_inflight_requests} requests in flight"}}
+                    and not any(req == msg.request_id for req, _rid in self.sources)):
+                return messages.PeerError.about(msg.request_id, "busy", f"source daemon holds "
+                                                f"{self.cfg.limits.max_inflight_requests} requests in flight")
             dst_pages = None
             if route.kind == "nixl":  # one-sided writes need the destination page table
                 try:
-                    dst_pages = self.nixl.expect_pages(route.nixl, dst, msg)
+                    dst_pages = self.nixl.expect_pages(route.nixl, dst, msg.extra)
                 except KvxferError as exc:
-                    return {"op": "error", "request_id": msg["request_id"], "error": exc.to_wire()}
-            self._on_expect(msg["request_id"], msg["prefill_instance"], msg["decode_instance"], dst, plan, route,
+                    return messages.PeerError(exc.to_wire(), msg.request_id)
+            self._on_expect(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan, route,
                             dst_pages, start)
             return None
         if op == "abort":
             # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
             for (req, _rid), entry in list(self.sources.items()):
-                if req == msg["request_id"] and (entry.route is None or entry.route.identity == identity):
-                    self._fail_src(entry, msg.get("code") or "peer_aborted", msg["reason"], propagate=False)
+                if req == msg.request_id and (entry.route is None or entry.route.identity == identity):
+                    self._fail_src(entry, msg.code or "peer_aborted", msg.reason, propagate=False)
             return None
         if op == "fence":
-            request_id = msg["request_id"]
+            request_id = msg.request_id
             for (req, _rid), entry in list(self.sources.items()):
                 if req == request_id and entry.route is not None and entry.route.identity == identity:
                     self._fail_src(entry, "peer_aborted", "the decode daemon failed the request", propagate=False)
@@ -1175,7 +1169,7 @@ class Daemon:
                 waiters = self.fence_waiters.setdefault(request_id, set())
                 waiters.add(identity)
                 return None
-            return {"op": "fenced", "request_id": request_id}
+            return messages.Fenced(request_id)
         return None
 
     def _writing(self, request_id: str, identity: bytes) -> bool:
@@ -1191,44 +1185,43 @@ class Daemon:
             if not self._writing(request_id, identity):
                 waiters.discard(identity)
                 if self.peer_sock is not None:
-                    self._send_peer(identity, {"op": "fenced", "request_id": request_id})
+                    self._send_peer(identity, messages.Fenced(request_id).to_wire())
         if not waiters:
             del self.fence_waiters[request_id]
 
-    def _peer_handshake(self, identity: bytes, msg: dict[str, Any]) -> dict[str, Any]:
-        protocol.check_version(msg["v"])
-        prefill = msg["prefill_instance"]
+    def _peer_handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
+        protocol.check_version(msg.v)
+        prefill = msg.prefill_instance
         spec = self.registry.spec(prefill, "prefill")
         if spec is None:
-            return {"op": "handshake_retry", "reason": f"instance {prefill!r} has no registered prefill rank"}
+            return messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
         try:
-            decode_spec = InstanceSpec.from_dict(bounded_geometry(msg["decode_spec"], "decode_spec"))
+            decode_spec = InstanceSpec.from_dict(bounded_geometry(msg.decode_spec, "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
-        existing = self.src_plans.get((prefill, msg["decode_instance"]))
+        existing = self.src_plans.get((prefill, msg.decode_instance))
         if existing is not None and existing[1].identity != identity and existing[1].identity in self.downstream:
             # the pair is bound to another live link; a restarted decode daemon gets in once
             # the old link misses its heartbeats, a stranger replaying a handshake never does
-            return {"op": "handshake_retry", "reason": f"decode instance {msg['decode_instance']!r} is bound to "
-                                                       "another live peer link"}
-        mode = msg["mode"] if msg["mode"] != "auto" else self.cfg.peer.mode
-        transport, nixl_peer = self.nixl.choose(msg, decode_spec, mode)
+            return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} is bound to another live "
+                                           "peer link")
+        mode = msg.mode if msg.mode != "auto" else self.cfg.peer.mode
+        transport, nixl_peer = self.nixl.choose(msg.to_wire(), decode_spec, mode)
         if nixl_peer is not None and nixl_peer.credits is None and mode == "auto":
             mode = "direct"  # no landing ring to stage into: NIXL writes the head slices one by one
         plan = make_plan(spec, decode_spec, mode=mode,
-                         decode_tensors=msg.get("decode_tensors", True),
+                         decode_tensors=msg.decode_tensors is not False,
                          require_same_page_size=self.cfg.peer.require_same_page_size)
-        host, port = split_address(msg["data_address"])
-        route = Route(transport, (host, port), identity, msg["daemon"], msg.get("data_token"), nixl=nixl_peer)
-        self.src_plans[(prefill, msg["decode_instance"])] = (plan, route)
+        host, port = split_address(msg.data_address)
+        route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=nixl_peer)
+        self.src_plans[(prefill, msg.decode_instance)] = (plan, route)
         if identity not in self.downstream:
-            self.downstream[identity] = DownstreamPeer(identity, msg["daemon"], msg.get("incarnation", ""))
+            self.downstream[identity] = DownstreamPeer(identity, msg.daemon, (msg.incarnation or ""))
             self._count_peers()
         self.metrics.handshakes.labels("ok").inc()
-        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg["daemon"],
-                 prefill, msg["decode_instance"], plan.mode, transport)
-        return {"op": "handshake_ok", "prefill_spec": spec.to_dict(), "mode": plan.mode,
-                "incarnation": self.incarnation, **self.nixl.answer(transport)}
+        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
+                 prefill, msg.decode_instance, plan.mode, transport)
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, self.incarnation, self.nixl.answer(transport))
 
     def peer_seen(self, link: PeerLink) -> None:
         link.last_seen = time.monotonic()
@@ -1253,7 +1246,7 @@ class Daemon:
         while True:
             now = time.monotonic()
             for link in list(self.links.values()):
-                link.send({"op": "ping", "daemon": self.address, "incarnation": self.incarnation})
+                link.send(messages.PeerPing(self.address, self.incarnation))
                 if link.state == "up" and now - link.last_seen > timeout:
                     self._link_down(link, now - link.last_seen)
                 elif link.state == "connecting" and now - link.last_seen > timeout:
@@ -1379,8 +1372,8 @@ class Daemon:
         probe = zmq.Socket.shadow(self.peer_sock.underlying)
         probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            probe.send_multipart([identity, protocol.encode({"op": "pong", "daemon": self.address,
-                                                             "incarnation": self.incarnation})], flags=zmq.NOBLOCK)
+            pong = messages.Pong(self.address, self.incarnation).to_wire()
+            probe.send_multipart([identity, protocol.encode(pong)], flags=zmq.NOBLOCK)
             return False
         except zmq.ZMQError as exc:
             return exc.errno == zmq.EHOSTUNREACH
