@@ -211,6 +211,7 @@ class NixlTransport:
     """The daemon's NIXL agent: registration, metadata exchange, WRITEs and notifications."""
 
     name = "nixl"
+    one_sided = True
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
                  staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
@@ -700,8 +701,8 @@ class NixlTransport:
         if "slot" in header or "ring" in header:
             self._land(sender, header)
             return
-        rid = rank_id(header["decode_instance"], *header["dst"])
-        sink = self._begin(sender, header, rid)
+        dest_rank = rank_id(header["decode_instance"], *header["dst"])
+        sink = self._begin(sender, header, dest_rank)
         if sink is None:
             return
         moved = Moved(sink.nbytes, 0, "direct")
@@ -709,19 +710,19 @@ class NixlTransport:
         if self.on_received:
             self.on_received(sink, moved)
 
-    def _begin(self, sender: str, header: dict[str, Any], rid: str) -> Sink | None:
+    def _begin(self, sender: str, header: dict[str, Any], dest_rank: str) -> Sink | None:
         """The inbox checks of a data header, plus: only the request's own source agent may send it."""
         try:
-            sink = self.inbox.begin(header, rid)
+            sink = self.inbox.begin(header, dest_rank)
         except KvxferError as exc:
-            self._refuse(sender, header, rid, "peer_refused",
+            self._refuse(sender, header, dest_rank, "peer_refused",
                          f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return None
         if self.source_agents.get(sink.entry.source_address) != sender:
             # not counted, and not allowed to fail the request either: that would let any peer
             # holding this daemon's metadata fail requests it does not serve
             self.inbox.finish(sink, False)
-            self._refuse(sender, header, rid, "peer_refused",
+            self._refuse(sender, header, dest_rank, "peer_refused",
                          f"chunk notification from NIXL agent {sender!r}, which is not the agent of source "
                          f"daemon {sink.entry.source_address or '(local)'}")
             return None
@@ -751,12 +752,12 @@ class NixlTransport:
 
     def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
         try:
-            rid = rank_id(header["decode_instance"], *header["dst"])
+            dest_rank = rank_id(header["decode_instance"], *header["dst"])
             try:
-                asm, pieces = self.assemblies.start_block(header, rid, sender, lambda sink: self._check_source(
+                asm, pieces = self.assemblies.start_block(header, dest_rank, sender, lambda sink: self._check_source(
                     sender, sink))
             except KvxferError as exc:
-                self._refuse(sender, header, rid, "peer_refused", f"staged block {header['block']} of chunk "
+                self._refuse(sender, header, dest_rank, "peer_refused", f"staged block {header['block']} of chunk "
                              f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
                 return
             sink = asm.sink
@@ -771,12 +772,12 @@ class NixlTransport:
                 settle(asm.regions[piece.region].flat for piece in pieces)
                 ok = True
             except Exception as exc:  # noqa: BLE001 - fail this request, keep receiving
-                log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), rid,
+                log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), dest_rank,
                             q(_why(exc)))
             finally:
                 self.assemblies.end_block(asm, ok)
             if not ok:
-                self._refuse(sender, header, rid, "transfer", "scattering a staged block into the decode pages "
+                self._refuse(sender, header, dest_rank, "transfer", "scattering a staged block into the decode pages "
                                                               "failed (see the decode daemon log)")
             elif self.on_received:
                 self.on_received(sink, Moved(block.numel(), 1, "staged"))
@@ -796,7 +797,7 @@ class NixlTransport:
                                f"{sink.entry.source_address or '(local)'}", field="sender",
                                fix="send blocks only for requests this daemon is the source of")
 
-    def abandon(self, entry: DestEntry) -> None:
+    def stop_receiving(self, entry: DestEntry) -> None:
         """The request failed: staged chunks still assembling end as failed once no block of theirs is busy."""
         self.assemblies.abandon(entry)
 
@@ -806,12 +807,12 @@ class NixlTransport:
         if credits is None or credits.info.ring != msg["ring"] or not credits.release(msg["slot"]):
             log.info("event=nixl_free_ignored peer=%s ring=%s slot=%s", q(sender), msg["ring"], msg["slot"])
 
-    def _refuse(self, sender: str, header: dict[str, Any], rid: str, code: str, message: str) -> None:
+    def _refuse(self, sender: str, header: dict[str, Any], dest_rank: str, code: str, message: str) -> None:
         log.warning("event=chunk_refused transport=nixl sender=%s request=%s rank=%s code=%s msg=%s", q(sender),
-                    q(header["request_id"][:64]), q(rid), code, q(message[:300]))
+                    q(header["request_id"][:64]), q(dest_rank), code, q(message[:300]))
         if self.on_invalid:
             self.on_invalid(code)
-        entry = self.inbox.get(header["request_id"], rid)
+        entry = self.inbox.get(header["request_id"], dest_rank)
         # only the request's own source may fail it: any other agent could name any request id
         if (entry is not None and self.on_refused is not None
                 and self.source_agents.get(entry.source_address) == sender):
