@@ -12,6 +12,7 @@ page table in an expect): the transport builds and reads them, the lifecycle pas
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
@@ -29,23 +30,29 @@ class Message:
     op: ClassVar[str] = ""
 
     def to_wire(self) -> dict[str, Any]:
+        # the instance dict holds the fields in declaration order (no slots): one pass, no
+        # dataclasses.fields() per message on the control path
         out: dict[str, Any] = {"op": self.op}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "extra":
+        for name, value in self.__dict__.items():
+            if name == "extra":
                 out.update(value)
             elif value is not None:
-                out[f.name] = value
+                out[name] = value
         return out
 
     @classmethod
     def from_checked(cls, checked: Mapping[str, Any]) -> "Message":
         """Build from a map the protocol schemas already validated."""
-        names = {f.name for f in fields(cls)}
+        names = _field_names(cls)
         known = {k: v for k, v in checked.items() if k in names and k != "extra"}
         if "extra" in names:
             known["extra"] = {k: v for k, v in checked.items() if k not in names and k not in ("op", "seq")}
         return cls(**known)
+
+
+@functools.cache
+def _field_names(cls: type) -> frozenset[str]:
+    return frozenset(f.name for f in fields(cls))
 
 
 # -- engine -> daemon ---------------------------------------------------------------------
