@@ -17,6 +17,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .errors import RequestError
+from .lifecycle import states
 from .planner import Destination, Plan, Writer
 from .registry import Rank
 from .segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
@@ -33,7 +34,7 @@ class DestEntry:
     num_tokens: int | None
     start: int = 0  # tokens before it are already in the decode pages (a prefix hit): only the rest moves
     created: float = field(default_factory=time.monotonic)
-    state: str = "bootstrapping"
+    state: str = states.BOOTSTRAPPING
     phase_since: float = field(default_factory=time.monotonic)
     plan: Plan | None = None
     dest: Destination | None = None
@@ -127,9 +128,9 @@ class Inbox:
             self._entries[key] = entry
             self._by_request.setdefault(entry.request_id, []).append(entry)
 
-    def get(self, request_id: str, rid: str) -> DestEntry | None:
+    def get(self, request_id: str, rank_id: str) -> DestEntry | None:
         with self._lock:
-            return self._entries.get((request_id, rid))
+            return self._entries.get((request_id, rank_id))
 
     def for_request(self, request_id: str) -> list[DestEntry]:
         with self._lock:
@@ -153,14 +154,14 @@ class Inbox:
         with self._lock:
             return len(self._entries)
 
-    def begin(self, header: dict[str, Any], rid: str) -> Sink:
+    def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
         """Validate a chunk header and reserve its token range; raise RequestError if bad."""
         src = tuple(header["src"])
         start, end = header["start"], header["end"]
         with self._lock:
-            entry = self._entries.get((header["request_id"], rid))
+            entry = self._entries.get((header["request_id"], dest_rank))
             if entry is None or entry.closed:
-                raise RequestError(f"request {header['request_id']!r} is not expected at rank {rid}",
+                raise RequestError(f"request {header['request_id']!r} is not expected at rank {dest_rank}",
                                    field="request_id", fix="send only requests the decode side expects")
             if entry.plan is None:
                 raise RequestError("destination is not bound to a plan yet", field="request_id",
@@ -171,7 +172,7 @@ class Inbox:
                                    fix="send data only for requests handshaken over this peer link")
             writer = entry.writers.get(src)
             if writer is None:
-                raise RequestError(f"rank {list(src)} is not a writer of {rid}; the plan names "
+                raise RequestError(f"rank {list(src)} is not a writer of {dest_rank}; the plan names "
                                    f"{[list(s) for s in entry.writers]}", field="src",
                                    fix="send from the prefill ranks the plan assigns")
             if not 0 <= start <= end or end > entry.capacity:
@@ -206,9 +207,8 @@ class Inbox:
             entry.inflight += 1
             if header["last"]:
                 entry.last_end[src] = end
-            if entry.state in ("bootstrapping", "waiting_for_input"):
-                entry.state = "transferring"
-                entry.phase_since = time.monotonic()
+            if states.may(entry, states.DEST, "chunk_admitted"):
+                states.advance(entry, states.DEST, "chunk_admitted", time.monotonic())
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"))
 

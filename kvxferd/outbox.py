@@ -9,13 +9,13 @@ confirmed by every destination, or, after a failure, when no copy reads them any
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from .errors import RequestError
+from .lifecycle import states
 from .planner import Plan, Writer
 
 
@@ -29,6 +29,21 @@ class Route:
     daemon: str = ""
     token: bytes | None = None  # the decode daemon's per-link data token
     nixl: Any = None  # kind "nixl": the decode daemon's agent and regions (transport.nixl.NixlPeer)
+
+    @property
+    def local(self) -> bool:
+        """The decode ranks are on this daemon (no peer link, no data connection)."""
+        return self.kind == "local"
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What an expect taught the prefill side about one request: shared by every source of it
+    (kept by :class:`~kvxferd.lifecycle.routes.RouteBook`), never copied."""
+
+    plan: Plan
+    decode_instance: str
+    route: Route
 
 
 @dataclass
@@ -52,17 +67,17 @@ class Target:
 
 @dataclass
 class SrcEntry:
+    """One request at one prefill rank."""
+
     request_id: str
-    rid: str  # the prefill rank's id (the rank may register after a peer's expect)
+    rank_id: str  # the prefill rank's id (the rank may register after a peer's expect)
     coords: tuple[int, int]
-    created: float = field(default_factory=time.monotonic)
-    state: str = "bootstrapping"
-    phase_since: float = field(default_factory=time.monotonic)
+    created: float = 0.0
+    state: str = states.BOOTSTRAPPING
+    phase_since: float = 0.0
     chunks: list[Chunk] = field(default_factory=list)
     last_end: int | None = None
-    plan: Plan | None = None
-    decode_instance: str | None = None
-    route: Route | None = None
+    binding: Binding | None = None
     targets: dict[tuple[int, int], Target] = field(default_factory=dict)
     inflight: int = 0
     closed: bool = False
@@ -93,14 +108,24 @@ class SrcEntry:
             self.last_end = chunk.end
         self.chunks.append(chunk)
 
-    def bind(self, plan: Plan, decode_instance: str, route: Route) -> None:
-        if self.plan is None:
-            self.plan = plan
-            self.decode_instance = decode_instance
-            self.route = route
-            if self.state == "bootstrapping":
-                self.state = "waiting_for_input"
-                self.phase_since = time.monotonic()
+    @property
+    def plan(self) -> Plan | None:
+        return self.binding.plan if self.binding is not None else None
+
+    @property
+    def route(self) -> Route | None:
+        return self.binding.route if self.binding is not None else None
+
+    @property
+    def decode_instance(self) -> str | None:
+        return self.binding.decode_instance if self.binding is not None else None
+
+    def bind(self, binding: Binding, now: float) -> None:
+        """The first binding wins (a second decode side may not take over a request's bytes)."""
+        if self.binding is None:
+            self.binding = binding
+            if states.may(self, states.SRC, "bound"):
+                states.advance(self, states.SRC, "bound", now)
 
     def expected_targets(self) -> set[tuple[int, int]]:
         assert self.plan is not None

@@ -14,7 +14,7 @@ from typing import Any, Callable, Mapping
 import msgpack
 
 from . import PROTOCOL_VERSION
-from .errors import ProtocolError
+from .errors import ProtocolError, RequestError
 
 MAX_ID_LEN = 256
 MAX_NAME_LEN = 128
@@ -301,6 +301,34 @@ def _check(schemas: Mapping[str, Schema], message: Mapping[str, Any], endpoint: 
     if "seq" in message:
         checked["seq"] = integer(0, 2**63)("seq", message["seq"])
     return checked
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RequestError(f"address {address!r} is not host:port", field="source_address",
+                           fix="give the peer daemon as host:control_port")
+    return host.strip("[]"), int(port)
+
+
+#: geometry sizes past these are refused before anything is built from them: a num_layers
+#: or pp_size of 10**9 makes per-layer lists that size, a tp_size drives the planner's loops
+GEOMETRY_BOUNDS = {"num_layers": 1 << 16, "pp_size": 1 << 12, "tp_size": 1 << 12,
+                   "total_kv_heads": 1 << 16, "heads_per_rank": 1 << 16}
+
+
+def bounded_geometry(data: Any, field: str) -> Any:
+    """Refuse a geometry map with non-string keys or sizes no deployment has, before parsing it."""
+    if isinstance(data, dict):
+        if not all(isinstance(k, str) for k in data):
+            raise ProtocolError(f"{field} has a key that is not a string", field=field,
+                                fix="send geometry fields by name")
+        for key, limit in GEOMETRY_BOUNDS.items():
+            value = data.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise ProtocolError(f"{field}.{key} = {value} exceeds {limit}", field=key,
+                                    fix=f"send a real {key} (at most {limit})")
+    return data
 
 
 def check_version(version: int) -> None:

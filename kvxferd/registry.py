@@ -77,8 +77,8 @@ class Registry:
     def __len__(self) -> int:
         return len(self._ranks)
 
-    def get(self, rid: str) -> Rank | None:
-        return self._ranks.get(rid)
+    def get(self, rank_key: str) -> Rank | None:
+        return self._ranks.get(rank_key)
 
     def spec(self, instance: str, role: str | None = None) -> InstanceSpec | None:
         for rank in self._ranks.values():
@@ -111,8 +111,8 @@ class Registry:
         self._ranks[rank.id] = rank
         return old
 
-    def remove(self, rid: str) -> Rank | None:
-        return self._ranks.pop(rid, None)
+    def remove(self, rank_key: str) -> Rank | None:
+        return self._ranks.pop(rank_key, None)
 
     def count_by_role(self) -> dict[str, int]:
         counts = {"prefill": 0, "decode": 0}

@@ -77,8 +77,21 @@ class Moved:
 
 
 class Transport(Protocol):
+    """Both directions of one way to move bytes between daemons.
+
+    Sending runs on the prefill daemon's data threads (:meth:`send`). Receiving runs on the
+    transport's own threads, which admit every chunk through the inbox and report what landed
+    with their ``on_received`` callback; the daemon only ever asks a receiving side to stop
+    writing into a request that failed (:meth:`stop_receiving`).
+    """
+
     name: str
+    #: writes land without the receiving daemon's help (one-sided): before a failed request's
+    #: pages are handed back, the sender must confirm nothing of it is in flight (the fence)
+    one_sided: bool
 
     def send(self, job: ChunkJob) -> Moved: ...
+
+    def stop_receiving(self, entry: Any) -> None: ...
 
     def close(self) -> None: ...

@@ -6,18 +6,22 @@ chunk, then the bytes move region to region with no socket and no staging.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from ..copier import copy_regions, settle
 from ..errors import KvxferError, TransferError
-from ..inbox import Inbox
+from ..inbox import Inbox, Sink
 from ..registry import rank_id
 from .base import ChunkJob, Moved
 
 
 class LocalTransport:
     name = "local"
+    one_sided = False
 
-    def __init__(self, inbox: Inbox) -> None:
+    def __init__(self, inbox: Inbox, on_received: Callable[[Sink, Moved], None] | None = None) -> None:
         self.inbox = inbox
+        self.on_received = on_received
 
     def send(self, job: ChunkJob) -> Moved:
         sink = self.inbox.begin(job.header(), rank_id(job.decode_instance, *job.dst))
@@ -28,13 +32,19 @@ class LocalTransport:
                                      sink.head_offset)
             settle(r.flat for r in sink.regions())
             ok = True
-            return Moved(job.nbytes, fragments, "direct")
+            moved = Moved(job.nbytes, fragments, "direct")
+            if self.on_received is not None:
+                self.on_received(sink, moved)
+            return moved
         except KvxferError:
             raise
         except Exception as exc:  # a torch or memory error must fail the request, not the thread
             raise TransferError(f"local copy failed: {exc}", field="transport") from exc
         finally:
             self.inbox.finish(sink, ok)
+
+    def stop_receiving(self, entry: Any) -> None:
+        """Copies run on the sending thread, which the lifecycle already waits for."""
 
     def close(self) -> None:
         pass

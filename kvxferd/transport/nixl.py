@@ -44,8 +44,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import numpy as np
 
@@ -53,164 +52,28 @@ from .. import protocol
 from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
-from ..registry import Rank, rank_id
+from ..registry import Rank
 from ..copier import gather, scatter, settle
 from ..segments import paired_segments, slots
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
+from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
+                       loaded)
+from .nixl_receive import NixlReceiver, _why
 from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings, RingInfo
 
 log = logging.getLogger("kvxferd.nixl")
 
-#: distributions that ship the NIXL Python API, tried in this order
-MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
-BACKEND = "UCX"
-#: the NIXL thread's pause between polls: right after a notification, while requests are
-#: open here (UCX over TCP also needs the receiver's progress for data to land), and idle
-POLL_BUSY_S, POLL_ACTIVE_S, POLL_IDLE_S = 5e-5, 2e-4, 1e-2
-POLL_BUSY_ROUNDS = 200  # short pauses after the last notification
 MAX_UNRELEASED = 4096
 RELEASE_SETTLE_S = 2.0  # a failed WRITE's data thread waits this long for NIXL to let go of it
 SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
-_import_error: str | None = None
-_api: Any = None
 
-
-def load_api() -> Any:
-    """The NIXL Python module, or raise ImportError saying why it is unusable."""
-    global _api, _import_error
-    if _api is not None:
-        return _api
-    if _import_error is not None:
-        raise ImportError(_import_error)
-    errors = []
-    for name in MODULES:
-        try:
-            module = importlib.import_module(name)
-            module.nixl_agent, module.nixl_agent_config, module.nixl_thread_sync_t  # noqa: B018
-        except Exception as exc:  # noqa: BLE001 - a broken install raises more than ImportError
-            errors.append(f"{name}: {type(exc).__name__}: {exc}")
-            continue
-        _quiet_python_logger()
-        _api = module
-        return module
-    _import_error = "NIXL is not importable (" + "; ".join(errors) + ")"
-    raise ImportError(_import_error)
-
-
-def loaded() -> bool:
-    """Whether this process has loaded the NIXL module (and with it UCX)."""
-    return _api is not None
-
-
-def available() -> tuple[bool, str]:
-    """Whether the NIXL Python API imports here, and why not."""
-    try:
-        load_api()
-    except ImportError as exc:
-        return False, str(exc)
-    return True, ""
-
-
-def _quiet_python_logger() -> None:
-    """NIXL's Python logger prints INFO lines to stdout; route it through ours, at WARNING."""
-    nixl_log = logging.getLogger("nixl")
-    for handler in list(nixl_log.handlers):
-        nixl_log.removeHandler(handler)
-    nixl_log.propagate = True
-    nixl_log.setLevel(logging.WARNING)
-
-
-def _why(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"{type(exc).__name__}: {text}"[:300]
-
-
-def _mem(device: int) -> str:
-    return "DRAM" if device < 0 else "VRAM"
-
-
-def _descs(bases: np.ndarray, offsets: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
-    """``[regions x segments, 3]`` (address, length, device id) rows, regions outermost (wire order)."""
-    n_regions, n_segs = bases.size, offsets.size
-    out = np.empty((n_regions * n_segs, 3), dtype=np.uint64)
-    out[:, 0] = (bases[:, None] + offsets.astype(np.uint64)[None, :]).ravel()
-    out[:, 1] = np.tile(lengths.astype(np.uint64), n_regions)
-    out[:, 2] = max(device, 0)
-    return out
-
-
-@dataclass
-class _Registered:
-    rank: Rank
-    generation: int
-    device: int  # -1: host memory
-    reg_descs: Any  # nixlRegDList, for deregistration and partial metadata
-    addresses: dict[tuple[int, str], int]
-    metadata: bytes | None = None
-
-
-class NixlPeer:
-    """A decode daemon's agent as one (prefill, decode) route of this daemon sees it.
-
-    Holds the remote regions (base address, size, device) per decode rank, layer and
-    kind; base arrays in wire order are built once per (destination rank, layer range).
-    """
-
-    def __init__(self, agent: str, page_size: int, page_bytes: int) -> None:
-        self.agent = agent
-        self.page_size = page_size
-        self.page_bytes = page_bytes
-        self.dead = ""  # set by the daemon when the peer stops answering heartbeats
-        self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
-        self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
-        self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
-        self._lock = threading.Lock()
-
-    def update(self, entries: Iterable[list[Any]]) -> None:
-        with self._lock:
-            for tp, pp, layer, kind, addr, nbytes, device in entries:
-                self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device)
-            self._bases.clear()
-
-    def num_pages(self, dst: tuple[int, int]) -> int | None:
-        """Pages every region of a decode rank holds, or None if the rank is unknown."""
-        with self._lock:
-            sizes = [n for (tp, pp, _l, _k), (_a, n, _d) in self._regions.items() if (tp, pp) == tuple(dst)]
-        return min(sizes) // self.page_bytes if sizes else None
-
-    def bases(self, dst: tuple[int, int], layers: tuple[int, int],
-              kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
-        """(base addresses in wire order, smallest region size, device) of a writer's destination."""
-        key = (tuple(dst), tuple(layers), kinds)
-        with self._lock:
-            found = self._bases.get(key)
-            if found is not None:
-                return found
-            rows = []
-            for layer in range(*layers):
-                for kind in kinds:
-                    region = self._regions.get((dst[0], dst[1], layer, kind))
-                    if region is None:
-                        raise TransferError(f"decode rank {list(dst)} described no NIXL region for layer {layer} "
-                                            f"kind {kind}", field="nixl_regions",
-                                            fix="check the decode rank registered with a NIXL-enabled daemon")
-                    rows.append(region)
-            devices = {d for _a, _n, d in rows}
-            if len(devices) != 1:
-                raise TransferError(f"decode rank {list(dst)} regions span devices {sorted(devices)}",
-                                    field="nixl_regions", fix="register each rank's regions on one device")
-            found = (np.array([a for a, _n, _d in rows], dtype=np.uint64), min(n for _a, n, _d in rows),
-                     devices.pop())
-            self._bases[key] = found
-            return found
-
-
-class NixlTransport:
+class NixlTransport(NixlReceiver):
     """The daemon's NIXL agent: registration, metadata exchange, WRITEs and notifications."""
 
     name = "nixl"
+    one_sided = True
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
                  staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
@@ -651,171 +514,6 @@ class NixlTransport:
                 log.info("event=nixl_agent_removed agent=%s", q(agent))
             except Exception as exc:  # noqa: BLE001 - never loaded, or already gone
                 log.info("event=nixl_agent_remove_failed agent=%s error=%s", q(agent), q(_why(exc)))
-
-    # -- receiving -------------------------------------------------------------------
-    def _poll_loop(self) -> None:
-        busy = 0
-        last_retry = time.monotonic()
-        while not self._closed.is_set():
-            try:
-                notifs = self.agent.get_new_notifs()
-            except Exception as exc:  # noqa: BLE001 - keep polling; one bad round must not stop receiving
-                log.warning("event=nixl_poll_failed error=%s", _why(exc))
-                notifs = {}
-                self._closed.wait(0.05)
-            for sender, messages in notifs.items():
-                name = sender.decode() if isinstance(sender, bytes) else str(sender)
-                for message in messages:
-                    try:
-                        self._deliver(name, message)
-                    except Exception as exc:  # noqa: BLE001 - one notification must not stop all receiving
-                        log.error("event=notification_crashed sender=%s error=%s", q(name), q(_why(exc)))
-            busy = 0 if notifs else busy + 1
-            if (self._unreleased or self._forget_at) and time.monotonic() - last_retry > 1.0:
-                last_retry = time.monotonic()
-                self._retry_releases()
-                self._drop_forgotten()
-            if busy < POLL_BUSY_ROUNDS:
-                self._closed.wait(POLL_BUSY_S)
-            else:
-                self._closed.wait(POLL_ACTIVE_S if self._sending or len(self.inbox) else POLL_IDLE_S)
-
-    def _deliver(self, sender: str, message: bytes) -> None:
-        """One notification: a chunk's or staged block's data header, or a landing slot handed back."""
-        try:
-            msg = protocol.decode(bytes(message), self.max_header_bytes)
-            if msg["op"] == "free":
-                self._freed(sender, protocol.NIXL_FREE.check(msg))
-                return
-            if msg["op"] != "data":
-                raise ProtocolError(f"NIXL notification with op {msg['op'][:32]!r}", field="op",
-                                    fix="notify with data headers (and free) only")
-            header = protocol.DATA_HEADER.check(msg)
-        except KvxferError as exc:
-            log.warning("event=chunk_refused transport=nixl sender=%s code=%s msg=%s", q(sender), exc.code,
-                        q(str(exc)[:300]))
-            if self.on_invalid:
-                self.on_invalid(exc.code)
-            return
-        if "slot" in header or "ring" in header:
-            self._land(sender, header)
-            return
-        rid = rank_id(header["decode_instance"], *header["dst"])
-        sink = self._begin(sender, header, rid)
-        if sink is None:
-            return
-        moved = Moved(sink.nbytes, 0, "direct")
-        self.inbox.finish(sink, True)
-        if self.on_received:
-            self.on_received(sink, moved)
-
-    def _begin(self, sender: str, header: dict[str, Any], rid: str) -> Sink | None:
-        """The inbox checks of a data header, plus: only the request's own source agent may send it."""
-        try:
-            sink = self.inbox.begin(header, rid)
-        except KvxferError as exc:
-            self._refuse(sender, header, rid, "peer_refused",
-                         f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
-            return None
-        if self.source_agents.get(sink.entry.source_address) != sender:
-            # not counted, and not allowed to fail the request either: that would let any peer
-            # holding this daemon's metadata fail requests it does not serve
-            self.inbox.finish(sink, False)
-            self._refuse(sender, header, rid, "peer_refused",
-                         f"chunk notification from NIXL agent {sender!r}, which is not the agent of source "
-                         f"daemon {sink.entry.source_address or '(local)'}")
-            return None
-        return sink
-
-    def _land(self, sender: str, header: dict[str, Any]) -> None:
-        """A staged block sits in a landing slot: claim the slot and hand the scatter to a scatter
-        thread, so this thread keeps driving UCX (over TCP, bytes land only while it progresses)."""
-        ring = self.landing.by_agent(sender)
-        slot = header.get("slot", -1)
-        problem = ""
-        if ring is None or header.get("ring") != ring.ring or not 0 <= slot < ring.count:
-            problem = (f"staged block names ring {header.get('ring')} slot {slot}; agent {sender!r} holds "
-                       f"{f'ring {ring.ring} of {ring.count} slots' if ring else 'no ring here'}")
-        elif "block" not in header or not 0 < header.get("pack", 0) <= ring.slot_bytes:
-            problem = f"staged block without block index, or pack {header.get('pack')} outside (0, {ring.slot_bytes}]"
-        elif not ring.claim(slot):
-            problem = f"staged block into slot {slot}, which still holds a block being scattered"
-        if problem:
-            log.warning("event=chunk_refused transport=nixl sender=%s code=protocol_error msg=%s", q(sender),
-                        q(problem))
-            if self.on_invalid:
-                self.on_invalid("protocol_error")
-            return  # not a slot this sender may use now: nothing to free, nothing it may fail
-        assert ring is not None
-        self._scatterers.submit(self._scatter_block, sender, ring, slot, header)
-
-    def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
-        try:
-            rid = rank_id(header["decode_instance"], *header["dst"])
-            try:
-                asm, pieces = self.assemblies.start_block(header, rid, sender, lambda sink: self._check_source(
-                    sender, sink))
-            except KvxferError as exc:
-                self._refuse(sender, header, rid, "peer_refused", f"staged block {header['block']} of chunk "
-                             f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
-                return
-            sink = asm.sink
-            w = sink.writer
-            ok = False
-            block = ring.slot(slot, block_bytes(pieces, w.slice_bytes))
-            try:
-                for piece in pieces:
-                    part = block[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
-                    scatter(asm.regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
-                            sink.head_offset, w.slice_bytes, part)
-                settle(asm.regions[piece.region].flat for piece in pieces)
-                ok = True
-            except Exception as exc:  # noqa: BLE001 - fail this request, keep receiving
-                log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), rid,
-                            q(_why(exc)))
-            finally:
-                self.assemblies.end_block(asm, ok)
-            if not ok:
-                self._refuse(sender, header, rid, "transfer", "scattering a staged block into the decode pages "
-                                                              "failed (see the decode daemon log)")
-            elif self.on_received:
-                self.on_received(sink, Moved(block.numel(), 1, "staged"))
-        except Exception as exc:  # noqa: BLE001 - a scatter thread must survive any one block
-            log.error("event=scatter_crashed sender=%s error=%s", q(sender), q(_why(exc)))
-        finally:
-            ring.unclaim(slot)
-            try:  # whatever became of the block, the slot is read: the sender may write it again
-                self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
-            except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
-                log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
-                            q(_why(exc)))
-
-    def _check_source(self, sender: str, sink: Sink) -> None:
-        if self.source_agents.get(sink.entry.source_address) != sender:
-            raise RequestError(f"notification from NIXL agent {sender!r}, which is not the agent of source daemon "
-                               f"{sink.entry.source_address or '(local)'}", field="sender",
-                               fix="send blocks only for requests this daemon is the source of")
-
-    def abandon(self, entry: DestEntry) -> None:
-        """The request failed: staged chunks still assembling end as failed once no block of theirs is busy."""
-        self.assemblies.abandon(entry)
-
-    def _freed(self, sender: str, msg: dict[str, Any]) -> None:
-        with self._lock:
-            credits = self._credits.get(sender)
-        if credits is None or credits.info.ring != msg["ring"] or not credits.release(msg["slot"]):
-            log.info("event=nixl_free_ignored peer=%s ring=%s slot=%s", q(sender), msg["ring"], msg["slot"])
-
-    def _refuse(self, sender: str, header: dict[str, Any], rid: str, code: str, message: str) -> None:
-        log.warning("event=chunk_refused transport=nixl sender=%s request=%s rank=%s code=%s msg=%s", q(sender),
-                    q(header["request_id"][:64]), q(rid), code, q(message[:300]))
-        if self.on_invalid:
-            self.on_invalid(code)
-        entry = self.inbox.get(header["request_id"], rid)
-        # only the request's own source may fail it: any other agent could name any request id
-        if (entry is not None and self.on_refused is not None
-                and self.source_agents.get(entry.source_address) == sender):
-            self.on_refused(entry, code, message)
 
     def close(self) -> None:
         self._closed.set()

@@ -271,16 +271,16 @@ class Assemblies:
         with self._lock:
             return len(self._open)
 
-    def start_block(self, header: dict[str, Any], rid: str, sender: str,
+    def start_block(self, header: dict[str, Any], dest_rank: str, sender: str,
                     check: Callable[[Sink], None]) -> tuple[Assembly, list[Piece]]:
         """Reserve block ``header['block']`` of its chunk; raise RequestError/TransferError if it may not land."""
-        key = (header["request_id"], rid, tuple(header["src"]), header["start"], header["end"])
+        key = (header["request_id"], dest_rank, tuple(header["src"]), header["start"], header["end"])
         finish_failed: Sink | None = None
         try:
             with self._lock:
                 asm = self._open.get(key)
                 if asm is None:
-                    sink = self.inbox.begin(header, rid)
+                    sink = self.inbox.begin(header, dest_rank)
                     try:
                         check(sink)
                         per_slot = slices_per_slot(sink.writer.slice_bytes, header["pack"])

@@ -100,8 +100,8 @@ class NixlSupport:
         if transport is None:
             return {}
         fields, sent = transport.offer(decode, source)
-        for rid, generation in sent.items():
-            self._sent[(source, prefill, rid)] = generation
+        for dest_rank, generation in sent.items():
+            self._sent[(source, prefill, dest_rank)] = generation
         return fields
 
     def accepted(self, source: str, prefill: str, decode: str, reply: dict[str, Any]) -> str:
@@ -129,7 +129,7 @@ class NixlSupport:
 
     def abandon(self, entry: DestEntry) -> None:
         if self.transport is not None:
-            self.transport.abandon(entry)
+            self.transport.stop_receiving(entry)
 
     def forget_peer(self, agent: str) -> None:
         """Prefill side: a decode daemon stopped answering; its agent goes once nothing can write to it."""

@@ -257,9 +257,20 @@ class TcpDataServer:
 
 
 class TcpTransport:
-    """Sends chunks to peer daemons' data servers over pooled connections."""
+    """Sends chunks to peer daemons' data servers over pooled connections; receives through
+    its :class:`TcpDataServer` once :meth:`listen` started it."""
 
     name = "tcp"
+    one_sided = False
+    server: TcpDataServer | None = None
+
+    def listen(self, host: str, port: int, inbox: Inbox, **kwargs: Any) -> TcpDataServer:
+        self.server = TcpDataServer(host, port, inbox, staging=self.staging, **kwargs)
+        return self.server
+
+    def stop_receiving(self, entry: Any) -> None:
+        if self.server is not None:
+            self.server.cut(entry)
 
     def __init__(self, *, timeout_s: float, max_reply_bytes: int, staging: StagingPool,
                  connections_per_peer: int = 2) -> None:
@@ -369,6 +380,8 @@ class TcpTransport:
             s.close()
 
     def close(self) -> None:
+        if self.server is not None:
+            self.server.close()
         with self._lock:
             for socks in self._idle.values():
                 for s in socks:

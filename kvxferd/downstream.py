@@ -1,0 +1,220 @@
+"""The peer endpoint: this daemon as the prefill side, serving decode daemons.
+
+One function per operation a decode daemon may send (ping, handshake, expect, abort, fence).
+Each checks what only the endpoint can check (which link sent it, whether the pair was
+handshaken over it) and hands the request's part to the lifecycle core.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import zmq
+
+from . import messages, protocol
+from .errors import KvxferError, PlanRefusal, ProtocolError
+from .geometry import InstanceSpec
+from .lifecycle import events
+from .logutil import q
+from .outbox import Route
+from .planner import make_plan
+from .upstream import ignore_result, serve_router
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvxferd.downstream")
+
+
+class DownstreamPeer:
+    """A decode daemon that handshook with this daemon (known by its routing id)."""
+
+    def __init__(self, identity: bytes, daemon: str, incarnation: str = "") -> None:
+        self.identity = identity
+        self.daemon = daemon
+        self.incarnation = incarnation
+        self.last_seen = time.monotonic()
+
+
+class Downstream:
+    def __init__(self, app: "Daemon") -> None:
+        self.app = app
+        self.peers: dict[bytes, DownstreamPeer] = {}
+        self.sock: Any = None  # the ROUTER socket, bound by the app
+        self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
+            "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
+            "fence": self.fence}
+
+    async def serve(self) -> None:
+        await serve_router(self.sock, self.answer)
+
+    def answer(self, identity: bytes, payload: bytes) -> None:
+        app = self.app
+        seq = None
+        try:
+            raw = protocol.decode(payload, app.cfg.limits.max_message_bytes)
+            seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
+            answer = self.op(identity, messages.parse_peer(raw))
+            reply = answer.to_wire() if answer is not None else None
+        except PlanRefusal as refusal:
+            app.metrics.refusals.labels(refusal.field or "unknown").inc()
+            app.metrics.handshakes.labels("refused").inc()
+            log.warning("event=handshake_refused field=%s msg=%s", refusal.field, q(str(refusal)[:300]))
+            reply = messages.HandshakeRefused(refusal.to_wire()).to_wire()
+        except KvxferError as exc:
+            app.metrics.invalid_messages.labels("peer").inc()
+            reply = messages.PeerError(exc.to_wire()).to_wire()
+        except Exception as exc:  # noqa: BLE001 - a bug in one handler must not stop the daemon
+            log.exception("event=peer_handler_crash")
+            reply = messages.PeerError({"code": "internal", "message": repr(exc)[:300]}).to_wire()
+        if reply is not None:
+            if seq is not None:
+                reply["seq"] = seq
+            self.send_wire(identity, reply)
+
+    def send(self, identity: bytes, message: messages.Message) -> None:
+        if self.sock is not None:
+            self.send_wire(identity, message.to_wire())
+
+    def send_wire(self, identity: bytes, message: dict[str, Any]) -> None:
+        fut = self.sock.send_multipart([identity, protocol.encode(message)])
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(ignore_result)
+
+    def op(self, identity: bytes, msg: Any) -> messages.Message | None:
+        peer = self.peers.get(identity)
+        if peer is not None:
+            peer.last_seen = time.monotonic()
+        if msg.op in ("ping", "handshake") and msg.incarnation:
+            self._incarnation(identity, msg.daemon, msg.incarnation)
+        handler = self._ops.get(msg.op)
+        return handler(identity, msg) if handler is not None else None
+
+    # -- one function per operation -------------------------------------------------------------
+    def ping(self, identity: bytes, msg: messages.PeerPing) -> messages.Message:
+        if identity not in self.peers:
+            self.peers[identity] = DownstreamPeer(identity, msg.daemon, msg.incarnation or "")
+            self.app.count_peers()
+        return messages.Pong(self.app.address, self.app.incarnation)
+
+    def handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
+        app = self.app
+        protocol.check_version(msg.v)
+        prefill = msg.prefill_instance
+        spec = app.registry.spec(prefill, "prefill")
+        if spec is None:
+            return messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
+        try:
+            decode_spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.decode_spec, "decode_spec"))
+        except KvxferError as exc:
+            raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
+        existing = app.life.routes.pair(prefill, msg.decode_instance)
+        if existing is not None and existing[1].identity != identity and existing[1].identity in self.peers:
+            # the pair is bound to another live link; a restarted decode daemon gets in once
+            # the old link misses its heartbeats, a stranger replaying a handshake never does
+            return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} is bound to another live "
+                                           "peer link")
+        mode = msg.mode if msg.mode != "auto" else app.cfg.peer.mode
+        transport, remote, mode = app.transports.choose(msg.to_wire(), decode_spec, mode)
+        plan = make_plan(spec, decode_spec, mode=mode, decode_tensors=msg.decode_tensors is not False,
+                         require_same_page_size=app.cfg.peer.require_same_page_size)
+        host, port = protocol.split_address(msg.data_address)
+        route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
+        app.life.routes.set_pair(prefill, msg.decode_instance, plan, route)
+        if identity not in self.peers:
+            self.peers[identity] = DownstreamPeer(identity, msg.daemon, msg.incarnation or "")
+            app.count_peers()
+        app.metrics.handshakes.labels("ok").inc()
+        log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
+                 prefill, msg.decode_instance, plan.mode, transport)
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(transport))
+
+    def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
+        app = self.app
+        found = app.life.routes.pair(msg.prefill_instance, msg.decode_instance)
+        if found is None or found[1].identity != identity:
+            return messages.PeerError.about(msg.request_id, "no_handshake", "no handshake for this instance "
+                                            "pair; handshake again", incarnation=app.incarnation)
+        plan, route = found
+        bound = app.life.routes.request(msg.request_id, msg.prefill_instance)
+        if bound is not None and (bound.decode_instance != msg.decode_instance or bound.route.identity != identity):
+            # first binding wins: a second decode side may not take over a request's bytes
+            return messages.PeerError.about(msg.request_id, "request_bound",
+                                            f"request {msg.request_id!r} is already bound to decode "
+                                            f"instance {bound.decode_instance!r} on another peer link", "request_id")
+        dst = (msg.dst[0], msg.dst[1])
+        if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
+            raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
+                                field="dst", fix="send a rank of the decode instance")
+        start = msg.start or 0
+        if msg.num_tokens and start >= msg.num_tokens:
+            raise ProtocolError(f"start {start} is not below num_tokens {msg.num_tokens}", field="start",
+                                fix="send a start below the request's length")
+        held = bool(app.life.sources_of(msg.request_id))  # chunks held here: the request is in flight
+        if app.draining and not held:
+            return messages.PeerError.about(msg.request_id, "draining", "source daemon is draining")
+        if app.life.active_count() >= app.cfg.limits.max_inflight_requests and not held:
+            return messages.PeerError.about(msg.request_id, "busy", f"source daemon holds "
+                                            f"{app.cfg.limits.max_inflight_requests} requests in flight")
+        try:  # one-sided writes need the destination page table
+            dst_pages = app.transports.prepare(route.kind, route.nixl, dst, msg.extra)
+        except KvxferError as exc:
+            return messages.PeerError(exc.to_wire(), msg.request_id)
+        app.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
+                                         route, dst_pages, start))
+        return None
+
+    def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:
+        self.app.dispatch(events.DownstreamAbort(identity, msg.request_id, msg.code or "peer_aborted", msg.reason))
+
+    def fence(self, identity: bytes, msg: messages.Fence) -> messages.Message | None:
+        return self.app.dispatch(events.FenceAsked(identity, msg.request_id))
+
+    # -- liveness and restarts ------------------------------------------------------------------
+    def heartbeat(self, now: float, timeout: float) -> None:
+        for peer in list(self.peers.values()):
+            if now - peer.last_seen > timeout:
+                silent_for = now - peer.last_seen
+                self.app.metrics.heartbeat_misses.inc()
+                log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
+                self._drop(peer, "peer_dead", f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s")
+
+    def _drop(self, peer: DownstreamPeer, code: str, why: str) -> None:
+        self.peers.pop(peer.identity, None)
+        self.app.count_peers()
+        self.app.dispatch(events.DownstreamLost(peer.identity, code, why))
+
+    def _incarnation(self, identity: bytes, daemon: str, incarnation: str) -> None:
+        """A decode daemon named its incarnation on a ping or handshake. Another link of the same
+        daemon address with another incarnation belongs to a process that is gone, once ZeroMQ has
+        seen its connection close (a live link is never taken over by a stranger's claim)."""
+        peer = self.peers.get(identity)
+        if peer is not None and not peer.incarnation:
+            peer.incarnation = incarnation
+        for other in list(self.peers.values()):
+            if (other.identity != identity and other.daemon == daemon and other.incarnation
+                    and other.incarnation != incarnation and self._identity_gone(other.identity)):
+                self.app.metrics.peer_restarts.labels("decode").inc()
+                log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", daemon, other.incarnation,
+                            incarnation)
+                self._drop(other, "peer_restarted",
+                           f"decode daemon {daemon} restarted (incarnation {other.incarnation} -> "
+                           f"{incarnation}); the request's decode side went with the old process")
+
+    def _identity_gone(self, identity: bytes) -> bool:
+        """Whether the peer socket has no connection with this routing id any more (ROUTER_MANDATORY probe)."""
+        if self.sock is None:
+            return False
+        probe = zmq.Socket.shadow(self.sock.underlying)
+        probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        try:
+            pong = messages.Pong(self.app.address, self.app.incarnation).to_wire()
+            probe.send_multipart([identity, protocol.encode(pong)], flags=zmq.NOBLOCK)
+            return False
+        except zmq.ZMQError as exc:
+            return exc.errno == zmq.EHOSTUNREACH
+        finally:
+            probe.setsockopt(zmq.ROUTER_MANDATORY, 0)

@@ -1,0 +1,210 @@
+"""The lifecycle core: typed events in, effects out; no socket, thread, loop or clock here.
+
+Shells call :meth:`Lifecycle.handle` with an event and the time, and then carry out what
+:meth:`Lifecycle.take_effects` returns (send to an engine, to a peer, start a job, cut
+connections). Engine calls also get a return value (the state to answer with) or raise a
+:class:`~kvxferd.errors.RequestError` to answer with.
+
+Failures go through one worklist (:meth:`Lifecycle._fail`): failing a request at one side
+may fail the other side of the same request on this daemon, which never propagates back,
+so an abort touches each entry at most once and no call chain grows with it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+from typing import Any, Callable, Union
+
+from ..errors import RequestError
+from ..inbox import DestEntry, Inbox
+from ..logutil import q
+from ..metrics import Metrics
+from ..outbox import SrcEntry
+from ..registry import Rank, Registry
+from . import effects, events, states
+from .decode import DecodeSide
+from .prefill import PrefillSide
+from .routes import RouteBook
+
+log = logging.getLogger("kvxferd.lifecycle")
+
+Entry = Union[DestEntry, SrcEntry]
+
+
+class Lifecycle(DecodeSide, PrefillSide):
+    """Every request of one daemon, both sides, and the one book of plans and routes."""
+
+    def __init__(self, limits: Any, timeouts: Any, registry: Registry, inbox: Inbox, metrics: Metrics, *,
+                 one_sided: Callable[[str], bool], source_up: Callable[[str], bool],
+                 wall_clock: Callable[[], float]) -> None:
+        self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
+        self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
+        self.registry = registry
+        self.inbox = inbox
+        self.metrics = metrics
+        self.one_sided = one_sided  # a transport name -> whether its writes land without this daemon
+        self.source_up = source_up  # a source daemon address -> whether its link is up (a fence can be answered)
+        self.wall_clock = wall_clock  # for the times in ``recent_failures`` (shown, never compared)
+        self.routes = RouteBook(2 * limits.max_inflight_requests)
+        self.sources: dict[tuple[str, str], SrcEntry] = {}
+        self._by_request: dict[str, dict[str, SrcEntry]] = {}
+        self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
+        #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
+        self.fence_waiters: dict[str, set[bytes]] = {}
+        self.recent_failures: list[dict[str, Any]] = []
+        self.now = 0.0
+        self._effects: list[effects.Effect] = []
+        self._failures: deque[tuple[Entry, str, str, bool]] = deque()
+        self._failing = False
+        self._handlers: dict[type, Callable[[Any], Any]] = {
+            events.ExpectCalled: self._expect, events.SendCalled: self._send,
+            events.AbortCalled: self._abort_called, events.RankGone: self._rank_gone,
+            events.PlanFound: self._plan_found, events.BootstrapFailed: self._bootstrap_failed,
+            events.DestChanged: lambda ev: self._dest_changed(ev.entry),
+            events.ChunkRefused: lambda ev: self._fail(ev.entry, ev.code, ev.message),
+            events.UpstreamAbort: self._upstream_abort, events.UpstreamFenced: self._upstream_fenced,
+            events.NoHandshake: self._no_handshake, events.SourceLost: self._source_lost,
+            events.PeerExpected: self._on_expect, events.DownstreamAbort: self._downstream_abort,
+            events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,
+            events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
+        }
+
+    # -- the interface ---------------------------------------------------------------------------
+    def handle(self, event: Any, now: float) -> Any:
+        """Apply one event at time ``now``; effects wait in :meth:`take_effects`."""
+        self.now = now
+        return self._handlers[type(event)](event)
+
+    def take_effects(self) -> list[effects.Effect]:
+        out, self._effects = self._effects, []
+        return out
+
+    def emit(self, effect: effects.Effect) -> None:
+        self._effects.append(effect)
+
+    # -- failures: one bounded worklist ------------------------------------------------------------
+    def _fail(self, entry: Entry, code: str, message: str, propagate: bool = True) -> None:
+        """Fail ``entry``; with ``propagate`` the other side of the request hears it once (and
+        does not propagate back). Called while a failure is being applied, it queues."""
+        self._failures.append((entry, code, message, propagate))
+        if self._failing:
+            return
+        self._failing = True
+        try:
+            while self._failures:
+                item, code_, message_, propagate_ = self._failures.popleft()
+                if isinstance(item, DestEntry):
+                    self._fail_dest_now(item, code_, message_, propagate_)
+                else:
+                    self._fail_src_now(item, code_, message_, propagate_)
+        finally:
+            self._failing = False
+
+    # -- engine calls and ranks ------------------------------------------------------------------
+    def _abort_called(self, ev: events.AbortCalled) -> str:
+        if ev.rank.role == "decode":
+            dest = self.inbox.get(ev.request_id, ev.rank.id)
+            if dest is not None:
+                self._fail(dest, "aborted", ev.reason)
+                return states.FAILED
+        else:
+            src = self.sources.get((ev.request_id, ev.rank.id))
+            if src is not None:
+                self._fail(src, "aborted", ev.reason)
+                return states.FAILED
+        done = self.finished.get((ev.request_id, ev.rank.id))
+        if done is not None:
+            return str(done["state"])
+        raise RequestError(f"unknown request {ev.request_id!r} at {ev.rank.id}", field="request_id",
+                           fix="abort a request this rank expected or sent")
+
+    def _rank_gone(self, ev: events.RankGone) -> None:
+        for dest in self.inbox.all():
+            if dest.rank is ev.rank:
+                self._fail(dest, "rank_gone", ev.reason)
+        for src in list(self.sources.values()):
+            if src.rank_id == ev.rank.id and src.state not in states.TERMINAL:
+                self._fail(src, "rank_gone", ev.reason)
+
+    def _bootstrap_failed(self, ev: events.BootstrapFailed) -> None:
+        self._fail(ev.entry, ev.code, ev.message, propagate=False)
+
+    def poll(self, rank: Rank, request_id: str) -> dict[str, Any]:
+        """What ``poll`` answers (reads only)."""
+        if rank.role == "decode":
+            dest = self.inbox.get(request_id, rank.id)
+            if dest is not None:
+                return {"state": dest.state}
+        else:
+            src = self.sources.get((request_id, rank.id))
+            if src is not None:
+                return {"state": src.state}
+        done = self.finished.get((request_id, rank.id))
+        if done is not None:
+            return dict(done)
+        if rank.role == "prefill" and self.routes.request(request_id, rank.instance) is not None:
+            # the decode side's expect reached this daemon: the rank may send, whether or not the
+            # plan gives it anything to write (a head replica) and before it sent anything
+            return {"state": states.WAITING}
+        raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
+                           fix="poll a request this rank expected or sent")
+
+    def refuse_finished(self, request_id: str, rank_id: str) -> None:
+        record = self.finished.get((request_id, rank_id))
+        if record is not None:
+            why = f" ({record.get('code')}: {record.get('reason')})" if record["state"] == states.FAILED else ""
+            raise RequestError(f"request {request_id!r} already {record['state']} at {rank_id}{why}",
+                               field="request_id", code="request_finished",
+                               fix="use a new request id per request")
+
+    def check_capacity(self) -> None:
+        if self.active_count() >= self.limits.max_inflight_requests:
+            raise RequestError(f"{self.limits.max_inflight_requests} requests are in flight",
+                               field="request_id", code="busy",
+                               fix="retry later, or raise limits.max_inflight_requests")
+
+    # -- counts and records ------------------------------------------------------------------------
+    def active_count(self) -> int:
+        return len(self.inbox) + sum(1 for e in self.sources.values() if e.state not in states.TERMINAL)
+
+    def inflight_jobs(self) -> int:
+        return sum(e.inflight for e in self.inbox.all()) + sum(e.inflight for e in self.sources.values())
+
+    def remember(self, request_id: str, rank_id: str, record: dict[str, Any]) -> None:
+        self.finished[(request_id, rank_id)] = record
+        while len(self.finished) > self.limits.max_inflight_requests:
+            self.finished.popitem(last=False)
+
+    def record_failure(self, side: str, request_id: str, rank_id: str, code: str, message: str) -> None:
+        self.metrics.failures.labels(side, code[:48]).inc()
+        log.info("event=request_failed side=%s request=%s rank=%s code=%s reason=%s", side, q(request_id),
+                 rank_id, code, q(message[:300]))
+        self.recent_failures.append({"time": self.wall_clock(), "side": side, "request_id": request_id,
+                                     "rank_id": rank_id, "code": code, "reason": message[:500]})
+        del self.recent_failures[:-self.limits.recent_failures]
+
+    def phase_limits(self) -> dict[str, float]:
+        t = self.timeouts
+        return {states.BOOTSTRAPPING: t.bootstrap_s, states.WAITING: t.waiting_for_input_s,
+                states.TRANSFERRING: t.transfer_s}
+
+    # -- timers and shutdown -------------------------------------------------------------------------
+    def _tick(self, ev: events.Tick) -> None:
+        self._tick_dests()
+        self._tick_sources()
+
+    def _shut_down(self, ev: events.ShutDown) -> None:
+        if not ev.final:
+            for dest in self.inbox.all():
+                self._fail(dest, "shutdown", "daemon shut down before the transfer finished")
+            for src in list(self.sources.values()):
+                self._fail(src, "shutdown", "daemon shut down before the transfer finished")
+            return
+        # the drain's end: what is left is told now (a thread still blocked ends with the process)
+        for dest in self.inbox.all():
+            if dest.state not in states.TERMINAL:
+                self._finalize_dest(dest, states.FAILED)
+        for src in list(self.sources.values()):
+            if src.state not in states.TERMINAL:
+                self._finalize_src(src, states.FAILED)

@@ -1,0 +1,167 @@
+"""Decode side of the lifecycle core: destinations (one request at one decode rank).
+
+Entries live in the :class:`~kvxferd.inbox.Inbox`, which data threads share under its lock
+to admit and account chunks; every other change to a destination happens here.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from ..inbox import DestEntry
+from ..logutil import q
+from ..messages import Event, Fence, PeerAbort
+from . import effects, events, states
+
+if TYPE_CHECKING:
+    from .core import Lifecycle
+
+log = logging.getLogger("kvxferd.lifecycle")
+
+
+class DecodeSide:
+    def _expect(self: "Lifecycle", ev: events.ExpectCalled) -> str:
+        self.refuse_finished(ev.request_id, ev.rank.id)
+        entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
+                          created=self.now, phase_since=self.now)
+        entry.transport = "tcp" if ev.source_address else "local"
+        entry.source_address = ev.source_address
+        self.inbox.add(entry)
+        self.emit(effects.Bootstrap(entry))
+        return entry.state
+
+    def _plan_found(self: "Lifecycle", ev: events.PlanFound) -> None:
+        entry = ev.entry
+        if entry.closed:
+            return
+        entry.data_token = ev.token
+        if entry.source_address:
+            entry.transport = ev.transport
+        entry.bind(ev.plan)
+        self.metrics.phase_latency.labels("bootstrap").observe(self.now - entry.phase_since)
+        states.advance(entry, states.DEST, "bound", self.now)
+        if entry.source_address:
+            self.emit(effects.ExpectUpstream(entry.source_address, entry))
+            return
+        pair = self.routes.pair(entry.source_instance, entry.rank.instance)
+        assert pair is not None, "a local plan is found through the route book"
+        self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
+                                            entry.rank.coords, pair[0], pair[1], start=entry.start))
+
+    def _dest_changed(self: "Lifecycle", entry: DestEntry) -> None:
+        """Tell the engine what it may know: done once complete, failed once nothing touches the pages."""
+        if entry.failure is not None:
+            if entry.inflight == 0 and entry.state != states.FAILED and not entry.fence_until:
+                self._finalize_dest(entry, states.FAILED)
+            return
+        if entry.state in states.TERMINAL:
+            return
+        if entry.complete():
+            entry.closed = True
+            self._finalize_dest(entry, states.DONE)
+
+    def _fail_dest_now(self: "Lifecycle", entry: DestEntry, code: str, message: str, propagate: bool) -> None:
+        if not states.mark_failed(entry, code, message):
+            return
+        if propagate:
+            self._propagate_upstream(entry, code, message)
+        if entry.inflight:
+            self.emit(effects.StopReceiving(entry))  # end writes into its pages now, then tell the engine
+        if entry.source_address and self.one_sided(entry.transport):
+            self._fence(entry)
+        self._dest_changed(entry)
+
+    def _fence(self: "Lifecycle", entry: DestEntry) -> None:
+        """One-sided WRITEs land without this daemon's help: before the engine hears that a request
+        failed (and reuses its pages), the source must say none of its WRITEs is left in flight."""
+        if not self.source_up(entry.source_address):
+            return  # an unreachable source cannot answer; peer_dead failures are told at once
+        entry.fence_until = self.now + self.timeouts.fence_s
+        self.emit(effects.SendUpstream(entry.source_address, Fence(entry.request_id)))
+
+    def _fence_done(self: "Lifecycle", entry: DestEntry, why: str = "") -> None:
+        if not entry.fence_until:
+            return
+        self.metrics.fences.labels("unconfirmed" if why else "confirmed").inc()
+        if why:
+            log.warning("event=fence_unconfirmed request=%s rank=%s source=%s reason=%s", q(entry.request_id),
+                        entry.rank.id, entry.source_address, q(why))
+        entry.fence_until = 0.0
+        self._dest_changed(entry)
+
+    def _finalize_dest(self: "Lifecycle", entry: DestEntry, state: str) -> None:
+        phase = self.now - entry.phase_since
+        states.advance(entry, states.DEST, "complete" if state == states.DONE else "failed", self.now)
+        self.inbox.remove(entry)
+        mode = entry.plan.mode if entry.plan else "none"
+        self.metrics.transfers.labels("decode", state, mode, entry.transport).inc()
+        record = {"state": state, "bytes": entry.bytes_received}
+        if state == states.DONE:
+            self.metrics.latency.observe(self.now - entry.created)
+            self.metrics.phase_latency.labels("transfer").observe(phase)
+            if entry.aux is not None:
+                record["aux"] = entry.aux
+        else:
+            code, message = entry.failure or ("unknown", "")
+            record.update(code=code, reason=message)
+            self.record_failure("decode", entry.request_id, entry.rank.id, code, message)
+        self.remember(entry.request_id, entry.rank.id, record)
+        self.emit(effects.TellEngine(entry.rank.identity, Event.of(entry.rank.id, entry.request_id, record)))
+
+    def _propagate_upstream(self: "Lifecycle", entry: DestEntry, code: str, message: str) -> None:
+        if not entry.source_address:
+            for src in self.sources_of(entry.request_id):
+                self._fail(src, code, message, propagate=False)
+        else:  # sent where a link to the source exists
+            self.emit(effects.SendUpstream(entry.source_address, PeerAbort.of(entry.request_id, code, message)))
+
+    # -- the source daemon -------------------------------------------------------------------
+    def _upstream_abort(self: "Lifecycle", ev: events.UpstreamAbort) -> None:
+        for entry in self.inbox.for_request(ev.request_id):
+            # only requests this peer is the source of
+            if entry.source_address == ev.address and not (ev.started_only and entry.state == states.BOOTSTRAPPING):
+                self._fail(entry, ev.code, ev.message, propagate=False)
+
+    def _upstream_fenced(self: "Lifecycle", ev: events.UpstreamFenced) -> None:
+        for entry in self.inbox.for_request(ev.request_id):
+            if entry.source_address == ev.address:
+                self._fence_done(entry)
+
+    def _no_handshake(self: "Lifecycle", ev: events.NoHandshake) -> None:
+        """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
+        again and send the expect anew, once per request, while nothing of it has arrived yet."""
+        for entry in self.inbox.for_request(ev.request_id):
+            if (entry.source_address == ev.address and entry.failure is None and entry.rehandshakes == 0
+                    and entry.state == states.WAITING and entry.bytes_received == 0):
+                entry.rehandshakes += 1
+                states.advance(entry, states.DEST, "rehandshake", self.now)
+                log.info("event=handshake_again peer=%s request=%s rank=%s", ev.address, q(ev.request_id),
+                         entry.rank.id)
+                self.emit(effects.Bootstrap(entry))
+
+    def _source_lost(self: "Lifecycle", ev: events.SourceLost) -> None:
+        for entry in self.inbox.all():
+            if entry.source_address != ev.address:
+                continue
+            if ev.code == "peer_dead":
+                if entry.fence_until:
+                    self._fence_done(entry, f"source daemon {ev.address} unresponsive")
+                if entry.state not in states.TERMINAL:
+                    self._fail(entry, ev.code, ev.message, propagate=False)
+            elif ev.code == "peer_restarted":
+                # an entry still bootstrapping has told the old process nothing: its handshake goes to the new one
+                if entry.failure is None and entry.state != states.BOOTSTRAPPING:
+                    self._fail(entry, ev.code, ev.message, propagate=False)
+            elif entry.failure is None:
+                self._fail(entry, ev.code, ev.message, propagate=False)
+
+    def _tick_dests(self: "Lifecycle") -> None:
+        limits = self.phase_limits()
+        for entry in self.inbox.all():
+            if entry.fence_until and self.now > entry.fence_until:
+                self._fence_done(entry, f"no fenced answer from the source within {self.timeouts.fence_s}s; "
+                                        "a WRITE still in flight may land in the request's pages")
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
+                self._fail(entry, f"{entry.state}_timeout", f"request spent more than {limit}s in state {entry.state}")

@@ -1,0 +1,84 @@
+"""What the lifecycle core asks its shells to do. The core never does I/O itself: it returns
+these, in order, and the app hands each to the shell that owns the socket, thread or timer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Union
+
+from ..inbox import DestEntry
+from ..messages import Event, Message
+from ..outbox import SrcEntry, Target
+from ..transport.base import ChunkJob
+
+
+@dataclass(frozen=True)
+class TellEngine:
+    """An event for the engine connection that registered a rank."""
+
+    identity: bytes
+    event: Event
+
+
+@dataclass(frozen=True)
+class SendUpstream:
+    """A message to the source (prefill) daemon at ``address``, over this daemon's link to it."""
+
+    address: str
+    message: Message
+
+
+@dataclass(frozen=True)
+class SendDownstream:
+    """A message to a decode daemon, over the peer socket (by its routing id)."""
+
+    identity: bytes
+    message: Message
+
+
+@dataclass(frozen=True)
+class ExpectUpstream:
+    """Tell the source daemon that this destination expects the request (the shell adds what
+    the destination's transport needs, e.g. NIXL's page table)."""
+
+    address: str
+    entry: DestEntry
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """Find the plan with the destination's source instance (a handshake when it is remote)."""
+
+    entry: DestEntry
+
+
+@dataclass(frozen=True)
+class StartJob:
+    """Run one chunk job on a data thread; report :class:`~.events.JobFinished` when it returns."""
+
+    job: ChunkJob
+    kind: str  # the route's transport
+    entry: SrcEntry
+    target: Target
+    index: int
+
+
+@dataclass(frozen=True)
+class StopReceiving:
+    """End writes into a failed destination's pages now (cut connections, drop assemblies)."""
+
+    entry: DestEntry
+
+
+@dataclass(frozen=True)
+class PeerGone:
+    """Prefill side: forget a decode daemon's transports state (writes to it stop waiting)."""
+
+    kind: str
+    remote: Any
+    data_address: tuple[str, int] | None
+    why: str
+
+
+Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, Bootstrap, StartJob, StopReceiving,
+               PeerGone]

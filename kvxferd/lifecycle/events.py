@@ -1,0 +1,186 @@
+"""What happens to requests, as the lifecycle core hears it. Shells build these from engine
+calls, peer messages, data threads and timers; every event carries no clock: the core is
+handed ``now`` with each one (see :meth:`Lifecycle.handle`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..inbox import DestEntry
+from ..outbox import Chunk, SrcEntry, Target
+from ..planner import Plan
+from ..registry import Rank
+from ..transport.base import Moved
+
+
+# -- engine calls ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ExpectCalled:
+    """A decode rank expects a request (already validated by the engine endpoint)."""
+
+    rank: Rank
+    request_id: str
+    source_instance: str
+    pages: np.ndarray
+    num_tokens: int | None
+    start: int
+    source_address: str  # empty: the source instance is on this daemon
+
+
+@dataclass(frozen=True)
+class SendCalled:
+    """A prefill rank hands over one chunk (already validated by the engine endpoint)."""
+
+    rank: Rank
+    request_id: str
+    chunk: Chunk
+
+
+@dataclass(frozen=True)
+class AbortCalled:
+    rank: Rank
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class RankGone:
+    """A rank unregistered, re-registered or its process exited: its requests fail."""
+
+    rank: Rank
+    reason: str
+
+
+# -- decode side: the plan and the source daemon --------------------------------------------
+@dataclass(frozen=True)
+class PlanFound:
+    """Bootstrap found the plan; ``token`` and ``transport`` are the source link's (remote sources)."""
+
+    entry: DestEntry
+    plan: Plan
+    token: bytes | None = None
+    transport: str = "local"
+
+
+@dataclass(frozen=True)
+class BootstrapFailed:
+    entry: DestEntry
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DestChanged:
+    """A data thread admitted or finished a chunk of this destination."""
+
+    entry: DestEntry
+
+
+@dataclass(frozen=True)
+class ChunkRefused:
+    """A receiving transport refused a chunk of this destination (it fails)."""
+
+    entry: DestEntry
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class UpstreamAbort:
+    """The source daemon at ``address`` aborted (or errored) a request."""
+
+    address: str
+    request_id: str
+    code: str
+    message: str
+    started_only: bool = False  # an error answer: only destinations past bootstrapping fail
+
+
+@dataclass(frozen=True)
+class UpstreamFenced:
+    address: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class NoHandshake:
+    """The source daemon forgot the instance pair (it restarted): handshake again, once."""
+
+    address: str
+    request_id: str
+
+
+@dataclass(frozen=True)
+class SourceLost:
+    """The source daemon stopped answering (``code`` peer_dead), restarted or refused this one's key."""
+
+    address: str
+    code: str
+    message: str
+
+
+# -- prefill side: decode daemons -----------------------------------------------------------
+@dataclass(frozen=True)
+class PeerExpected:
+    """A decode daemon's expect, checked against the pair's handshake by the peer endpoint."""
+
+    request_id: str
+    prefill: str
+    decode: str
+    dst: tuple[int, int]
+    plan: Plan
+    route: Any
+    dst_pages: Any = None
+    start: int = 0
+
+
+@dataclass(frozen=True)
+class DownstreamAbort:
+    identity: bytes
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class FenceAsked:
+    identity: bytes
+    request_id: str
+
+
+@dataclass(frozen=True)
+class DownstreamLost:
+    """A decode daemon stopped answering or restarted: its routes go, its requests fail."""
+
+    identity: bytes
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
+class JobFinished:
+    """A chunk job returned: ``moved`` and ``seconds`` when every byte landed, else ``error``."""
+
+    entry: SrcEntry
+    target: Target
+    index: int
+    kind: str
+    moved: Moved | None = None
+    seconds: float = 0.0
+    error: BaseException | None = None
+
+
+# -- timers and shutdown --------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tick:
+    """Phase timeouts and fence deadlines (``now`` is the handle's)."""
+
+
+@dataclass(frozen=True)
+class ShutDown:
+    """Drain's end: fail every request still here (``final``: tell them now, jobs or not)."""
+
+    final: bool = False

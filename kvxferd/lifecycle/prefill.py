@@ -1,0 +1,261 @@
+"""Prefill side of the lifecycle core: sources (one request at one prefill rank).
+
+A source pairs the chunks its engine sends with the destinations decode daemons announce
+(whichever comes first), posts one job per (chunk, destination), and is done when every
+destination the plan gives it confirmed every chunk. Its pages are the engine's again only
+once no job reads them (``inflight`` is zero).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from ..errors import KvxferError, RequestError, TransferError
+from ..logutil import q
+from ..messages import Event, Fenced, PeerAbort
+from ..outbox import Binding, Chunk, Route, SrcEntry, Target
+from ..registry import rank_id as make_rank_id
+from ..segments import clip_slots
+from ..transport.base import ChunkJob
+from . import effects, events, states
+
+if TYPE_CHECKING:
+    from .core import Lifecycle
+
+log = logging.getLogger("kvxferd.lifecycle")
+
+
+class PrefillSide:
+    # -- the table: by (request, rank) and by request ------------------------------------------
+    def sources_of(self: "Lifecycle", request_id: str) -> list[SrcEntry]:
+        return list(self._by_request.get(request_id, {}).values())
+
+    def _new_source(self: "Lifecycle", request_id: str, rank_id: str, coords: tuple[int, int]) -> SrcEntry:
+        entry = SrcEntry(request_id, rank_id, coords, created=self.now, phase_since=self.now)
+        self.sources[(request_id, rank_id)] = entry
+        self._by_request.setdefault(request_id, {})[rank_id] = entry
+        return entry
+
+    def _drop_source(self: "Lifecycle", entry: SrcEntry) -> None:
+        self.sources.pop((entry.request_id, entry.rank_id), None)
+        by_rank = self._by_request.get(entry.request_id)
+        if by_rank is not None:
+            by_rank.pop(entry.rank_id, None)
+            if not by_rank:
+                del self._by_request[entry.request_id]
+
+    # -- engine calls --------------------------------------------------------------------------
+    def _send(self: "Lifecycle", ev: events.SendCalled) -> str:
+        rank = ev.rank
+        key = (ev.request_id, rank.id)
+        self.refuse_finished(ev.request_id, rank.id)
+        entry = self.sources.get(key)
+        if entry is None:
+            self.check_capacity()
+            if self.pending_chunks() >= self.limits.max_pending_chunks:
+                raise RequestError("too many chunks are held", field="request_id", code="busy",
+                                   fix="retry later, or raise limits.max_pending_chunks")
+            entry = self._new_source(ev.request_id, rank.id, rank.coords)
+            binding = self.routes.request(ev.request_id, rank.instance)
+            if binding is not None:
+                entry.bind(binding, self.now)
+        elif entry.closed:
+            # failed but still draining its chunks in flight: say why, as for a request already ended
+            why = f"failed ({entry.failure[0]}: {entry.failure[1]})" if entry.failure else entry.state
+            raise RequestError(f"request {ev.request_id!r} is {why}", field="request_id",
+                               code="request_finished", fix="start a new request")
+        entry.add_chunk(ev.chunk)
+        self._pump(entry)
+        self._check_src(entry)
+        return entry.state
+
+    def pending_chunks(self: "Lifecycle") -> int:
+        return sum(len(e.chunks) for e in self.sources.values())
+
+    # -- decode daemons ------------------------------------------------------------------------
+    def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:
+        binding = Binding(ev.plan, ev.decode, ev.route)
+        self.routes.bind(ev.request_id, ev.prefill, binding)
+        for w in ev.plan.destination(*ev.dst).writers:
+            rank_id = make_rank_id(ev.prefill, *w.src)
+            key = (ev.request_id, rank_id)
+            entry = self.sources.get(key)
+            if entry is None:
+                if key in self.finished:
+                    self._late_expect(ev.request_id, ev.route, self.finished[key])
+                    continue
+                entry = self._new_source(ev.request_id, rank_id, w.src)
+            if entry.closed:
+                if entry.failure is not None:
+                    self._late_expect(ev.request_id, ev.route, {"state": "failed", "code": entry.failure[0],
+                                                                "reason": entry.failure[1]})
+                continue
+            entry.bind(binding, self.now)
+            entry.targets.setdefault(ev.dst, Target(ev.dst, w, dst_pages=ev.dst_pages, start=ev.start))
+            self._pump(entry)
+        # ranks that write nothing of this request learn the plan too, so they can finish
+        for entry in self.sources_of(ev.request_id):
+            if entry.plan is None and entry.rank_id.startswith(ev.prefill + "/"):
+                entry.bind(binding, self.now)
+                self._pump(entry)
+            self._check_src(entry)
+
+    def _late_expect(self: "Lifecycle", request_id: str, route: Route, record: dict[str, Any]) -> None:
+        """An expect for a request this side already ended: a failure must reach the decode side,
+        which would otherwise wait for bytes until its own phase timeout."""
+        if record.get("state") == "failed":
+            self._propagate_downstream(request_id, route, str(record.get("code") or "failed"),
+                                       str(record.get("reason") or "request failed on the prefill side"))
+
+    def _downstream_abort(self: "Lifecycle", ev: events.DownstreamAbort) -> None:
+        # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
+        for entry in self.sources_of(ev.request_id):
+            if entry.route is None or entry.route.identity == ev.identity:
+                self._fail(entry, ev.code, ev.message, propagate=False)
+
+    def _fence_asked(self: "Lifecycle", ev: events.FenceAsked) -> Fenced | None:
+        for entry in self.sources_of(ev.request_id):
+            if entry.route is not None and entry.route.identity == ev.identity:
+                self._fail(entry, "peer_aborted", "the decode daemon failed the request", propagate=False)
+        if self._writing(ev.request_id, ev.identity):
+            self.fence_waiters.setdefault(ev.request_id, set()).add(ev.identity)
+            return None
+        return Fenced(ev.request_id)
+
+    def _writing(self: "Lifecycle", request_id: str, identity: bytes) -> bool:
+        """Whether a chunk job of the request towards that decode daemon has not returned yet."""
+        return any(entry.inflight and entry.route is not None and entry.route.identity == identity
+                   for entry in self.sources_of(request_id))
+
+    def _answer_fences(self: "Lifecycle", request_id: str) -> None:
+        waiters = self.fence_waiters.get(request_id)
+        if not waiters:
+            return
+        for identity in list(waiters):
+            if not self._writing(request_id, identity):
+                waiters.discard(identity)
+                self.emit(effects.SendDownstream(identity, Fenced(request_id)))
+        if not waiters:
+            del self.fence_waiters[request_id]
+
+    def _downstream_lost(self: "Lifecycle", ev: events.DownstreamLost) -> None:
+        """Forget a decode daemon's link: its routes, transports state; fail its requests."""
+        for route in self.routes.drop_peer(ev.identity):
+            self.emit(effects.PeerGone(route.kind, route.nixl, route.data_address, ev.message))
+        for request_id, waiters in list(self.fence_waiters.items()):
+            waiters.discard(ev.identity)
+            if not waiters:
+                del self.fence_waiters[request_id]
+        for entry in list(self.sources.values()):
+            if entry.route is not None and entry.route.identity == ev.identity:
+                self._fail(entry, ev.code, ev.message, propagate=False)
+
+    # -- jobs ----------------------------------------------------------------------------------
+    def _pump(self: "Lifecycle", entry: SrcEntry) -> None:
+        if entry.closed or entry.binding is None:
+            return
+        rank = self.registry.get(entry.rank_id)
+        if rank is None:
+            return
+        for target in entry.targets.values():
+            for idx, chunk in enumerate(entry.chunks):
+                if idx in target.scheduled:
+                    continue
+                target.scheduled.add(idx)
+                if not self._post(entry, rank, target, idx, chunk):
+                    return
+
+    def _post(self: "Lifecycle", entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
+        """One job for a chunk to a destination; False if the source failed instead."""
+        assert entry.binding is not None
+        start, chunk_slots = chunk.start, chunk.slots
+        if target.start > chunk.start:  # the decode side holds a prefix already: only the rest moves
+            if chunk.end <= target.start:
+                if chunk.last:
+                    self._fail(entry, "request", f"the last chunk ends at token {chunk.end}, at or before token "
+                                                 f"{target.start} where the decode side starts; nothing is left "
+                                                 "to move")
+                    return False
+                target.acked.add(idx)  # nothing of it is wanted: done without a byte moved
+                return True
+            start = target.start
+            chunk_slots = clip_slots(chunk_slots, rank.geometry.spec, chunk.start, start)
+        route = entry.binding.route
+        job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
+                       start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
+                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl)
+        entry.inflight += 1
+        if states.may(entry, states.SRC, "job_started"):
+            states.advance(entry, states.SRC, "job_started", self.now)
+        self.emit(effects.StartJob(job, route.kind, entry, target, idx))
+        return True
+
+    def _job_finished(self: "Lifecycle", ev: events.JobFinished) -> None:
+        entry, target = ev.entry, ev.target
+        entry.inflight -= 1
+        if ev.error is None and ev.moved is not None:
+            moved = ev.moved
+            target.acked.add(ev.index)
+            entry.bytes_sent += moved.nbytes
+            self.metrics.bytes_sent.labels(ev.kind, moved.mode).inc(moved.nbytes)
+            self.metrics.chunks.labels(ev.kind, moved.mode).inc()
+            self.metrics.chunk_bytes.observe(moved.nbytes)
+            self.metrics.fragments.observe(moved.fragments)
+            self.metrics.phase_latency.labels("chunk").observe(ev.seconds)
+        elif entry.failure is None:
+            exc = ev.error if ev.error is not None else TransferError("job cancelled at shutdown")
+            code = exc.code if isinstance(exc, KvxferError) else "transfer"
+            chunk = entry.chunks[ev.index]
+            log.warning("event=chunk_failed request=%s rank=%s dst=%s code=%s msg=%s", q(entry.request_id),
+                        entry.rank_id, list(target.dst), code, q(str(exc)[:300]))
+            self._fail(entry, code, f"chunk [{chunk.start}, {chunk.end}) to {list(target.dst)} failed: {exc}")
+        self._check_src(entry)
+
+    # -- ends ----------------------------------------------------------------------------------
+    def _check_src(self: "Lifecycle", entry: SrcEntry) -> None:
+        if entry.failure is not None:
+            if entry.inflight == 0 and entry.state != states.FAILED:
+                self._finalize_src(entry, states.FAILED)
+            return
+        if entry.state not in states.TERMINAL and entry.complete():
+            entry.closed = True
+            self._finalize_src(entry, states.DONE)
+
+    def _fail_src_now(self: "Lifecycle", entry: SrcEntry, code: str, message: str, propagate: bool) -> None:
+        if not states.mark_failed(entry, code, message):
+            return
+        if propagate and entry.route is not None:
+            self._propagate_downstream(entry.request_id, entry.route, code, message)
+        self._check_src(entry)
+
+    def _finalize_src(self: "Lifecycle", entry: SrcEntry, state: str) -> None:
+        states.advance(entry, states.SRC, "complete" if state == states.DONE else "failed", self.now)
+        self._drop_source(entry)
+        self._answer_fences(entry.request_id)
+        mode = entry.plan.mode if entry.plan else "none"
+        transport = entry.route.kind if entry.route else "none"
+        self.metrics.transfers.labels("prefill", state, mode, transport).inc()
+        record: dict[str, Any] = {"state": state, "bytes": entry.bytes_sent}
+        if state == states.FAILED:
+            code, message = entry.failure or ("unknown", "")
+            record.update(code=code, reason=message)
+            self.record_failure("prefill", entry.request_id, entry.rank_id, code, message)
+        self.remember(entry.request_id, entry.rank_id, record)
+        rank = self.registry.get(entry.rank_id)
+        if rank is not None:
+            self.emit(effects.TellEngine(rank.identity, Event.of(entry.rank_id, entry.request_id, record)))
+
+    def _propagate_downstream(self: "Lifecycle", request_id: str, route: Route, code: str, message: str) -> None:
+        if route.local:
+            for dest in self.inbox.for_request(request_id):
+                self._fail(dest, code, message, propagate=False)
+        elif route.identity is not None:
+            self.emit(effects.SendDownstream(route.identity, PeerAbort.of(request_id, code, message)))
+
+    def _tick_sources(self: "Lifecycle") -> None:
+        limits = self.phase_limits()
+        for entry in list(self.sources.values()):
+            limit = limits.get(entry.state)
+            if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
+                self._fail(entry, f"{entry.state}_timeout", f"request spent more than {limit}s in state {entry.state}")

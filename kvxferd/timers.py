@@ -1,0 +1,58 @@
+"""Timers: they read the clock and turn time into events (phase timeouts, fence deadlines),
+liveness checks (engine processes, peer heartbeats) and systemd's watchdog."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING
+
+from . import sdnotify
+from .lifecycle import events
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvxferd.timers")
+
+TICK_S = 0.1  # phase timeouts and fence deadlines
+LIVENESS_S = 0.5  # engine processes
+
+
+async def sweeper(app: "Daemon") -> None:
+    last_liveness = 0.0
+    while True:
+        await asyncio.sleep(TICK_S)
+        now = time.monotonic()
+        if now - last_liveness >= LIVENESS_S:
+            last_liveness = now
+            _engines_alive(app)
+        app.dispatch(events.Tick())
+
+
+def _engines_alive(app: "Daemon") -> None:
+    # one call per check: its loop variables die with it, so none of them keeps a dropped
+    # rank (and through it the engine's memory mapping) alive between checks
+    for rank in app.registry:
+        if rank.process is not None and not rank.process.alive():
+            log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
+            app.drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
+
+
+async def heartbeats(app: "Daemon") -> None:
+    interval = app.cfg.peer.heartbeat_interval_s
+    timeout = app.cfg.peer.peer_timeout_s
+    while True:
+        now = time.monotonic()
+        app.upstream.heartbeat(now, timeout)
+        app.downstream.heartbeat(now, timeout)
+        await asyncio.sleep(interval)
+
+
+async def watchdog() -> None:
+    """``WATCHDOG=1`` every WatchdogSec/2 while the loop runs (own timer: heartbeats may be slower)."""
+    interval = sdnotify.watchdog_interval()
+    while interval:
+        sdnotify.notify("WATCHDOG=1")
+        await asyncio.sleep(interval)

@@ -1,0 +1,144 @@
+"""Every transport of one daemon behind one object, so the daemon never asks which one it holds.
+
+The daemon names a transport only by what a route or destination recorded (``route.kind``,
+``entry.transport``); what differs between transports (NIXL's offer in the handshake, its
+page table in an expect, the fence for one-sided writes, the connections to forget when a
+peer goes) is answered here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..inbox import DestEntry, Inbox, Sink
+from ..registry import Rank
+from ..staging import StagingPool
+from .base import Moved, Transport
+from .local import LocalTransport
+from .nixl_support import NixlSupport
+from .tcp import TcpDataServer, TcpTransport
+
+
+class Transports:
+    """local, tcp and (where configured and usable) NIXL, both directions."""
+
+    def __init__(self, inbox: Inbox, staging: StagingPool, *, daemon_name: str, preference: list[str],
+                 timeout_s: float, max_header_bytes: int, max_pages: int, data_connections: int,
+                 landing_slots: int, landing_bytes: int,
+                 on_received: Callable[[str, Sink, Moved], None],
+                 on_refused: Callable[[DestEntry, str, str], None],
+                 on_invalid: Callable[[str], None]) -> None:
+        self.inbox = inbox
+        self.timeout_s = timeout_s
+        self.max_header_bytes = max_header_bytes
+        self.on_received = on_received
+        self.on_invalid = on_invalid
+        self.local = LocalTransport(inbox, lambda sink, moved: on_received("local", sink, moved))
+        self.tcp = TcpTransport(timeout_s=timeout_s, max_reply_bytes=1 << 16, staging=staging,
+                                connections_per_peer=data_connections)
+        self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
+            daemon_name, preference, inbox, timeout_s=timeout_s, max_header_bytes=max_header_bytes,
+            max_pages=max_pages, staging=staging, landing_slots=landing_slots, landing_bytes=landing_bytes,
+            on_received=lambda sink, moved: on_received("nixl", sink, moved),
+            on_refused=on_refused, on_invalid=on_invalid)
+
+    def listen(self, host: str, port: int) -> TcpDataServer:
+        """Start receiving over tcp (the data port)."""
+        return self.tcp.listen(host, port, self.inbox, max_header_bytes=self.max_header_bytes,
+                               timeout_s=self.timeout_s,
+                               on_received=lambda sink, moved: self.on_received("tcp", sink, moved),
+                               on_invalid=self.on_invalid)
+
+    def find(self, kind: str) -> Transport | None:
+        """The transport a route or destination recorded by name; NIXL once its agent started."""
+        found: dict[str, Transport | None] = {"local": self.local, "tcp": self.tcp, "nixl": self.nixl.transport}
+        return found.get(kind)
+
+    def get(self, kind: str) -> Transport:
+        found = self.find(kind)
+        assert found is not None, f"no {kind} transport here (a route names it only once it started)"
+        return found
+
+    # -- receiving side ------------------------------------------------------------------
+    def stop_receiving(self, entry: DestEntry) -> None:
+        """End writes into a failed destination's pages now (cut its data connections, drop
+        staged chunks still assembling), so its failure can be told soon."""
+        self.tcp.stop_receiving(entry)
+        own = self.find(entry.transport)
+        if own is not None and own is not self.tcp:
+            own.stop_receiving(entry)
+
+    def needs_fence(self, entry: DestEntry) -> bool:
+        """Whether a failed destination must wait for its source to confirm no write is in flight:
+        one-sided writes from a remote source land without this daemon's help."""
+        own = self.find(entry.transport)
+        return bool(entry.source_address) and own is not None and own.one_sided
+
+    # -- negotiation (decode side) ---------------------------------------------------------
+    def offered(self, strided: bool) -> list[str]:
+        """What a decode instance can be written by: NIXL addresses pages as dense, so a rank
+        whose pages are strided is offered tcp only."""
+        offered = self.nixl.offered()
+        return [t for t in offered if t != "nixl"] if strided else offered
+
+    def handshake_fields(self, source: str, prefill: str, decode: str) -> dict[str, Any]:
+        return self.nixl.handshake_fields(source, prefill, decode)
+
+    def accepted(self, source: str, prefill: str, decode: str, reply: dict[str, Any]) -> str:
+        """The transport the source chose in its handshake answer."""
+        return self.nixl.accepted(source, prefill, decode, reply)
+
+    def receive_kind(self, source: str, prefill: str, decode: str) -> str:
+        """How a destination fed by a remote source receives: the pair's negotiated transport."""
+        return self.nixl.route_kind(source, prefill, decode)
+
+    def expect_fields(self, source: str, entry: DestEntry) -> dict[str, Any]:
+        """What a peer expect carries for the destination's transport (NIXL: its page table)."""
+        return self.nixl.expect_fields(source, entry)
+
+    # -- negotiation (prefill side) --------------------------------------------------------
+    def choose(self, offer: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, Any, str]:
+        """The transport for a handshake, its remote agent (NIXL) and the mode it moves in."""
+        transport, remote = self.nixl.choose(offer, decode_spec, mode)
+        if remote is not None and remote.credits is None and mode == "auto":
+            mode = "direct"  # no landing ring to stage into: NIXL writes the head slices one by one
+        return transport, remote, mode
+
+    def answer(self, transport: str) -> dict[str, Any]:
+        return self.nixl.answer(transport)
+
+    def prepare(self, kind: str, remote: Any, dst: tuple[int, int], fields: dict[str, Any]) -> np.ndarray | None:
+        """Check what a peer expect carries for a route; one-sided routes get the destination's page table."""
+        if kind != "nixl":
+            return None
+        return self.nixl.expect_pages(remote, dst, fields)
+
+    # -- peers and ranks ---------------------------------------------------------------------
+    def peer_lost(self, kind: str, remote: Any, data_address: tuple[str, int] | None, why: str) -> None:
+        """Prefill side: a decode daemon is gone; writes to it stop waiting, its connections go."""
+        if remote is not None:
+            remote.dead = why
+            self.nixl.forget_peer(remote.agent)
+        if data_address is not None:
+            self.tcp.forget(data_address)
+
+    def source_down(self, source: str) -> None:
+        self.nixl.source_down(source)
+
+    def source_gone(self, source: str) -> None:
+        self.nixl.forget_source(source)
+
+    def register(self, rank: Rank) -> None:
+        self.nixl.register(rank)
+
+    def deregister(self, rank: Rank) -> None:
+        self.nixl.deregister(rank)
+
+    def describe(self) -> dict[str, Any]:
+        return self.nixl.describe()
+
+    def close(self) -> None:
+        self.tcp.close()
+        self.nixl.close()

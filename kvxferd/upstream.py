@@ -1,0 +1,378 @@
+"""Decode side's links to source (prefill) daemons: handshakes, plans, and what sources say.
+
+One :class:`PeerLink` per source daemon address: a DEALER socket, its handshakes in
+progress, its liveness. What a source says about requests (abort, fenced, errors) and what
+happens to the link (down, restarted, key refused) become lifecycle events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any, Callable
+
+import zmq
+
+from . import PROTOCOL_VERSION, linkwatch, messages, protocol
+from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
+from .geometry import InstanceSpec
+from .inbox import DestEntry
+from .lifecycle import events
+from .logutil import q
+from .outbox import Route
+from .planner import Plan, make_plan
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvxferd.upstream")
+
+
+def ignore_result(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()
+
+
+async def serve_router(sock: Any, answer: Callable[[bytes, bytes], None]) -> None:
+    """Answer every message a ROUTER socket receives, by routing id, one at a time."""
+    while True:
+        frames = await sock.recv_multipart(copy=True)
+        answer(frames[0], frames[-1])
+
+
+class PeerLink:
+    """This daemon's connection to a peer daemon that hosts prefill instances."""
+
+    def __init__(self, app: "Daemon", upstream: "Upstream", address: str) -> None:
+        self.address = address
+        self.sock = app.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.setsockopt(zmq.RCVHWM, 10000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, app.cfg.limits.max_message_bytes)
+        self.max_bytes = app.cfg.limits.max_message_bytes
+        self.monitor: zmq.Socket | None = None  # CURVE links: handshake outcomes (linkwatch)
+        self.auth_error = ""
+        host, port = protocol.split_address(address)
+        if app.keys is not None:
+            server_key = app.peer_keys.get(address)
+            if server_key is None:
+                self.sock.close(0)
+                raise RequestError(f"no CURVE server key configured for peer {address}", field="auth.peer_keys",
+                                   fix=f"add \"{address}=<its public key>\" to auth.peer_keys")
+            self.sock.curve_secretkey = app.keys.secret.encode()
+            self.sock.curve_publickey = app.keys.public.encode()
+            self.sock.curve_serverkey = server_key.encode()
+            self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
+        self.sock.connect(f"tcp://{host}:{port}")
+        # ties our data connections to this authenticated link; sent inside the handshake
+        self.token = os.urandom(16)
+        self.state = "connecting"
+        self.last_seen = time.monotonic()
+        self.peer_incarnation = ""  # learnt from its pongs and handshake answers
+        self.seq = 0
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: handshakes in progress or done, per (prefill instance, decode instance): waiters share one
+        self.handshakes: dict[tuple[str, str], asyncio.Future[Plan]] = {}
+        self.reader = asyncio.ensure_future(self._read(upstream))
+        self.watcher = None if self.monitor is None or app.keys is None else asyncio.ensure_future(
+            linkwatch.watch(self.monitor, address, app.keys.public,
+                            lambda message: upstream.auth_failed(self, message),
+                            lambda: setattr(self, "auth_error", "")))
+
+    def send(self, message: messages.Message) -> None:
+        fut = self.sock.send(protocol.encode(message.to_wire()))
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(ignore_result)
+
+    async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
+        self.seq += 1
+        seq = self.seq
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[seq] = fut
+        try:
+            sent = self.sock.send(protocol.encode({**message.to_wire(), "seq": seq}))
+            if isinstance(sent, asyncio.Future):
+                sent.add_done_callback(ignore_result)
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.waiting.pop(seq, None)
+
+    async def _read(self, upstream: "Upstream") -> None:
+        while True:
+            try:
+                data = await self.sock.recv()
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            try:
+                msg = protocol.decode(data, self.max_bytes)
+            except ProtocolError:
+                upstream.app.metrics.invalid_messages.labels("peer").inc()
+                continue
+            upstream.seen(self)
+            fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+                continue
+            upstream.handle(self, msg)
+
+    def close(self) -> None:
+        self.reader.cancel()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.cancel()
+        if self.monitor is not None:
+            if self.watcher is not None:
+                self.watcher.cancel()
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+        self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
+
+
+class Upstream:
+    """Every link to a source daemon, and the bootstrap of destinations (finding their plan)."""
+
+    def __init__(self, app: "Daemon") -> None:
+        self.app = app
+        self.links: dict[str, PeerLink] = {}
+
+    def is_up(self, address: str) -> bool:
+        link = self.links.get(address)
+        return link is not None and link.state == "up"
+
+    def send(self, address: str, message: messages.Message) -> None:
+        """Send where a link exists (a source never linked, or forgotten, has nothing to hear)."""
+        link = self.links.get(address)
+        if link is not None:
+            link.send(message)
+
+    def send_expect(self, address: str, entry: DestEntry) -> None:
+        num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
+        self.send(address, messages.PeerExpect(
+            entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
+            entry.start or None, self.app.transports.expect_fields(address, entry)))
+
+    def link(self, address: str) -> PeerLink:
+        link = self.links.get(address)
+        if link is not None and link.auth_error:
+            link.close()  # libzmq does not retry a refused key: a new link tries again
+            link = None
+        if link is None:
+            link = self.links[address] = PeerLink(self.app, self, address)
+            self.app.count_peers()
+        return link
+
+    # -- bootstrap: the plan with the source instance -------------------------------------------
+    async def bootstrap(self, entry: DestEntry) -> None:
+        app = self.app
+        deadline = entry.created + app.cfg.timeouts.bootstrap_s
+        spec = entry.rank.geometry.spec
+        link = None
+        try:
+            if entry.source_address:
+                link = self.link(entry.source_address)
+                plan = await self._remote_plan(link, entry.source_instance, entry.rank.instance, spec, deadline)
+            else:
+                plan = await self._local_plan(entry.source_instance, entry.rank.instance, spec, deadline)
+        except PlanRefusal as refusal:
+            app.metrics.refusals.labels(refusal.field or "unknown").inc()
+            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            return
+        except (asyncio.TimeoutError, TimeoutError):
+            app.dispatch(events.BootstrapFailed(
+                entry, "bootstrap_timeout", f"no plan with source instance {entry.source_instance!r} within "
+                f"{app.cfg.timeouts.bootstrap_s}s (source daemon unreachable or instance not registered)"))
+            return
+        except KvxferError as exc:
+            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
+            return
+        if link is None:
+            app.dispatch(events.PlanFound(entry, plan))
+        else:
+            kind = app.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
+            app.dispatch(events.PlanFound(entry, plan, link.token, kind))
+
+    async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
+        app = self.app
+        while True:
+            cached = app.life.routes.pair(prefill, decode)
+            if cached is not None and cached[1].local:
+                return cached[0]
+            prefill_spec = app.registry.spec(prefill, "prefill")
+            if prefill_spec is not None:
+                plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
+                                 require_same_page_size=app.cfg.peer.require_same_page_size)
+                app.life.routes.set_pair(prefill, decode, plan, Route("local", daemon=app.address))
+                app.metrics.handshakes.labels("ok").inc()
+                return plan
+            if time.monotonic() >= deadline:
+                raise asyncio.TimeoutError
+            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
+
+    async def _remote_plan(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                           deadline: float) -> Plan:
+        key = (prefill, decode)
+        fut = link.handshakes.get(key)
+        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
+            fut = link.handshakes[key] = asyncio.ensure_future(self._handshake(link, prefill, decode, spec, deadline))
+            fut.add_done_callback(ignore_result)  # every waiter sees the outcome; none may be left unretrieved
+        return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
+
+    def _transports_for(self, decode: str) -> list[str]:
+        registry = self.app.registry
+        return self.app.transports.offered(
+            strided=any(r.instance == decode and r.geometry.page_stride is not None for r in registry))
+
+    async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                         deadline: float) -> Plan:
+        app = self.app
+        while True:
+            if link.auth_error:
+                raise TransferError(link.auth_error, field="auth", code="auth_failed")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                app.metrics.handshakes.labels("timeout").inc()
+                raise asyncio.TimeoutError
+            hello = messages.Handshake(
+                PROTOCOL_VERSION, app.address, app.data_address, prefill, decode, spec.to_dict(), app.cfg.peer.mode,
+                self._transports_for(decode), link.token, app.incarnation,
+                extra=app.transports.handshake_fields(link.address, prefill, decode))
+            try:
+                reply = await link.request(hello, timeout=min(remaining, max(1.0, app.cfg.peer.heartbeat_interval_s)))
+            except asyncio.TimeoutError:
+                continue
+            op = reply.get("op")
+            if op == "handshake_ok" and self.note_incarnation(link, reply.get("incarnation")):
+                continue  # a restarted source: what this handshake offered (a landing ring) went with the old one
+            if op == "handshake_ok":
+                return self._accepted(link, prefill, decode, spec, reply)
+            if op == "handshake_refused":
+                err = reply.get("error") or {}
+                app.metrics.handshakes.labels("refused").inc()
+                log.warning("event=handshake_refused peer=%s field=%s msg=%s", link.address, err.get("field"),
+                            q(str(err.get("message"))[:300]))
+                raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
+                                  prefill=err.get("prefill"), decode=err.get("decode"))
+            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
+
+    def _accepted(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                  reply: dict[str, Any]) -> Plan:
+        app = self.app
+        try:
+            prefill_spec = InstanceSpec.from_dict(protocol.bounded_geometry(reply.get("prefill_spec"), "prefill_spec"))
+            mode = reply.get("mode")
+            plan = make_plan(prefill_spec, spec, mode=mode if mode in ("direct", "staged") else "auto",
+                             require_same_page_size=app.cfg.peer.require_same_page_size)
+        except KvxferError as exc:
+            app.metrics.handshakes.labels("refused").inc()
+            raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
+        app.metrics.handshakes.labels("ok").inc()
+        transport = app.transports.accepted(link.address, prefill, decode, reply)
+        log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", link.address,
+                 prefill, decode, plan.mode, transport)
+        return plan
+
+    # -- what sources say ------------------------------------------------------------------------
+    def handle(self, link: PeerLink, msg: dict[str, Any]) -> None:
+        """Unsolicited messages from a source daemon: aborts, fences answered, errors about requests."""
+        op = msg.get("op")
+        try:
+            if op == "abort":
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.PeerAbort)
+                self.app.dispatch(events.UpstreamAbort(link.address, m.request_id, m.code or "peer_aborted", m.reason))
+            elif op == "error" and isinstance(msg.get("request_id"), str):
+                self._error(link, msg["request_id"], msg)
+            elif op == "fenced":
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.Fenced)
+                self.app.dispatch(events.UpstreamFenced(link.address, m.request_id))
+            elif op == "pong":
+                self.note_incarnation(link, msg.get("incarnation"))
+        except KvxferError:
+            self.app.metrics.invalid_messages.labels("peer").inc()
+
+    def _error(self, link: PeerLink, request_id: str, msg: dict[str, Any]) -> None:
+        err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+        if err.get("code") == "no_handshake":
+            link.handshakes.clear()
+            self.app.dispatch(events.NoHandshake(link.address, request_id))
+            self.note_incarnation(link, msg.get("incarnation"))
+        self.app.dispatch(events.UpstreamAbort(
+            link.address, request_id, str(err.get("code", "peer_error"))[:64],
+            f"source daemon {link.address}: {str(err.get('message'))[:300]}", started_only=True))
+
+    def note_incarnation(self, link: PeerLink, incarnation: Any) -> bool:
+        """A message of the source daemon named its incarnation; True if it changed (a restart)."""
+        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
+            return False
+        old, link.peer_incarnation = link.peer_incarnation, incarnation
+        if not old or old == incarnation:
+            return False
+        app = self.app
+        app.metrics.peer_restarts.labels("prefill").inc()
+        log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
+        link.handshakes.clear()  # its handshakes went with it; the next request handshakes again
+        app.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
+        app.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
+        app.dispatch(events.SourceLost(link.address, "peer_restarted",
+                                       f"source daemon {link.address} restarted (incarnation {old} -> "
+                                       f"{incarnation}); the request's source side went with the old process"))
+        return True
+
+    def auth_failed(self, link: PeerLink, message: str) -> None:
+        """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
+        app = self.app
+        link.auth_error = message
+        app.metrics.peer_auth_failures.inc()
+        record, log_now = app.auth_refused_by.note(message, address=link.address)
+        if log_now:
+            log.warning("event=peer_auth_failed peer=%s count=%s msg=%s", link.address, record["count"], q(message))
+        for fut in link.waiting.values():  # the handshake in progress ends with it
+            if not fut.done():
+                fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
+        app.dispatch(events.SourceLost(link.address, "auth_failed", message))
+
+    # -- liveness -------------------------------------------------------------------------------
+    def seen(self, link: PeerLink) -> None:
+        link.last_seen = time.monotonic()
+        if link.state != "up":
+            if link.state == "down":
+                log.info("event=peer_back peer=%s", link.address)
+            link.state = "up"
+            self.app.count_peers()
+
+    def heartbeat(self, now: float, timeout: float) -> None:
+        """Ping every source; a silent one is down (its requests fail); an idle down one is closed."""
+        app = self.app
+        for link in list(self.links.values()):
+            link.send(messages.PeerPing(app.address, app.incarnation))
+            if link.state == "up" and now - link.last_seen > timeout:
+                self._link_down(link, now - link.last_seen)
+            elif link.state == "connecting" and now - link.last_seen > timeout:
+                link.state = "down"
+                app.count_peers()
+            if link.state == "down" and not any(e.source_address == link.address for e in app.inbox.all()):
+                # nothing waits on it: without this every address an engine ever named keeps a socket
+                link.close()
+                self.links.pop(link.address, None)
+                app.transports.source_gone(link.address)
+                app.count_peers()
+
+    def _link_down(self, link: PeerLink, silent_for: float) -> None:
+        app = self.app
+        link.state = "down"
+        link.handshakes.clear()
+        app.metrics.heartbeat_misses.inc()
+        app.count_peers()
+        log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
+        app.transports.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
+        app.dispatch(events.SourceLost(link.address, "peer_dead",
+                                       f"source daemon {link.address} unresponsive for {silent_for:.1f}s"))
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+

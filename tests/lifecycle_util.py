@@ -1,0 +1,239 @@
+"""In-process daemons for lifecycle tests: the real lifecycle core, inbox, registry and planner,
+with the shells replaced by a deterministic loop that delivers effects as the next events.
+
+Each :class:`Node` is one daemon's core. :class:`Cluster` carries peer messages between
+nodes, runs chunk jobs through the destination's real :class:`~kvxferd.inbox.Inbox` (the
+checks and accounting a data thread does, with no bytes to copy), and advances a fake clock.
+Jobs can be held in flight, bootstraps held, and peers cut, so every order can be driven.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvxferd import messages
+from kvxferd.config import Config
+from kvxferd.errors import KvxferError
+from kvxferd.geometry import InstanceSpec, RankGeometry
+from kvxferd.inbox import DestEntry, Inbox
+from kvxferd.lifecycle import effects, events
+from kvxferd.lifecycle.core import Lifecycle
+from kvxferd.metrics import Metrics
+from kvxferd.outbox import Chunk, Route
+from kvxferd.planner import make_plan
+from kvxferd.registry import Rank, Registry, rank_id
+from kvxferd.segments import as_pages, unit_slots
+from kvxferd.transport.base import Moved
+
+
+def spec(tp: int = 1, layers: int = 2, heads: int = 2, page: int = 4) -> InstanceSpec:
+    return InstanceSpec(attention="mha", num_layers=layers, head_dim=8, dtype="bfloat16", page_size=page,
+                        tp_size=tp, total_kv_heads=heads)
+
+
+@dataclass
+class Node:
+    """One daemon's lifecycle core and what its shells would have done."""
+
+    name: str
+    cluster: "Cluster"
+    cfg: Config = field(default_factory=Config)
+    told: list[messages.Event] = field(default_factory=list)  # events sent to engines, in order
+    jobs: list[effects.StartJob] = field(default_factory=list)  # jobs posted, not yet run
+    stopped: list[DestEntry] = field(default_factory=list)  # StopReceiving
+    gone: list[effects.PeerGone] = field(default_factory=list)
+    bootstraps: list[DestEntry] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.address = f"{self.name}:1"
+        self.identity = self.name.encode()
+        self.registry = Registry(64)
+        self.metrics = Metrics()
+        self.inbox = Inbox(lambda entry: self.cluster.later(self, events.DestChanged(entry)))
+        self.life = Lifecycle(self.cfg.limits, self.cfg.timeouts, self.registry, self.inbox, self.metrics,
+                              one_sided=lambda kind: kind == "nixl",
+                              source_up=lambda address: address not in self.cluster.cut_links,
+                              wall_clock=lambda: 0.0)
+
+    def rank(self, instance: str, role: str, spec_: InstanceSpec, tp: int = 0, pages: int = 64) -> Rank:
+        rank = Rank(instance, role, RankGeometry(spec_, tp_rank=tp, num_pages=pages), {}, self.identity)
+        self.registry.add(rank)
+        return rank
+
+    def handle(self, event: Any) -> Any:
+        try:
+            return self.life.handle(event, self.cluster.now)
+        finally:
+            for effect in self.life.take_effects():
+                self.cluster.carry(self, effect)
+
+    # -- engine calls ------------------------------------------------------------------------
+    def expect(self, rank: Rank, request_id: str, pages: list[int], source: str, num_tokens: int | None = None,
+               start: int = 0, source_node: "Node | None" = None) -> str:
+        address = source_node.address if source_node is not None and source_node is not self else ""
+        return self.handle(events.ExpectCalled(rank, request_id, source, as_pages(pages, rank.geometry.num_pages, "pages"),
+                                               num_tokens, start, address))
+
+    def send(self, rank: Rank, request_id: str, pages: list[int], start: int, end: int, last: bool,
+             aux: bytes | None = None) -> str:
+        spec_ = rank.geometry.spec
+        slots = unit_slots(spec_, as_pages(pages, rank.geometry.num_pages, "pages"), start, end, start, None)
+        return self.handle(events.SendCalled(rank, request_id, Chunk(start, end, last, slots, aux)))
+
+    def events_for(self, request_id: str, rank: Rank) -> list[messages.Event]:
+        return [e for e in self.told if e.request_id == request_id and e.rank_id == rank.id]
+
+    def outcome(self, request_id: str, rank: Rank) -> messages.Event | None:
+        found = self.events_for(request_id, rank)
+        assert len(found) <= 1, f"{rank.id} told {len(found)} times: {found}"
+        return found[0] if found else None
+
+
+class Cluster:
+    """Nodes, a fake clock and a queue of deliveries between them."""
+
+    def __init__(self, *names: str) -> None:
+        self.now = 1000.0
+        self.nodes = {n: Node(n, self) for n in names}
+        self.queue: deque[tuple[Node, Any]] = deque()
+        self.hold_jobs = False
+        self.hold_bootstraps = False
+        self.cut_links: set[str] = set()  # source addresses whose link is down
+        self.kinds: dict[tuple[str, str], str] = {}  # (prefill, decode) -> transport of a remote pair
+
+    def node(self, name: str) -> Node:
+        return self.nodes[name]
+
+    def by_address(self, address: str) -> Node:
+        return next(n for n in self.nodes.values() if n.address == address)
+
+    def by_identity(self, identity: bytes) -> Node:
+        return next(n for n in self.nodes.values() if n.identity == identity)
+
+    def later(self, node: Node, event: Any) -> None:
+        self.queue.append((node, event))
+
+    def tick(self, seconds: float) -> None:
+        self.now += seconds
+        for node in self.nodes.values():
+            node.handle(events.Tick())
+        self.run()
+
+    # -- effects ------------------------------------------------------------------------------
+    def carry(self, node: Node, effect: Any) -> None:
+        if isinstance(effect, effects.TellEngine):
+            node.told.append(effect.event)
+        elif isinstance(effect, effects.StartJob):
+            node.jobs.append(effect)
+        elif isinstance(effect, effects.Bootstrap):
+            node.bootstraps.append(effect.entry)
+        elif isinstance(effect, effects.StopReceiving):
+            node.stopped.append(effect.entry)
+        elif isinstance(effect, effects.PeerGone):
+            node.gone.append(effect)
+        elif isinstance(effect, effects.ExpectUpstream):
+            self._expect_upstream(node, effect.address, effect.entry)
+        elif isinstance(effect, effects.SendUpstream):
+            if effect.address not in self.cut_links:
+                self._to_source(node, self.by_address(effect.address), effect.message)
+        elif isinstance(effect, effects.SendDownstream):
+            self._to_decode(node, self.by_identity(effect.identity), effect.message)
+
+    def _expect_upstream(self, node: Node, address: str, entry: DestEntry) -> None:
+        source = self.by_address(address)
+        plan, route = source.life.routes.pair(entry.source_instance, entry.rank.instance)
+        self.later(source, events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
+                                               entry.rank.coords, plan, route, start=entry.start))
+
+    def _to_source(self, decode: Node, source: Node, message: messages.Message) -> None:
+        if isinstance(message, messages.PeerAbort):
+            self.later(source, events.DownstreamAbort(decode.identity, message.request_id,
+                                                      message.code or "peer_aborted", message.reason))
+        elif isinstance(message, messages.Fence):
+            self.later(source, _Fence(decode, message.request_id))
+
+    def _to_decode(self, source: Node, decode: Node, message: messages.Message) -> None:
+        if isinstance(message, messages.PeerAbort):
+            self.later(decode, events.UpstreamAbort(source.address, message.request_id, message.code or "",
+                                                    message.reason))
+        elif isinstance(message, messages.Fenced):
+            self.later(decode, events.UpstreamFenced(source.address, message.request_id))
+
+    # -- the shells' work ---------------------------------------------------------------------
+    def bootstrap(self, node: Node, entry: DestEntry) -> None:
+        decode_spec = entry.rank.geometry.spec
+        if not entry.source_address:
+            prefill_spec = node.registry.spec(entry.source_instance, "prefill")
+            plan = make_plan(prefill_spec, decode_spec, mode="direct")
+            node.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
+                                      Route("local", daemon=node.address))
+            node.handle(events.PlanFound(entry, plan))
+            return
+        source = self.by_address(entry.source_address)
+        plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), decode_spec, mode="direct")
+        kind = self.kinds.get((entry.source_instance, entry.rank.instance), "tcp")
+        source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
+                                    Route(kind, ("127.0.0.1", 9), node.identity, node.address))
+        node.handle(events.PlanFound(entry, plan, None, kind))
+
+    def run_job(self, node: Node, job: effects.StartJob, ok: bool = True) -> None:
+        """What a data thread does: admit the chunk at the destination, account it, report back."""
+        dest = node if job.job.data_address is None else self.by_address_of_route(job)
+        error: BaseException | None = None
+        try:
+            sink = dest.inbox.begin(job.job.header(), rank_id(job.job.decode_instance, *job.job.dst))
+            dest.inbox.finish(sink, ok)
+            if not ok:
+                error = KvxferError("simulated transport failure", field="transport", code="transfer")
+        except KvxferError as exc:
+            error = exc
+        moved = Moved(job.job.nbytes, 1, "direct") if error is None else None
+        self.later(node, events.JobFinished(job.entry, job.target, job.index, job.kind, moved, 0.001, error))
+
+    def by_address_of_route(self, job: effects.StartJob) -> Node:
+        route = job.entry.route
+        assert route is not None
+        return self.by_address(route.daemon)
+
+    def run(self, limit: int = 10_000) -> None:
+        """Deliver everything pending (held jobs and bootstraps stay held)."""
+        for _ in range(limit):
+            if self.queue:
+                node, event = self.queue.popleft()
+                if isinstance(event, _Fence):
+                    answer = node.handle(events.FenceAsked(event.decode.identity, event.request_id))
+                    if answer is not None:
+                        self._to_decode(node, event.decode, answer)
+                    continue
+                node.handle(event)
+                continue
+            work = False
+            for node in self.nodes.values():
+                if node.bootstraps and not self.hold_bootstraps:
+                    self.bootstrap(node, node.bootstraps.pop(0))
+                    work = True
+                    break
+                if node.jobs and not self.hold_jobs:
+                    self.run_job(node, node.jobs.pop(0))
+                    work = True
+                    break
+            if not work:
+                return
+        raise AssertionError("the cluster did not settle")
+
+
+@dataclass(frozen=True)
+class _Fence:
+    decode: Node
+    request_id: str
+
+
+def pages(n: int, first: int = 0) -> list[int]:
+    return list(range(first, first + n))
+
+
+def nbytes_of(spec_: InstanceSpec, tokens: int) -> int:
+    """Bytes a whole request of ``tokens`` tokens moves into one decode rank (K and V, every layer)."""
+    return tokens * spec_.num_layers * len(spec_.region_kinds) * spec_.local_heads * spec_.head_dim * 2

@@ -1,0 +1,229 @@
+"""Failures through the in-process core: aborts from each side, timeouts, peer loss and restart,
+and the rule that a failure is told only once no job touches the request's pages (the fence)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvxferd.errors import RequestError
+from kvxferd.lifecycle import events
+
+from lifecycle_util import Cluster, pages, spec
+
+
+def _pair(remote: bool = True, kind: str = "tcp"):
+    c = Cluster("P", "D") if remote else Cluster("P")
+    pn = c.node("P")
+    dn = c.node("D") if remote else pn
+    c.kinds[("p", "d")] = kind
+    return c, pn, dn, pn.rank("p", "prefill", spec()), dn.rank("d", "decode", spec())
+
+
+def _abort(node, rank, request_id, reason="stop"):
+    return node.handle(events.AbortCalled(rank, request_id, reason))
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_abort_from_the_decode_engine_fails_both_sides_once(remote):
+    c, pn, dn, p, d = _pair(remote)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    assert _abort(dn, d, "r", "user went away") == "failed"
+    c.run()
+    assert (dn.outcome("r", d).state, dn.outcome("r", d).code) == ("failed", "aborted")
+    assert (pn.outcome("r", p).state, pn.outcome("r", p).code) == ("failed", "aborted")
+    assert pn.outcome("r", p).reason == "user went away"
+    with pytest.raises(RequestError) as info:  # later chunks of the failed request are refused
+        pn.send(p, "r", pages(3, 1), 4, 16, True)
+    assert info.value.code == "request_finished"
+
+
+@pytest.mark.parametrize("remote", [False, True], ids=["local", "remote"])
+def test_abort_from_the_prefill_engine_reaches_the_decode_side(remote):
+    c, pn, dn, p, d = _pair(remote)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    _abort(pn, p, "r")
+    c.run()
+    assert dn.outcome("r", d).code == "aborted" and pn.outcome("r", p).code == "aborted"
+    assert _abort(pn, p, "r") == "failed"  # aborting again answers the recorded outcome
+
+
+def test_local_abort_of_many_destinations_is_bounded_and_tells_each_once():
+    """A source failing fails every local destination of the request, which do not propagate back."""
+    c = Cluster("P")
+    pn = c.node("P")
+    prefill = pn.rank("p", "prefill", spec(tp=1))
+    decode = [pn.rank("d", "decode", spec(tp=2), tp=t) for t in range(2)]
+    for d in decode:
+        pn.expect(d, "r", pages(4), "p", num_tokens=16)
+    c.run()
+    _abort(pn, prefill, "r")
+    c.run()
+    assert [pn.outcome("r", d).code for d in decode] == ["aborted", "aborted"]
+    assert len(pn.told) == 3
+
+
+def test_a_failure_is_told_only_after_the_jobs_in_flight_returned():
+    c, pn, dn, p, d = _pair(remote=False)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16)
+    c.run()
+    c.hold_jobs = True
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert len(pn.jobs) == 1
+    _abort(pn, p, "r")
+    c.run()
+    assert pn.outcome("r", p) is None  # the job still reads the source pages
+    c.hold_jobs = False
+    c.run()
+    assert pn.outcome("r", p).code == "aborted" and dn.outcome("r", d).code == "aborted"
+
+
+def _nixl_write_in_flight():
+    """A request over a NIXL route whose one WRITE is held in flight."""
+    c, pn, dn, p, d = _pair(kind="nixl")
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.hold_jobs = True
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    return c, pn, dn, p, d
+
+
+def test_one_sided_failure_waits_for_the_fence():
+    """NIXL route: the decode side fails, and tells its engine only once the source says no WRITE is left."""
+    c, pn, dn, p, d = _nixl_write_in_flight()
+    _abort(dn, d, "r")
+    c.run()
+    assert dn.inbox.get("r", d.id).fence_until > 0
+    assert dn.outcome("r", d) is None and pn.outcome("r", p) is None
+    c.hold_jobs = False
+    c.run()  # the WRITE returns (refused at the closed destination), the source answers fenced
+    assert pn.outcome("r", p).state == "failed"
+    assert dn.outcome("r", d).code == "aborted"
+    assert dn.told.index(dn.outcome("r", d)) == 0
+
+
+def test_an_unanswered_fence_ends_at_its_deadline():
+    c, pn, dn, p, d = _nixl_write_in_flight()
+    _abort(dn, d, "r")
+    c.queue.clear()  # the fence is lost on the way
+    c.run()
+    assert dn.outcome("r", d) is None
+    c.tick(dn.cfg.timeouts.fence_s + 0.5)
+    assert dn.outcome("r", d).code == "aborted"
+    assert dn.metrics.fences.labels("unconfirmed")._value.get() == 1
+
+
+def test_phase_timeouts_on_both_sides():
+    c, pn, dn, p, d = _pair()
+    c.hold_bootstraps = True
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "s", pages(1), 0, 4, True)  # nobody ever expects it
+    c.tick(dn.cfg.timeouts.bootstrap_s + 1)
+    assert dn.outcome("r", d).code == "bootstrapping_timeout"
+    assert pn.outcome("s", p).code == "bootstrapping_timeout"
+
+
+def test_waiting_for_input_timeout_aborts_the_source_side():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.tick(dn.cfg.timeouts.waiting_for_input_s + 1)
+    assert dn.outcome("r", d).code == "waiting_for_input_timeout"
+    assert pn.life.routes.request("r", "p") is not None
+
+
+def test_source_daemon_lost_fails_its_destinations_without_propagating():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    c.cut_links.add(pn.address)
+    dn.handle(events.SourceLost(pn.address, "peer_dead", "silent"))
+    c.run()
+    assert dn.outcome("r", d).code == "peer_dead"
+    assert pn.outcome("r", p) is None  # nothing was sent to the lost source
+
+
+def test_decode_daemon_lost_fails_its_sources_and_forgets_its_routes():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    pn.handle(events.DownstreamLost(dn.identity, "peer_dead", "decode daemon silent"))
+    c.run()
+    assert pn.outcome("r", p).code == "peer_dead"
+    assert pn.life.routes.pair("p", "d") is None and pn.life.routes.request("r", "p") is None
+    assert [g.why for g in pn.gone] == ["decode daemon silent"]
+
+
+def test_source_restart_spares_destinations_still_bootstrapping():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "old", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.hold_bootstraps = True
+    dn.expect(d, "new", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    dn.handle(events.SourceLost(pn.address, "peer_restarted", "restarted"))
+    c.run()
+    assert dn.outcome("old", d).code == "peer_restarted"
+    assert dn.outcome("new", d) is None  # its handshake goes to the new process
+    c.hold_bootstraps = False
+    pn.send(p, "new", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("new", d).state == "done"
+
+
+def test_no_handshake_answer_handshakes_again_once():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    dn.handle(events.NoHandshake(pn.address, "r"))
+    assert dn.inbox.get("r", d.id).state == "bootstrapping" and dn.bootstraps
+    c.run()
+    dn.handle(events.NoHandshake(pn.address, "r"))  # a second time: not again
+    assert not dn.bootstraps
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r", d).state == "done"
+
+
+def test_failed_chunk_fails_the_source_and_the_destination():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.hold_jobs = True
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    c.run_job(pn, pn.jobs.pop(0), ok=False)
+    c.hold_jobs = False
+    c.run()
+    assert pn.outcome("r", p).code == "transfer" and dn.outcome("r", d).code == "transfer"
+
+
+def test_rank_gone_fails_its_requests_and_a_reused_id_is_refused():
+    c, pn, dn, p, d = _pair(remote=False)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16)
+    c.run()
+    dn.handle(events.RankGone(d, "engine exited"))
+    c.run()
+    assert dn.outcome("r", d).code == "rank_gone"
+    with pytest.raises(RequestError) as info:
+        dn.expect(d, "r", pages(4), "p", num_tokens=16)
+    assert info.value.code == "request_finished"
+
+
+def test_shutdown_fails_everything_and_tells_what_is_left_at_the_end():
+    c, pn, dn, p, d = _pair(remote=False)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16)
+    c.run()
+    c.hold_jobs = True
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    pn.handle(events.ShutDown())
+    c.run()
+    assert pn.outcome("r", p) is None  # its job still runs
+    pn.handle(events.ShutDown(final=True))
+    assert pn.outcome("r", p).code == "shutdown" and dn.outcome("r", d).code == "shutdown"
