@@ -1,0 +1,74 @@
+"""The embedded directory: rank -> daemon, leases, and the checks named at the handshake."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from kvxferd.directory import Directory, RankSetIncomplete
+from kvxferd.errors import PlanRefusal, RegistrationError
+from lifecycle_util import spec
+
+
+def _dir() -> Directory:
+    return Directory("A:1", lease_s=3.0)
+
+
+def test_ranks_over_two_daemons_are_complete_once_all_announced():
+    d, s = _dir(), spec(4, heads=4)
+    local = {(0, 0): s, (1, 0): s}
+    with pytest.raises(RankSetIncomplete) as missing:
+        d.ranks("p", "prefill", 0.0, local)
+    assert "p/tp2/pp0" in str(missing.value) and "p/tp3/pp0" in str(missing.value)
+    assert missing.value.missing == [(2, 0), (3, 0)]
+    d.announce("p", "prefill", s, [(2, 0), (3, 0)], "B:1", "inc-b", 0.0, local)
+    assert d.ranks("p", "prefill", 1.0, local) == {(0, 0): "A:1", (1, 0): "A:1", (2, 0): "B:1", (3, 0): "B:1"}
+
+
+def test_a_lease_not_renewed_ends_and_a_renewal_keeps_it():
+    d, s = _dir(), spec(2, heads=2)
+    local = {(0, 0): s}
+    d.announce("p", "prefill", s, [(1, 0)], "B:1", "inc", 0.0, local)
+    d.announce("p", "prefill", s, [(1, 0)], "B:1", "inc", 2.0, local)  # renewed: good until 5.0
+    assert d.ranks("p", "prefill", 4.5, local)[(1, 0)] == "B:1"
+    with pytest.raises(RankSetIncomplete, match="p/tp1/pp0"):
+        d.ranks("p", "prefill", 5.5, local)
+
+
+def test_a_rank_with_another_spec_is_refused_naming_rank_field_and_both_values():
+    d, s = _dir(), spec(2, heads=2)
+    other = dataclasses.replace(s, page_size=8)
+    local = {(0, 0): s}
+    with pytest.raises(RegistrationError) as refused:
+        d.announce("p", "prefill", other, [(1, 0)], "B:1", "inc", 0.0, local)
+    text = str(refused.value)
+    assert refused.value.field == "page_size"
+    assert "p/tp1/pp0" in text and "p/tp0/pp0" in text and "= 8" in text and "= 4" in text
+    with pytest.raises(PlanRefusal) as at_handshake:  # the decode side hears the same refusal
+        d.ranks("p", "prefill", 0.0, local)
+    assert at_handshake.value.field == "page_size" and "p/tp1/pp0" in str(at_handshake.value)
+
+
+def test_a_rank_claimed_by_two_daemons_is_refused():
+    d, s = _dir(), spec(2, heads=2)
+    local = {(0, 0): s}
+    with pytest.raises(RegistrationError, match="held by A:1") as here:
+        d.announce("p", "prefill", s, [(0, 0)], "B:1", "inc", 0.0, local)
+    assert here.value.field == "daemon"
+    d2 = _dir()
+    d2.announce("p", "prefill", s, [(1, 0)], "B:1", "inc", 0.0, local)
+    with pytest.raises(RegistrationError, match="announced by C:1 but held by B:1"):
+        d2.announce("p", "prefill", s, [(1, 0)], "C:1", "inc", 0.0, local)
+
+
+def test_ranks_outside_the_spec_and_forgotten_daemons():
+    d, s = _dir(), spec(2, heads=2)
+    with pytest.raises(RegistrationError, match="outside") as outside:
+        d.announce("p", "prefill", s, [(2, 0)], "B:1", "inc", 0.0, {})
+    assert outside.value.field == "ranks"
+    d.announce("p", "prefill", s, [(0, 0), (1, 0)], "B:1", "inc", 0.0, {})
+    assert d.ranks("p", "prefill", 0.0, {}) == {(0, 0): "B:1", (1, 0): "B:1"}
+    d.forget_daemon("B:1")
+    with pytest.raises(RankSetIncomplete, match="no registered prefill rank"):
+        d.ranks("p", "prefill", 0.0, {})
