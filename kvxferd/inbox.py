@@ -52,6 +52,20 @@ class DestEntry:
     data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
     fence_until: float = 0.0  # failed over NIXL direct: wait (until then) for the source to say no WRITE is left
     rehandshakes: int = 0  # times a source answered no_handshake and the request handshook again
+    #: a source instance over several daemons: daemon address -> the writers of this rank it holds
+    source_daemons: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
+    #: and the link token each writer's data headers must carry (that of its daemon's link)
+    writer_tokens: dict[tuple[int, int], bytes] = field(default_factory=dict)
+    fence_waiting: set[str] = field(default_factory=set)  # source daemons yet to answer "fenced"
+
+    def source_addresses(self) -> list[str]:
+        """Every source daemon of this destination (none: the source instance is on this daemon)."""
+        if self.source_daemons:
+            return list(self.source_daemons)
+        return [self.source_address] if self.source_address else []
+
+    def from_source(self, address: str) -> bool:
+        return address in self.source_addresses()
 
     @property
     def capacity(self) -> int:
@@ -166,7 +180,8 @@ class Inbox:
             if entry.plan is None:
                 raise RequestError("destination is not bound to a plan yet", field="request_id",
                                    fix="wait for the expect message before sending")
-            if entry.data_token is not None and header.get("token") != entry.data_token:
+            token = entry.writer_tokens.get(src, entry.data_token)
+            if token is not None and header.get("token") != token:
                 raise RequestError("data header does not carry the token of the peer link this request "
                                    "expects bytes from", field="token",
                                    fix="send data only for requests handshaken over this peer link")

@@ -102,6 +102,9 @@ class Cluster:
         self.hold_bootstraps = False
         self.cut_links: set[str] = set()  # source addresses whose link is down
         self.kinds: dict[tuple[str, str], str] = {}  # (prefill, decode) -> transport of a remote pair
+        #: a prefill instance over several nodes: instance -> rank coords -> the node that holds it
+        #: (what the rendezvous's directory answers in the handshake)
+        self.spread: dict[str, dict[tuple[int, int], str]] = {}
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -134,18 +137,19 @@ class Cluster:
         elif isinstance(effect, effects.PeerGone):
             node.gone.append(effect)
         elif isinstance(effect, effects.ExpectUpstream):
-            self._expect_upstream(node, effect.address, effect.entry)
+            self._expect_upstream(node, effect.address, effect.entry, effect.writers)
         elif isinstance(effect, effects.SendUpstream):
             if effect.address not in self.cut_links:
                 self._to_source(node, self.by_address(effect.address), effect.message)
         elif isinstance(effect, effects.SendDownstream):
             self._to_decode(node, self.by_identity(effect.identity), effect.message)
 
-    def _expect_upstream(self, node: Node, address: str, entry: DestEntry) -> None:
+    def _expect_upstream(self, node: Node, address: str, entry: DestEntry,
+                         writers: tuple[tuple[int, int], ...] | None = None) -> None:
         source = self.by_address(address)
         plan, route = source.life.routes.pair(entry.source_instance, entry.rank.instance)
         self.later(source, events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
-                                               entry.rank.coords, plan, route, start=entry.start))
+                                               entry.rank.coords, plan, route, start=entry.start, writers=writers))
 
     def _to_source(self, decode: Node, source: Node, message: messages.Message) -> None:
         if isinstance(message, messages.PeerAbort):
@@ -171,12 +175,30 @@ class Cluster:
                                       Route("local", daemon=node.address))
             node.handle(events.PlanFound(entry, plan))
             return
+        if entry.source_instance in self.spread:
+            self._bootstrap_spread(node, entry)
+            return
         source = self.by_address(entry.source_address)
         plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), decode_spec, mode="direct")
         kind = self.kinds.get((entry.source_instance, entry.rank.instance), "tcp")
         source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
                                     Route(kind, ("127.0.0.1", 9), node.identity, node.address))
         node.handle(events.PlanFound(entry, plan, None, kind))
+
+    def _bootstrap_spread(self, node: Node, entry: DestEntry) -> None:
+        """The rendezvous answered the rank map; a handshake (and a link token) with each daemon."""
+        holders = {coords: self.node(name) for coords, name in self.spread[entry.source_instance].items()}
+        tokens: dict[str, bytes] = {}
+        plan = None
+        for source in {n.name: n for n in holders.values()}.values():
+            plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), entry.rank.geometry.spec,
+                             mode="direct")
+            tokens[source.address] = b"token-" + source.identity
+            source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
+                                        Route("tcp", ("127.0.0.1", 9), node.identity, node.address,
+                                              tokens[source.address]))
+        assert plan is not None
+        node.handle(events.PlanFound(entry, plan, None, "tcp", {c: n.address for c, n in holders.items()}, tokens))
 
     def run_job(self, node: Node, job: effects.StartJob, ok: bool = True) -> None:
         """What a data thread does: admit the chunk at the destination, account it, report back."""

@@ -41,6 +41,9 @@ class DecodeSide:
         entry.bind(ev.plan)
         self.metrics.phase_latency.labels("bootstrap").observe(self.now - entry.phase_since)
         states.advance(entry, states.DEST, "bound", self.now)
+        if ev.rank_daemons:
+            self._expect_each_daemon(entry, ev)
+            return
         if entry.source_address:
             self.emit(effects.ExpectUpstream(entry.source_address, entry))
             return
@@ -48,6 +51,18 @@ class DecodeSide:
         assert pair is not None, "a local plan is found through the route book"
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
                                             entry.rank.coords, pair[0], pair[1], start=entry.start))
+
+    def _expect_each_daemon(self: "Lifecycle", entry: DestEntry, ev: events.PlanFound) -> None:
+        """A source instance over several daemons: every daemon of it hears the expect, naming the
+        writers of this rank it holds (maybe none: its ranks still learn the request's route)."""
+        held: dict[str, list[tuple[int, int]]] = {address: [] for address in sorted(set(ev.rank_daemons.values()))}
+        for writer in entry.writers:
+            held[ev.rank_daemons[writer]].append(writer)
+        entry.source_daemons = {address: tuple(writers) for address, writers in held.items()}
+        entry.writer_tokens = {w: ev.tokens[address] for address, ws in held.items() for w in ws
+                               if address in ev.tokens}
+        for address, writers in entry.source_daemons.items():
+            self.emit(effects.ExpectUpstream(address, entry, writers))
 
     def _dest_changed(self: "Lifecycle", entry: DestEntry) -> None:
         """Tell the engine what it may know: done once complete, failed once nothing touches the pages."""
@@ -68,17 +83,19 @@ class DecodeSide:
             self._propagate_upstream(entry, code, message)
         if entry.inflight:
             self.emit(effects.StopReceiving(entry))  # end writes into its pages now, then tell the engine
-        if entry.source_address and self.one_sided(entry.transport):
+        if entry.source_address and self.one_sided(entry.transport):  # every source link shares one kind
             self._fence(entry)
         self._dest_changed(entry)
 
     def _fence(self: "Lifecycle", entry: DestEntry) -> None:
         """One-sided WRITEs land without this daemon's help: before the engine hears that a request
         failed (and reuses its pages), the source must say none of its WRITEs is left in flight."""
-        if not self.source_up(entry.source_address):
+        entry.fence_waiting = {a for a in entry.source_addresses() if self.source_up(a)}
+        if not entry.fence_waiting:
             return  # an unreachable source cannot answer; peer_dead failures are told at once
         entry.fence_until = self.now + self.timeouts.fence_s
-        self.emit(effects.SendUpstream(entry.source_address, Fence(entry.request_id)))
+        for address in sorted(entry.fence_waiting):
+            self.emit(effects.SendUpstream(address, Fence(entry.request_id)))
 
     def _fence_done(self: "Lifecycle", entry: DestEntry, why: str = "") -> None:
         if not entry.fence_until:
@@ -88,6 +105,7 @@ class DecodeSide:
             log.warning("event=fence_unconfirmed request=%s rank=%s source=%s reason=%s", q(entry.request_id),
                         entry.rank.id, entry.source_address, q(why))
         entry.fence_until = 0.0
+        entry.fence_waiting.clear()
         self._dest_changed(entry)
 
     def _finalize_dest(self: "Lifecycle", entry: DestEntry, state: str) -> None:
@@ -113,26 +131,42 @@ class DecodeSide:
         if not entry.source_address:
             for src in self.sources_of(entry.request_id):
                 self._fail(src, code, message, propagate=False)
-        else:  # sent where a link to the source exists
-            self.emit(effects.SendUpstream(entry.source_address, PeerAbort.of(entry.request_id, code, message)))
+        else:  # sent where a link to a source daemon exists
+            self._tell_sources(entry, code, message)
+
+    def _tell_sources(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "") -> None:
+        for address in entry.source_addresses():
+            if address != skip:
+                self.emit(effects.SendUpstream(address, PeerAbort.of(entry.request_id, code, message)))
+
+    def _fail_from_source(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "") -> None:
+        """A source daemon failed the request or went. With an instance over several daemons every
+        source daemon of the request hears it from here (also the one it came from: its other ranks
+        of the request learn it too; it does not answer back), except ``skip``, a link that is gone."""
+        first = entry.failure is None
+        self._fail(entry, code, message, propagate=False)
+        if first and entry.source_daemons:
+            self._tell_sources(entry, code, message, skip=skip)
 
     # -- the source daemon -------------------------------------------------------------------
     def _upstream_abort(self: "Lifecycle", ev: events.UpstreamAbort) -> None:
         for entry in self.inbox.for_request(ev.request_id):
             # only requests this peer is the source of
-            if entry.source_address == ev.address and not (ev.started_only and entry.state == states.BOOTSTRAPPING):
-                self._fail(entry, ev.code, ev.message, propagate=False)
+            if entry.from_source(ev.address) and not (ev.started_only and entry.state == states.BOOTSTRAPPING):
+                self._fail_from_source(entry, ev.code, ev.message)
 
     def _upstream_fenced(self: "Lifecycle", ev: events.UpstreamFenced) -> None:
         for entry in self.inbox.for_request(ev.request_id):
-            if entry.source_address == ev.address:
-                self._fence_done(entry)
+            if entry.from_source(ev.address) and ev.address in entry.fence_waiting:
+                entry.fence_waiting.discard(ev.address)
+                if not entry.fence_waiting:
+                    self._fence_done(entry)
 
     def _no_handshake(self: "Lifecycle", ev: events.NoHandshake) -> None:
         """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
         again and send the expect anew, once per request, while nothing of it has arrived yet."""
         for entry in self.inbox.for_request(ev.request_id):
-            if (entry.source_address == ev.address and entry.failure is None and entry.rehandshakes == 0
+            if (entry.from_source(ev.address) and entry.failure is None and entry.rehandshakes == 0
                     and entry.state == states.WAITING and entry.bytes_received == 0):
                 entry.rehandshakes += 1
                 states.advance(entry, states.DEST, "rehandshake", self.now)
@@ -142,19 +176,21 @@ class DecodeSide:
 
     def _source_lost(self: "Lifecycle", ev: events.SourceLost) -> None:
         for entry in self.inbox.all():
-            if entry.source_address != ev.address:
+            if not entry.from_source(ev.address):
                 continue
             if ev.code == "peer_dead":
                 if entry.fence_until:
-                    self._fence_done(entry, f"source daemon {ev.address} unresponsive")
+                    entry.fence_waiting.discard(ev.address)
+                    if not entry.fence_waiting:
+                        self._fence_done(entry, f"source daemon {ev.address} unresponsive")
                 if entry.state not in states.TERMINAL:
-                    self._fail(entry, ev.code, ev.message, propagate=False)
+                    self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
             elif ev.code == "peer_restarted":
                 # an entry still bootstrapping has told the old process nothing: its handshake goes to the new one
                 if entry.failure is None and entry.state != states.BOOTSTRAPPING:
-                    self._fail(entry, ev.code, ev.message, propagate=False)
+                    self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
             elif entry.failure is None:
-                self._fail(entry, ev.code, ev.message, propagate=False)
+                self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
 
     def _tick_dests(self: "Lifecycle") -> None:
         limits = self.phase_limits()

@@ -43,6 +43,7 @@ class ExpectUpstream:
 
     address: str
     entry: DestEntry
+    writers: tuple[tuple[int, int], ...] | None = None  # those the daemon holds (None: every writer)
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ handed ``now`` with each one (see :meth:`Lifecycle.handle`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -63,6 +63,10 @@ class PlanFound:
     plan: Plan
     token: bytes | None = None
     transport: str = "local"
+    #: a source instance over several daemons: every rank -> the daemon holding it, and each
+    #: daemon's link token (empty: the whole instance is at the source address, as before)
+    rank_daemons: dict[tuple[int, int], str] = field(default_factory=dict)
+    tokens: dict[str, bytes] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -135,6 +139,7 @@ class PeerExpected:
     route: Any
     dst_pages: Any = None
     start: int = 0
+    writers: tuple[tuple[int, int], ...] | None = None  # the writers held here (None: every writer)
 
 
 @dataclass(frozen=True)

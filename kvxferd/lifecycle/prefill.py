@@ -78,6 +78,8 @@ class PrefillSide:
         binding = Binding(ev.plan, ev.decode, ev.route)
         self.routes.bind(ev.request_id, ev.prefill, binding)
         for w in ev.plan.destination(*ev.dst).writers:
+            if ev.writers is not None and w.src not in ev.writers:
+                continue  # held by another daemon of the instance
             rank_id = make_rank_id(ev.prefill, *w.src)
             key = (ev.request_id, rank_id)
             entry = self.sources.get(key)
