@@ -47,13 +47,27 @@ class Directory:
         self._held: dict[tuple[str, str], dict[Coords, Holder]] = {}
         #: (instance, role) -> rank -> (why its announcement was refused, field); kept for the handshake
         self.refused: dict[tuple[str, str], dict[Coords, tuple[str, str]]] = {}
+        #: instances whose ranks registered naming this daemon as their rendezvous: a handshake
+        #: for them waits for the whole rank set (other instances answer as they always did)
+        self._managed: set[tuple[str, str]] = set()
+
+    def manage(self, instance: str, role: str) -> None:
+        self._managed.add((instance, role))
+
+    def managed(self, instance: str, role: str) -> bool:
+        key = (instance, role)
+        return key in self._managed or bool(self._held.get(key)) or bool(self.refused.get(key))
 
     def announce(self, instance: str, role: str, spec: InstanceSpec, ranks: Iterable[Coords], daemon: str,
                  incarnation: str, now: float, local: dict[Coords, InstanceSpec]) -> None:
-        """Record (or renew) ranks held by ``daemon``; refuse ranks that contradict the instance."""
+        """Record (or renew) the ranks held by ``daemon`` (all of them: those it no longer names are
+        withdrawn); refuse ranks that contradict the instance."""
         key = (instance, role)
         self._expire(key, now)
         held = self._held.setdefault(key, {})
+        ranks = list(ranks)
+        for coords in [c for c, h in held.items() if h.daemon == daemon and c not in ranks]:
+            del held[coords]
         for coords in ranks:
             rid = rank_id(instance, *coords)
             self._check_coords(spec, coords, rid)
@@ -105,9 +119,17 @@ class Directory:
         if refused:
             message, field = next(iter(refused.values()))
             raise PlanRefusal(message, field=field)
-        out = {coords: holder.daemon for coords, holder in self.remote(instance, role, now).items()}
-        out.update({coords: self.own_address for coords in local})
+        remote = self.remote(instance, role, now)
         spec = next(iter(local.values()), None) or self.spec(instance, role, now)
+        for coords, holder in remote.items():  # a rank registered here after the others announced
+            if spec is not None and holder.spec != spec and coords not in local:
+                field, ours, theirs = spec_difference(spec, holder.spec)
+                mine = next(iter(local), None)
+                raise PlanRefusal(f"rank {rank_id(instance, *coords)} at {holder.daemon} has {field} = {theirs!r}, "
+                                  f"but rank {rank_id(instance, *(mine or coords))} has {field} = {ours!r}",
+                                  field=field)
+        out = {coords: holder.daemon for coords, holder in remote.items()}
+        out.update({coords: self.own_address for coords in local})
         if spec is None:
             raise RankSetIncomplete(f"instance {instance!r} has no registered {role} rank", [])
         missing = [(tp, pp) for pp in range(spec.pp_size) for tp in range(spec.tp_size) if (tp, pp) not in out]

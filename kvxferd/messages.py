@@ -65,6 +65,7 @@ class Register(Message):
     geometry: dict[str, Any]
     regions: list[dict[str, Any]]
     pid: int | None = None
+    rendezvous: str | None = None  # the instance's rendezvous daemon (its ranks span several daemons)
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,8 @@ class HandshakeOk(Message):
     mode: str
     incarnation: str
     extra: dict[str, Any] = field(default_factory=dict)  # the transport chosen and what it needs
+    #: the instance's ranks over several daemons, ``[[tp, pp, daemon], ...]`` (left out: all here)
+    ranks: list[list[Any]] | None = None
 
 
 @dataclass(frozen=True)
@@ -211,6 +214,7 @@ class PeerExpect(Message):
     num_tokens: int
     start: int | None = None  # left out when 0 (nothing cached on the decode side)
     extra: dict[str, Any] = field(default_factory=dict)  # dst_pages and regions for one-sided writes
+    writers: list[list[int]] | None = None  # the writers the receiving daemon holds (left out: every writer)
 
 
 @dataclass(frozen=True)
@@ -237,6 +241,42 @@ class Fence(Message):
 class Fenced(Message):
     op: ClassVar[str] = "fenced"
     request_id: str
+
+
+@dataclass(frozen=True)
+class Announce(Message):
+    """A daemon -> an instance's rendezvous: the ranks of the instance registered here (all of
+    them: a rank left out is withdrawn). Renewed with every heartbeat: a lease."""
+
+    op: ClassVar[str] = "announce"
+    daemon: str
+    incarnation: str
+    instance: str
+    role: str
+    spec: dict[str, Any]
+    ranks: list[list[int]]
+
+
+@dataclass(frozen=True)
+class AnnounceOk(Message):
+    op: ClassVar[str] = "announce_ok"
+    instance: str
+
+
+@dataclass(frozen=True)
+class Lookup(Message):
+    """Which daemon holds which rank of an instance (answered by its rendezvous with :class:`Ranks`)."""
+
+    op: ClassVar[str] = "lookup"
+    instance: str
+    role: str
+
+
+@dataclass(frozen=True)
+class Ranks(Message):
+    op: ClassVar[str] = "ranks"
+    instance: str
+    ranks: list[list[Any]]  # [[tp, pp, daemon], ...], every rank of the instance
 
 
 @dataclass(frozen=True)
@@ -275,7 +315,7 @@ class PeerError(Message):
 ENGINE_TYPES: dict[str, type[Message]] = {
     t.op: t for t in (Register, Unregister, Expect, Send, Poll, Abort, Status, Ping)}
 PEER_TYPES: dict[str, type[Message]] = {
-    t.op: t for t in (Handshake, PeerExpect, PeerAbort, Fence, Fenced, PeerPing, Pong)}
+    t.op: t for t in (Handshake, PeerExpect, PeerAbort, Fence, Fenced, Announce, Lookup, PeerPing, Pong)}
 assert set(ENGINE_TYPES) == set(protocol.ENGINE_SCHEMAS) and set(PEER_TYPES) == set(protocol.PEER_SCHEMAS)
 
 

@@ -189,7 +189,7 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
     "register": Schema(
         required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
                   "regions": list_of(region, 1 << 16)},
-        optional={"pid": integer(1, 1 << 31)}),
+        optional={"pid": integer(1, 1 << 31), "rendezvous": ADDRESS}),
     "unregister": Schema(required={"rank_id": NAME}, optional={}),
     "expect": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
@@ -220,6 +220,17 @@ def nixl_region(name: str, value: Any) -> list[Any]:
     return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent", "kv"))(name, value[3]),
             integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
             integer(-1, 1 << 10)(name, value[6])]
+
+
+MAX_INSTANCE_RANKS = 1 << 12  # ranks of one instance a directory message may name
+
+
+def rank_at(name: str, value: Any) -> list[Any]:
+    """``[tp_rank, pp_rank, daemon]``: where a rank of an instance is registered (a directory entry)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ProtocolError(f"{name} must be [tp, pp, daemon]", field=name, fix="send one 3-entry list per rank")
+    tp, pp = pair(name, value[:2])
+    return [tp, pp, ADDRESS(name, value[2])]
 
 
 def landing_ring(name: str, value: Any) -> list[int]:
@@ -255,6 +266,7 @@ PEER_SCHEMAS: dict[str, Schema] = {
         required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
         optional={"start": integer(0, 1 << 40),
+                  "writers": list_of(pair, MAX_INSTANCE_RANKS),
                   "dst_pages": int_list(MAX_DST_PAGES), "nixl_md": NIXL_OFFER["nixl_md"],
                   "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
@@ -262,11 +274,20 @@ PEER_SCHEMAS: dict[str, Schema] = {
     # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
     "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
     "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),
+    # a daemon holding ranks of an instance -> the instance's rendezvous (renewed every heartbeat)
+    "announce": Schema(
+        required={"daemon": ADDRESS, "incarnation": INCARNATION, "instance": NAME,
+                  "role": text(16, ("prefill", "decode")), "spec": mapping,
+                  "ranks": list_of(pair, MAX_INSTANCE_RANKS)},
+        optional={}),
+    # anyone -> a rendezvous: which daemon holds which rank of an instance
+    "lookup": Schema(required={"instance": NAME, "role": text(16, ("prefill", "decode"))}, optional={}),
     "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
     "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
 }
 
-PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong")
+PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",
+                  "ranks")
 
 DATA_HEADER = Schema(
     required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,

@@ -72,3 +72,14 @@ def test_ranks_outside_the_spec_and_forgotten_daemons():
     d.forget_daemon("B:1")
     with pytest.raises(RankSetIncomplete, match="no registered prefill rank"):
         d.ranks("p", "prefill", 0.0, {})
+
+
+def test_an_announcement_replaces_the_daemons_set_and_a_rank_here_with_another_spec_is_refused():
+    d, s = _dir(), spec(2, heads=2)
+    d.announce("p", "prefill", s, [(0, 0), (1, 0)], "B:1", "inc", 0.0, {})
+    d.announce("p", "prefill", s, [(1, 0)], "B:1", "inc", 0.0, {})  # rank 0 withdrawn
+    assert set(d.remote("p", "prefill", 0.0)) == {(1, 0)}
+    assert d.managed("p", "prefill") and not d.managed("q", "prefill")
+    with pytest.raises(PlanRefusal) as refused:  # rank 0 registered here later, with another page size
+        d.ranks("p", "prefill", 0.0, {(0, 0): dataclasses.replace(s, page_size=8)})
+    assert refused.value.field == "page_size" and "p/tp1/pp0" in str(refused.value) and "B:1" in str(refused.value)

@@ -66,3 +66,24 @@ def test_event_and_errors():
     err = messages.PeerError.about("r", "request_bound", "taken", "request_id").to_wire()
     assert err == {"op": "error", "request_id": "r",
                    "error": {"code": "request_bound", "field": "request_id", "message": "taken"}}
+
+
+@pytest.mark.parametrize("msg", [
+    messages.Announce("h:2", "inc", "p", "prefill", {"x": 1}, [(2, 0), (3, 0)]),
+    messages.Lookup("p", "prefill"),
+    messages.PeerExpect("r1", "p", "d", (1, 0), 64, None, {}, [(2, 0)]),
+])
+def test_directory_messages_round_trip_through_the_schemas(msg):
+    wire = msg.to_wire()
+    assert protocol.check_peer(wire) == wire
+    assert messages.parse_peer(wire) == msg
+
+
+def test_an_announce_with_a_bad_rank_names_the_field():
+    wire = messages.Announce("h:2", "inc", "p", "prefill", {}, [[2, 0]]).to_wire()
+    with pytest.raises(ProtocolError) as bad:
+        protocol.check_peer({**wire, "ranks": [[2]]})
+    assert bad.value.field.startswith("ranks")
+    with pytest.raises(ProtocolError) as bad_role:
+        protocol.check_peer({**wire, "role": "both"})
+    assert bad_role.value.field == "role"
