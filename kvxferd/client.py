@@ -74,10 +74,13 @@ class _Base:
 
     @staticmethod
     def _register_msg(instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                      regions: Sequence[dict[str, Any]]) -> dict[str, Any]:
+                      regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> dict[str, Any]:
         geo = geometry.to_dict() if isinstance(geometry, RankGeometry) else dict(geometry)
         # the pid lets a daemon on the same host notice an engine that died without a word
-        return {"instance": instance, "role": role, "geometry": geo, "regions": list(regions), "pid": os.getpid()}
+        msg = {"instance": instance, "role": role, "geometry": geo, "regions": list(regions), "pid": os.getpid()}
+        if rendezvous:  # the instance's ranks span several daemons; this one keeps its directory
+            msg["rendezvous"] = rendezvous
+        return msg
 
 
 class EngineClient(_Base):
@@ -129,8 +132,10 @@ class EngineClient(_Base):
 
     # -- the API -----------------------------------------------------------------------
     def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                 regions: Sequence[dict[str, Any]]) -> str:
-        return self.call("register", **self._register_msg(instance, role, geometry, regions))["rank_id"]
+                 regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> str:
+        """``rendezvous``: host:port of the daemon every rank of the instance names (instances whose
+        ranks register at several daemons); decode sides name it as the source address."""
+        return self.call("register", **self._register_msg(instance, role, geometry, regions, rendezvous))["rank_id"]
 
     def unregister(self, rank_id: str) -> None:
         self.call("unregister", rank_id=rank_id)
@@ -244,8 +249,9 @@ class AsyncEngineClient(_Base):
             self._waiters.pop(msg["seq"], None)
 
     async def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                       regions: Sequence[dict[str, Any]]) -> str:
-        return (await self.call("register", **self._register_msg(instance, role, geometry, regions)))["rank_id"]
+                       regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> str:
+        msg = self._register_msg(instance, role, geometry, regions, rendezvous)
+        return (await self.call("register", **msg))["rank_id"]
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
                      source_address: str | None = None, num_tokens: int | None = None,

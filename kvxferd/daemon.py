@@ -37,6 +37,7 @@ from .logutil import q
 from .memory import MemoryMapper
 from .metrics import Metrics
 from .registry import Rank, Registry
+from .rendezvous import Rendezvous
 from .staging import StagingPool
 from .transport.hub import Transports
 from .transport.tcp import TcpDataServer
@@ -78,6 +79,7 @@ class Daemon:
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
         self.upstream = Upstream(self)
         self.downstream = Downstream(self)
+        self.rendezvous = Rendezvous(self)
         self.engine = EngineEndpoint(self)
         self.life = Lifecycle(cfg.limits, cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: getattr(self.transports.find(kind), "one_sided", False),
@@ -124,7 +126,7 @@ class Daemon:
         elif isinstance(effect, effects.SendDownstream):
             self.downstream.send(effect.identity, effect.message)
         elif isinstance(effect, effects.ExpectUpstream):
-            self.upstream.send_expect(effect.address, effect.entry)
+            self.upstream.send_expect(effect.address, effect.entry, effect.writers)
         elif isinstance(effect, effects.Bootstrap):
             asyncio.ensure_future(self.upstream.bootstrap(effect.entry))
         elif isinstance(effect, effects.StopReceiving):
@@ -137,6 +139,7 @@ class Daemon:
         self.dispatch(events.RankGone(rank, reason))
         if self.registry.get(rank.id) is rank:
             self.registry.remove(rank.id)
+            self.rendezvous.unregistered(rank)
         self.transports.deregister(rank)
         # forget file mappings no rank uses any more (they unmap once in-flight copies drop them)
         self.release_unused_mappings()
@@ -180,6 +183,7 @@ class Daemon:
                 sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
         with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
             self.data_server = self.transports.listen(host, self.cfg.peer.data_port)
+        self.rendezvous.directory.own_address = self.address  # the advertised address, as peers dial it
 
     def _auth_refused(self, address: str, key: str, reason: str) -> None:
         """ZAP refused a peer: count it, log it (bounded), keep it for ``status``."""

@@ -99,6 +99,9 @@ class Directory:
             for coords in [c for c, h in held.items() if h.daemon == daemon]:
                 del held[coords]
 
+    def keys(self) -> list[tuple[str, str]]:
+        return list(self._held)
+
     def remote(self, instance: str, role: str, now: float) -> dict[Coords, Holder]:
         key = (instance, role)
         self._expire(key, now)

@@ -16,6 +16,7 @@ import zmq
 
 from . import messages, protocol
 from .errors import KvxferError, PlanRefusal, ProtocolError
+from .directory import RankSetIncomplete
 from .geometry import InstanceSpec
 from .lifecycle import events
 from .logutil import q
@@ -46,7 +47,8 @@ class Downstream:
         self.sock: Any = None  # the ROUTER socket, bound by the app
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
-            "fence": self.fence}
+            "fence": self.fence, "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
+            "lookup": lambda _identity, msg: self.app.rendezvous.on_lookup(msg)}
 
     async def serve(self) -> None:
         await serve_router(self.sock, self.answer)
@@ -104,7 +106,12 @@ class Downstream:
         app = self.app
         protocol.check_version(msg.v)
         prefill = msg.prefill_instance
-        spec = app.registry.spec(prefill, "prefill")
+        try:  # an instance over several daemons: the whole rank set, or wait (PlanRefusal: ranks disagree)
+            ranks = app.rendezvous.handshake_ranks(prefill)
+        except RankSetIncomplete as missing:
+            return messages.HandshakeRetry(str(missing))
+        spec = app.registry.spec(prefill, "prefill") or app.rendezvous.directory.spec(prefill, "prefill",
+                                                                                      time.monotonic())
         if spec is None:
             return messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
         try:
@@ -130,7 +137,8 @@ class Downstream:
         app.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
-        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(transport))
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(transport),
+                                    ranks)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
         app = self.app
@@ -163,8 +171,9 @@ class Downstream:
             dst_pages = app.transports.prepare(route.kind, route.nixl, dst, msg.extra)
         except KvxferError as exc:
             return messages.PeerError(exc.to_wire(), msg.request_id)
+        writers = tuple((w[0], w[1]) for w in msg.writers) if msg.writers is not None else None
         app.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
-                                         route, dst_pages, start))
+                                         route, dst_pages, start, writers))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:

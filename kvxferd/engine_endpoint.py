@@ -25,6 +25,7 @@ from .lifecycle import events
 from .logutil import q
 from .outbox import Chunk
 from .registry import ProcessRef, Rank
+from .rendezvous import check_rendezvous
 from .segments import as_pages, check_whole_pages, unit_slots
 from .upstream import ignore_result, serve_router
 
@@ -137,6 +138,8 @@ class EngineEndpoint:
         app = self.app
         geometry = RankGeometry.from_dict(protocol.bounded_geometry(msg.geometry, "geometry"))
         app.registry.check_new(msg.instance, msg.role, geometry)
+        if msg.rendezvous:
+            check_rendezvous(msg.rendezvous)
         process = ProcessRef.find(msg.pid) if msg.pid is not None else None
         # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
         try:
@@ -153,6 +156,7 @@ class EngineEndpoint:
             app.drop_rank(old, "rank re-registered (engine restarted)")
         app.registry.add(rank)
         app.transports.register(rank)  # NIXL registers its memory where it is enabled and usable
+        app.rendezvous.registered(rank, msg.rendezvous)
         app.update_rank_metrics()
         log.info("event=rank_registered rank=%s role=%s tp=%d/%d pp=%d/%d pages=%d", rank.id, rank.role,
                  geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size,

@@ -47,6 +47,7 @@ async def heartbeats(app: "Daemon") -> None:
         now = time.monotonic()
         app.upstream.heartbeat(now, timeout)
         app.downstream.heartbeat(now, timeout)
+        app.rendezvous.heartbeat()  # renews the leases of ranks announced to another daemon
         await asyncio.sleep(interval)
 
 

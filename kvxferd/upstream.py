@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from . import PROTOCOL_VERSION, linkwatch, messages, protocol
+from . import PROTOCOL_VERSION, linkwatch, messages, protocol, spread
 from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
 from .geometry import InstanceSpec
 from .inbox import DestEntry
@@ -76,6 +76,8 @@ class PeerLink:
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         #: handshakes in progress or done, per (prefill instance, decode instance): waiters share one
         self.handshakes: dict[tuple[str, str], asyncio.Future[Plan]] = {}
+        #: per pair, the rank map a rendezvous answered (an instance over several daemons)
+        self.rank_maps: dict[tuple[str, str], dict[tuple[int, int], str]] = {}
         self.reader = asyncio.ensure_future(self._read(upstream))
         self.watcher = None if self.monitor is None or app.keys is None else asyncio.ensure_future(
             linkwatch.watch(self.monitor, address, app.keys.public,
@@ -148,11 +150,12 @@ class Upstream:
         if link is not None:
             link.send(message)
 
-    def send_expect(self, address: str, entry: DestEntry) -> None:
+    def send_expect(self, address: str, entry: DestEntry, writers: tuple[tuple[int, int], ...] | None = None) -> None:
         num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
         self.send(address, messages.PeerExpect(
             entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
-            entry.start or None, self.app.transports.expect_fields(address, entry)))
+            entry.start or None, self.app.transports.expect_fields(address, entry),
+            [list(w) for w in writers] if writers is not None else None))
 
     def link(self, address: str) -> PeerLink:
         link = self.links.get(address)
@@ -190,9 +193,22 @@ class Upstream:
             return
         if link is None:
             app.dispatch(events.PlanFound(entry, plan))
-        else:
-            kind = app.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
+            return
+        kind = app.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
+        rank_map = link.rank_maps.get((entry.source_instance, entry.rank.instance))
+        if not rank_map:
             app.dispatch(events.PlanFound(entry, plan, link.token, kind))
+            return
+        try:  # an instance over several daemons: a handshake with each of them too
+            tokens = await spread.other_daemons(self, entry, link, plan, rank_map, deadline)
+        except PlanRefusal as refusal:
+            app.metrics.refusals.labels(refusal.field or "unknown").inc()
+            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            return
+        except KvxferError as exc:
+            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
+            return
+        app.dispatch(events.PlanFound(entry, plan, link.token, "tcp", rank_map, tokens))
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
         app = self.app
@@ -268,6 +284,14 @@ class Upstream:
         except KvxferError as exc:
             app.metrics.handshakes.labels("refused").inc()
             raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
+        if reply.get("ranks") is not None:
+            try:
+                ranks = protocol.list_of(protocol.rank_at, protocol.MAX_INSTANCE_RANKS)("ranks", reply["ranks"])
+            except KvxferError as exc:
+                raise PlanRefusal(f"peer's rank map is unusable: {exc}", field="ranks")
+            link.rank_maps[(prefill, decode)] = {(tp, pp): address for tp, pp, address in ranks}
+        else:
+            link.rank_maps.pop((prefill, decode), None)
         app.metrics.handshakes.labels("ok").inc()
         transport = app.transports.accepted(link.address, prefill, decode, reply)
         log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", link.address,
@@ -354,7 +378,7 @@ class Upstream:
             elif link.state == "connecting" and now - link.last_seen > timeout:
                 link.state = "down"
                 app.count_peers()
-            if link.state == "down" and not any(e.source_address == link.address for e in app.inbox.all()):
+            if link.state == "down" and not any(e.from_source(link.address) for e in app.inbox.all()):
                 # nothing waits on it: without this every address an engine ever named keeps a socket
                 link.close()
                 self.links.pop(link.address, None)

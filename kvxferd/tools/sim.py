@@ -42,6 +42,7 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--instance", required=True)
     ap.add_argument("--role", required=True)
     ap.add_argument("--geometry", required=True, help="rank geometry JSON")
+    ap.add_argument("--rendezvous", default=None, help="the instance's rendezvous daemon (host:port)")
     args = ap.parse_args(argv)
     geometry = RankGeometry.from_dict(json.loads(args.geometry))
     cache = allocate_cpu(geometry, name=f"{args.instance}-{geometry.tp_rank}-{geometry.pp_rank}", fill=CANARY)
@@ -64,7 +65,7 @@ def worker_main(argv: list[str]) -> int:
 
 def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, emit: Any) -> int:
     try:
-        rid = client.register(args.instance, args.role, geometry, cache.descriptors())
+        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous)
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
         return 1
@@ -91,7 +92,7 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                     break
                 if cmd["cmd"] == "register":  # again (a restarted daemon): the same memory, same descriptors
                     try:
-                        rid = client.register(args.instance, args.role, geometry, cache.descriptors())
+                        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous)
                         emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
                     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
                         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
@@ -236,13 +237,14 @@ class Worker:
     """A simulated engine rank process."""
 
     def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry,
-                 wait: bool = True) -> None:
+                 wait: bool = True, rendezvous: str | None = None) -> None:
         self.instance = instance
         self.role = role
         self.geometry = geometry
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvxferd.tools.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
-             "--role", role, "--geometry", json.dumps(geometry.to_dict())],
+             "--role", role, "--geometry", json.dumps(geometry.to_dict())]
+            + (["--rendezvous", rendezvous] if rendezvous else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.events = read_events(self.proc)
         self.rank_id = ""
@@ -312,6 +314,20 @@ class Cluster:
             for w in group:
                 w.wait_registered()
         return groups
+
+    def spread_instance(self, placement: list[DaemonProc], name: str, role: str, spec: InstanceSpec,
+                        num_pages: int) -> list[Worker]:
+        """An instance whose rank ``i`` (tp-major, then pp) registers at ``placement[i]``, every rank
+        naming the first daemon as the instance's rendezvous."""
+        coords = [(tp, pp) for pp in range(spec.pp_size) for tp in range(spec.tp_size)]
+        assert len(placement) == len(coords), "one daemon per rank"
+        rendezvous = placement[0].address
+        group = [Worker(d, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False, rendezvous=rendezvous)
+                 for d, (tp, pp) in zip(placement, coords)]
+        self.workers.extend(group)
+        for w in group:
+            w.wait_registered()
+        return group
 
     def close(self, keep_root: bool = False) -> None:
         """Stop engines and daemons; remove the run dir unless ``keep_root`` (its logs, to debug)."""

@@ -1,0 +1,155 @@
+"""Instances over several daemons, the I/O side: announcing this daemon's ranks to their
+instance's rendezvous, and serving announcements, lookups and handshake rank maps for the
+instances this daemon is the rendezvous of (the rules are in :mod:`.directory`).
+
+A rank names its rendezvous when it registers (``rendezvous``, host:port of a daemon's peer
+endpoint). Naming this daemon makes it the rendezvous; naming another makes this daemon
+announce the rank there now and with every heartbeat (a lease), and withdraw it when the
+rank goes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import messages, protocol
+from .directory import Coords, Directory, RankSetIncomplete
+from .errors import KvxferError, RequestError
+from .geometry import InstanceSpec
+from .logutil import q
+from .registry import Rank
+
+if TYPE_CHECKING:
+    from .daemon import Daemon
+
+log = logging.getLogger("kvxferd.rendezvous")
+
+
+def check_rendezvous(address: str) -> None:
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise RequestError(f"rendezvous {address!r} is not host:port", field="rendezvous",
+                           fix="name the peer endpoint (host:peer.control_port) of the instance's rendezvous daemon")
+
+
+class Rendezvous:
+    def __init__(self, app: "Daemon") -> None:
+        self.app = app
+        self.directory = Directory("", app.cfg.peer.peer_timeout_s)
+        #: (instance, role) of ranks here -> the rendezvous daemon they announce to
+        self.remote: dict[tuple[str, str], str] = {}
+        #: the last refusal a rendezvous answered, per (instance, role) (shown by status)
+        self.refusals: dict[tuple[str, str], str] = {}
+        self._pending: set[tuple[str, str]] = set()  # announcements waiting for their answer
+
+    # -- ranks here ------------------------------------------------------------------------------
+    def local(self, instance: str, role: str) -> dict[Coords, InstanceSpec]:
+        return {r.coords: r.geometry.spec for r in self.app.registry if r.instance == instance and r.role == role}
+
+    def registered(self, rank: Rank, rendezvous: str | None) -> None:
+        if not rendezvous:
+            return
+        key = (rank.instance, rank.role)
+        if rendezvous == self.app.address:
+            self.directory.manage(*key)
+            return
+        self.remote[key] = rendezvous
+        self.announce(*key)
+
+    def unregistered(self, rank: Rank) -> None:
+        key = (rank.instance, rank.role)
+        if key in self.remote:
+            self.announce(*key)  # the set without it: the rendezvous withdraws the rank now
+            if not self.local(*key):
+                del self.remote[key]
+
+    def heartbeat(self) -> None:
+        for key in list(self.remote):
+            self.announce(*key)
+
+    def announce(self, instance: str, role: str) -> None:
+        key = (instance, role)
+        if key in self._pending:
+            return  # the last one is still on its way; the next heartbeat renews
+        local = self.local(instance, role)
+        spec = next(iter(local.values()), None)
+        msg = messages.Announce(self.app.address, self.app.incarnation, instance, role,
+                                spec.to_dict() if spec is not None else {}, [list(c) for c in sorted(local)])
+        self._pending.add(key)
+        asyncio.ensure_future(self._announce(self.remote[key], key, msg))
+
+    async def _announce(self, address: str, key: tuple[str, str], msg: messages.Announce) -> None:
+        try:
+            link = self.app.upstream.link(address)
+            reply = await link.request(msg, timeout=max(1.0, self.app.cfg.peer.heartbeat_interval_s))
+        except (asyncio.TimeoutError, TimeoutError, asyncio.CancelledError):
+            return  # unanswered: the next heartbeat tries again
+        except KvxferError as exc:
+            reply = {"op": "error", "error": exc.to_wire()}
+        finally:
+            self._pending.discard(key)
+        if reply.get("op") == "announce_ok":
+            if self.refusals.pop(key, None) is not None:
+                log.info("event=announce_ok rendezvous=%s instance=%s", address, key[0])
+            return
+        err = reply.get("error") if isinstance(reply.get("error"), dict) else {}
+        message = str(err.get("message", reply))[:500]
+        if self.refusals.get(key) != message:
+            log.warning("event=announce_refused rendezvous=%s instance=%s field=%s msg=%s", address, key[0],
+                        err.get("field"), q(message))
+        self.refusals[key] = message
+
+    # -- this daemon as the rendezvous -------------------------------------------------------------
+    def on_announce(self, msg: messages.Announce) -> messages.Message:
+        now = time.monotonic()
+        local = self.local(msg.instance, msg.role)
+        if not msg.ranks:
+            self.directory.withdraw(msg.instance, msg.role, msg.daemon,
+                                    list(self.directory.remote(msg.instance, msg.role, now)))
+            return messages.AnnounceOk(msg.instance)
+        spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.spec, "spec"))
+        known = set(self.directory.remote(msg.instance, msg.role, now))
+        self.directory.announce(msg.instance, msg.role, spec, [tuple(c) for c in msg.ranks], msg.daemon,
+                                msg.incarnation, now, local)
+        if known != set(self.directory.remote(msg.instance, msg.role, now)):
+            log.info("event=ranks_announced instance=%s daemon=%s ranks=%s", msg.instance, msg.daemon,
+                     ",".join(f"{tp}.{pp}" for tp, pp in msg.ranks))
+        return messages.AnnounceOk(msg.instance)
+
+    def rank_map(self, instance: str, role: str) -> dict[Coords, str]:
+        """Every rank -> its daemon; raises PlanRefusal, or RequestError naming missing ranks."""
+        try:
+            return self.directory.ranks(instance, role, time.monotonic(), self.local(instance, role))
+        except RankSetIncomplete as missing:
+            raise RequestError(str(missing), field="ranks", code="ranks_missing",
+                               fix="start every rank of the instance, each naming this daemon as its rendezvous")
+
+    def on_lookup(self, msg: messages.Lookup) -> messages.Message:
+        held = self.rank_map(msg.instance, msg.role)
+        return messages.Ranks(msg.instance, [[tp, pp, a] for (tp, pp), a in sorted(held.items())])
+
+    def handshake_ranks(self, instance: str) -> list[list[Any]] | None:
+        """What a handshake for the instance answers: None for an instance wholly on this daemon (as
+        always), the rank map when ranks are elsewhere; RankSetIncomplete while ranks are missing."""
+        if not self.directory.managed(instance, "prefill"):
+            return None
+        held = self.directory.ranks(instance, "prefill", time.monotonic(), self.local(instance, "prefill"))
+        if all(address == self.app.address for address in held.values()):
+            return None
+        return [[tp, pp, a] for (tp, pp), a in sorted(held.items())]
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        out: dict[str, Any] = {"announcing": {f"{i}/{r}": a for (i, r), a in self.remote.items()}}
+        if self.refusals:
+            out["refused"] = {f"{i}/{r}": m for (i, r), m in self.refusals.items()}
+        held = {}
+        for instance, role in sorted(self.directory.keys()):
+            remote = self.directory.remote(instance, role, now)
+            held[f"{instance}/{role}"] = {f"{tp}.{pp}": h.daemon for (tp, pp), h in sorted(remote.items())}
+        if held:
+            out["remote_ranks"] = held
+        return out

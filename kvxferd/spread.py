@@ -1,0 +1,61 @@
+"""Decode side of a source instance over several daemons: after the rendezvous answered its rank
+map, handshake with every other daemon it names and check they agree on the plan.
+
+Every daemon computes the plan from the same two specs, so each must answer the rendezvous's
+spec and plan mode; the data of all of them must reach this daemon the same way (tcp, for now:
+the NIXL receive path checks one source agent per destination).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING
+
+from .directory import spec_difference
+from .errors import PlanRefusal, TransferError
+from .inbox import DestEntry
+from .planner import Plan
+from .registry import rank_id
+
+if TYPE_CHECKING:
+    from .upstream import PeerLink, Upstream
+
+
+def _ranks_at(instance: str, rank_map: dict[tuple[int, int], str], address: str) -> str:
+    return ", ".join(rank_id(instance, *c) for c, a in sorted(rank_map.items()) if a == address)
+
+
+async def other_daemons(up: "Upstream", entry: DestEntry, rendezvous: "PeerLink", plan: Plan,
+                        rank_map: dict[tuple[int, int], str], deadline: float) -> dict[str, bytes]:
+    """Handshake with each daemon of the instance; return each one's link token (data headers of the
+    writers it holds carry it). Raises PlanRefusal or TransferError naming the daemon."""
+    prefill, decode = entry.source_instance, entry.rank.instance
+    spec = entry.rank.geometry.spec
+    tokens: dict[str, bytes] = {}
+    for address in sorted(set(rank_map.values())):
+        held = _ranks_at(prefill, rank_map, address)
+        if address == up.app.address:
+            raise PlanRefusal(f"ranks {held} of {prefill!r} are registered at this decode daemon {address} and the "
+                              "rest at other daemons: a source instance partly on its decode daemon is not "
+                              "supported", field="ranks")
+        link = rendezvous if address == rendezvous.address else up.link(address)
+        try:
+            theirs = plan if link is rendezvous else await up._remote_plan(link, prefill, decode, spec, deadline)
+        except (asyncio.TimeoutError, TimeoutError):
+            raise TransferError(f"daemon {address} (holding {held} by the directory of rendezvous "
+                                f"{rendezvous.address}) gave no handshake for {prefill!r} in time: is that address "
+                                "reachable from here (peer.advertise_host of that daemon)?", field="ranks",
+                                code="bootstrap_timeout")
+        if theirs.prefill != plan.prefill:
+            field, ours, other = spec_difference(plan.prefill, theirs.prefill)
+            raise PlanRefusal(f"daemon {address} holding {held} answers {field} = {other!r}, the rendezvous "
+                              f"{rendezvous.address} answers {field} = {ours!r}", field=field)
+        if theirs.mode != plan.mode:
+            raise PlanRefusal(f"daemon {address} plans mode {theirs.mode!r}, the rendezvous {rendezvous.address} "
+                              f"{plan.mode!r}", field="mode", prefill=theirs.mode, decode=plan.mode)
+        kind = up.app.transports.receive_kind(address, prefill, decode)
+        if kind != "tcp":
+            raise PlanRefusal(f"daemon {address} sends over {kind!r}; a source instance over several daemons "
+                              "moves its data over tcp only so far", field="transport")
+        tokens[address] = link.token
+    return tokens
