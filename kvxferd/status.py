@@ -77,4 +77,5 @@ def status(app: "Daemon") -> dict[str, Any]:
         "recent_failures": list(app.life.recent_failures),
         "auth": {"refused_here": app.auth_refusals.describe(), "refused_by_peers": app.auth_refused_by.describe()},
         "transports": app.transports.describe(),
+        "rendezvous": app.rendezvous.status(),  # instances over several daemons: who holds which rank
     }

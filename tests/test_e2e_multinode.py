@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from e2e_util import (assert_verified, close, finished, module_cluster, pages_for, spec, transfer,
-                      untouched_bytes, wait_in_flight)
+from e2e_util import assert_verified, close, module_cluster, pages_for, spec, transfer, untouched_bytes
+from kvxferd.client import EngineClient
 
 NUM_PAGES = 64
 
@@ -42,5 +42,15 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
         never = [p for p in range(NUM_PAGES) if p not in used]
         for w in decode:
             assert untouched_bytes(w, never) == 0
+        # the rendezvous knows B's ranks; the decode daemon handshook with both source daemons
+        assert _status(a)["rendezvous"]["remote_ranks"][f"m{d_tp}p/prefill"] == {"2.0": b.address, "3.0": b.address}
+        assert _status(b)["rendezvous"]["announcing"] == {f"m{d_tp}p/prefill": a.address}
+        plans = {p["address"]: p["plans"] for p in _status(d)["peers"] if p["side"] == "prefill"}
+        assert f"m{d_tp}p->m{d_tp}d" in plans[a.address] and f"m{d_tp}p->m{d_tp}d" in plans[b.address]
     finally:
         close(prefill + decode)
+
+
+def _status(daemon):
+    with EngineClient(daemon.socket_path, timeout=10) as client:
+        return client.status()
