@@ -4,10 +4,12 @@ instance at D, over tcp: real daemons and engine processes, byte-exact against t
 from __future__ import annotations
 
 import random
+import signal
 
 import pytest
 
-from e2e_util import assert_verified, close, module_cluster, pages_for, spec, transfer, untouched_bytes
+from e2e_util import (Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for, spec,
+                      start_nodes, transfer, untouched_bytes, wait_in_flight)
 from kvxferd.client import EngineClient
 
 NUM_PAGES = 64
@@ -54,3 +56,44 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
 def _status(daemon):
     with EngineClient(daemon.socket_path, timeout=10) as client:
         return client.status()
+
+
+SLOW = ("[timeouts]\nbootstrap_s = 30.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\n"
+        "drain_grace_s = 1.0\n")
+
+
+def test_a_source_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(request):
+    """B (ranks 2-3) dies while the request is half sent: both decode ranks fail (also the one whose
+    writers are all at A), A's ranks fail too, none is told done, and A and D keep serving."""
+    with cluster_run(request) as c:
+        a, b, d = start_nodes(c, Node("node-a", SLOW), Node("node-b", SLOW), Node("node-d", SLOW))
+        pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
+        prefill = c.spread_instance([a, a, b, b], "kp", "prefill", pspec, NUM_PAGES)
+        (decode,) = c.instances((d, "kd", "decode", dspec, NUM_PAGES))
+        for w in decode:
+            w.command(cmd="expect", request_id="k-1", pages=[1, 2, 3, 4], n=16, source_instance="kp",
+                      source_address=a.address)
+        for w in prefill:
+            w.command(cmd="send", request_id="k-1", pages=[5, 6, 7, 8], n=16, chunks=[[0, 8], [8, 16]],
+                      hold_last=True)
+        for daemon, key in ((a, "prefill:transferring"), (b, "prefill:transferring"), (d, "decode:transferring")):
+            wait_in_flight(daemon, key)
+        b.signal(signal.SIGKILL)
+        b.proc.wait()
+        # heartbeats (0.25 s, dead after 1.5 s) fail it long before the 30 s phase timeouts
+        for w in decode:
+            ev = finished(w, "k-1", timeout=25)
+            assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+        for w in prefill[:2]:  # A's ranks hear it from the decode daemon
+            ev = finished(w, "k-1", timeout=25)
+            assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "peer_dead", ev
+        for w in prefill[2:]:
+            w.kill()  # their daemon is gone
+        for daemon in (a, d):
+            assert not _status(daemon)["requests"], _status(daemon)  # nothing left in flight
+        # A and D keep serving: a request of an instance wholly at A lands byte-exact
+        p2, d2 = c.instances((a, "ok-p", "prefill", spec(tp_size=2), NUM_PAGES), (d, "ok-d", "decode", spec(),
+                                                                                  NUM_PAGES))
+        dec, pre = transfer(p2, d2, "ok-1", 23, src_pages=[1, 2, 3, 4, 5, 6], dst_pages=[9, 10, 11, 12, 13, 14],
+                            source_address=a.address)
+        assert_verified(dec, pre)
