@@ -78,6 +78,7 @@ class PeerLink:
         self.handshakes: dict[tuple[str, str], asyncio.Future[Plan]] = {}
         #: per pair, the rank map a rendezvous answered (an instance over several daemons)
         self.rank_maps: dict[tuple[str, str], dict[tuple[int, int], str]] = {}
+        self.retry_reasons: dict[tuple[str, str], str] = {}  # per pair, the source's last "retry later"
         self.reader = asyncio.ensure_future(self._read(upstream))
         self.watcher = None if self.monitor is None or app.keys is None else asyncio.ensure_future(
             linkwatch.watch(self.monitor, address, app.keys.public,
@@ -184,9 +185,11 @@ class Upstream:
             app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
             return
         except (asyncio.TimeoutError, TimeoutError):
+            why = link.retry_reasons.get((entry.source_instance, entry.rank.instance)) if link is not None else None
             app.dispatch(events.BootstrapFailed(
                 entry, "bootstrap_timeout", f"no plan with source instance {entry.source_instance!r} within "
-                f"{app.cfg.timeouts.bootstrap_s}s (source daemon unreachable or instance not registered)"))
+                f"{app.cfg.timeouts.bootstrap_s}s " + (f"(the source daemon said: {why})" if why else
+                                                       "(source daemon unreachable or instance not registered)")))
             return
         except KvxferError as exc:
             app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
@@ -271,6 +274,8 @@ class Upstream:
                             q(str(err.get("message"))[:300]))
                 raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
                                   prefill=err.get("prefill"), decode=err.get("decode"))
+            if op == "handshake_retry" and isinstance(reply.get("reason"), str):
+                link.retry_reasons[(prefill, decode)] = reply["reason"][:500]  # named if the bootstrap times out
             await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
 
     def _accepted(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
@@ -284,6 +289,7 @@ class Upstream:
         except KvxferError as exc:
             app.metrics.handshakes.labels("refused").inc()
             raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
+        link.retry_reasons.pop((prefill, decode), None)
         if reply.get("ranks") is not None:
             try:
                 ranks = protocol.list_of(protocol.rank_at, protocol.MAX_INSTANCE_RANKS)("ranks", reply["ranks"])

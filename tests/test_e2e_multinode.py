@@ -11,6 +11,8 @@ import pytest
 from e2e_util import (Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for, spec,
                       start_nodes, transfer, untouched_bytes, wait_in_flight)
 from kvxferd.client import EngineClient
+from kvxferd.geometry import RankGeometry
+from kvxferd.tools.sim import Worker
 
 NUM_PAGES = 64
 
@@ -97,3 +99,39 @@ def test_a_source_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(r
         dec, pre = transfer(p2, d2, "ok-1", 23, src_pages=[1, 2, 3, 4, 5, 6], dst_pages=[9, 10, 11, 12, 13, 14],
                             source_address=a.address)
         assert_verified(dec, pre)
+
+
+QUICK = ("[timeouts]\nbootstrap_s = 3.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\n"
+         "drain_grace_s = 1.0\n")
+
+
+def test_missing_ranks_and_ranks_that_disagree_are_refused_by_name(request):
+    with cluster_run(request) as c:
+        a, b, d = start_nodes(c, Node("node-a", QUICK), Node("node-b", QUICK), Node("node-d", QUICK))
+        pspec = spec(tp_size=4, total_kv_heads=4)
+        # ranks 2 and 3 never register: the bootstrap ends naming them
+        half = [Worker(a, "mp", "prefill", RankGeometry(pspec, tp, 0, NUM_PAGES), wait=False,
+                       rendezvous=a.address) for tp in (0, 1)]
+        c.workers.extend(half)
+        for w in half:
+            w.wait_registered()
+        # ranks 2 and 3 at B register with another page size: B's registry cannot see it, the rendezvous does
+        odd = spec(tp_size=4, total_kv_heads=4, page_size=8)
+        gp = [Worker(dm, "gp", "prefill", RankGeometry(s, tp, 0, NUM_PAGES), wait=False, rendezvous=a.address)
+              for dm, s, tp in ((a, pspec, 0), (a, pspec, 1), (b, odd, 2), (b, odd, 3))]
+        c.workers.extend(gp)
+        for w in gp:
+            w.wait_registered()
+        (decode,) = c.instances((d, "kd", "decode", spec(tp_size=1, total_kv_heads=4), NUM_PAGES))
+        decode[0].command(cmd="expect", request_id="miss-1", pages=[1, 2], n=8, source_instance="mp",
+                          source_address=a.address)
+        ev = finished(decode[0], "miss-1", timeout=25)
+        assert ev["state"] == "failed" and ev["code"] == "bootstrap_timeout", ev
+        assert "mp/tp2/pp0" in ev["reason"] and "mp/tp3/pp0" in ev["reason"], ev
+        decode[0].command(cmd="expect", request_id="geo-1", pages=[1, 2], n=8, source_instance="gp",
+                          source_address=a.address)
+        ev = finished(decode[0], "geo-1", timeout=25)
+        assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
+        assert "gp/tp2/pp0" in ev["reason"] and "page_size" in ev["reason"], ev
+        assert "= 8" in ev["reason"] and "= 4" in ev["reason"], ev
+        assert "page_size" in str(_status(b)["rendezvous"]["refused"]["gp/prefill"])
