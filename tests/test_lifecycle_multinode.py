@@ -114,3 +114,37 @@ def test_a_data_header_carries_the_token_of_the_link_of_its_writers_daemon():
     assert refused.value.field == "token"
     sink = d.inbox.begin({**header, "token": b"token-A"}, decode[0].id)
     d.inbox.finish(sink, True)
+
+
+def test_a_decode_side_abort_reaches_every_source_daemon_once():
+    c, a, b, d, prefill, decode = _spread(1)
+    d.expect(decode[0], "r", pages(2), "p", num_tokens=8, source_node=a)
+    c.run()
+    for t, rank in enumerate(prefill):
+        _holder(a, b, t).send(rank, "r", pages(1, t), 0, 4, False)
+    c.run()
+    d.handle(events.AbortCalled(decode[0], "r", "client went away"))
+    c.run()
+    assert d.outcome("r", decode[0]).state == "failed"
+    for t, rank in enumerate(prefill):
+        outcome = _holder(a, b, t).outcome("r", rank)
+        assert outcome.state == "failed" and outcome.code == "aborted", (rank.id, outcome)
+
+
+def test_an_instance_wholly_at_one_daemon_expects_as_before():
+    """No rank map: one expect, naming no writers (every writer of the destination is there)."""
+    c = Cluster("P", "D")
+    p, d = c.node("P"), c.node("D")
+    prefill = [p.rank("p", "prefill", spec(2), tp=t) for t in range(2)]
+    (rank,) = [d.rank("d", "decode", spec(1))]
+    d.expect(rank, "r", pages(2), "p", num_tokens=8, source_node=p)
+    entry = d.inbox.get("r", rank.id)
+    c.bootstrap(d, d.bootstraps.pop(0))
+    effects_seen = [e for e in c.queue if type(e[1]).__name__ == "PeerExpected"]
+    assert len(effects_seen) == 1 and effects_seen[0][1].writers is None
+    assert entry.source_daemons == {} and entry.source_addresses() == [p.address]
+    c.run()
+    for t, r in enumerate(prefill):
+        p.send(r, "r", pages(2, 2 * t), 0, 8, True)
+    c.run()
+    assert d.outcome("r", rank).state == "done"
