@@ -41,9 +41,10 @@ def spec_difference(a: InstanceSpec, b: InstanceSpec) -> tuple[str, object, obje
 class Directory:
     """Ranks of instances this daemon is the rendezvous of, announced by other daemons."""
 
-    def __init__(self, own_address: str, lease_s: float) -> None:
+    def __init__(self, own_address: str, lease_s: float, max_ranks: int = 4096) -> None:
         self.own_address = own_address
         self.lease_s = lease_s
+        self.max_ranks = max_ranks  # announced ranks held at once (a peer cannot grow it without bound)
         self._held: dict[tuple[str, str], dict[Coords, Holder]] = {}
         #: (instance, role) -> rank -> (why its announcement was refused, field); kept for the handshake
         self.refused: dict[tuple[str, str], dict[Coords, tuple[str, str]]] = {}
@@ -68,6 +69,11 @@ class Directory:
         ranks = list(ranks)
         for coords in [c for c, h in held.items() if h.daemon == daemon and c not in ranks]:
             del held[coords]
+        if sum(len(h) for h in self._held.values()) + len([c for c in ranks if c not in held]) > self.max_ranks:
+            raise RegistrationError(f"the directory holds {self.max_ranks} announced ranks", field="ranks",
+                                    fix="raise limits.max_ranks at the rendezvous daemon")
+        if len(self.refused) > self.max_ranks:
+            self.refused.clear()  # kept for handshakes only; a flood of refusals must not grow without bound
         for coords in ranks:
             rid = rank_id(instance, *coords)
             self._check_coords(spec, coords, rid)
@@ -148,6 +154,8 @@ class Directory:
         if held:
             for coords in [c for c, h in held.items() if h.expires < now]:
                 del held[coords]
+        if held is not None and not held:
+            del self._held[key]
 
     def _spec_of_others(self, key: tuple[str, str], coords: Coords,
                         local: dict[Coords, InstanceSpec]) -> tuple[str, InstanceSpec] | None:

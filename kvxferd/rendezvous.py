@@ -38,7 +38,7 @@ def check_rendezvous(address: str) -> None:
 class Rendezvous:
     def __init__(self, app: "Daemon") -> None:
         self.app = app
-        self.directory = Directory("", app.cfg.peer.peer_timeout_s)
+        self.directory = Directory("", app.cfg.peer.peer_timeout_s, app.cfg.limits.max_ranks)
         #: (instance, role) of ranks here -> the rendezvous daemon they announce to
         self.remote: dict[tuple[str, str], str] = {}
         #: the last refusal a rendezvous answered, per (instance, role) (shown by status)

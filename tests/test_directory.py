@@ -83,3 +83,12 @@ def test_an_announcement_replaces_the_daemons_set_and_a_rank_here_with_another_s
     with pytest.raises(PlanRefusal) as refused:  # rank 0 registered here later, with another page size
         d.ranks("p", "prefill", 0.0, {(0, 0): dataclasses.replace(s, page_size=8)})
     assert refused.value.field == "page_size" and "p/tp1/pp0" in str(refused.value) and "B:1" in str(refused.value)
+
+
+def test_the_directory_is_bounded():
+    d, s = Directory("A:1", lease_s=3.0, max_ranks=2), spec(4, heads=4)
+    d.announce("p", "prefill", s, [(0, 0), (1, 0)], "B:1", "inc", 0.0, {})
+    with pytest.raises(RegistrationError, match="holds 2 announced ranks") as full:
+        d.announce("p", "prefill", s, [(2, 0)], "C:1", "inc", 0.0, {})
+    assert full.value.field == "ranks"
+    d.announce("p", "prefill", s, [(0, 0), (1, 0)], "B:1", "inc", 1.0, {})  # a renewal still fits
