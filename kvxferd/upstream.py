@@ -219,6 +219,11 @@ class Upstream:
             cached = app.life.routes.pair(prefill, decode)
             if cached is not None and cached[1].local:
                 return cached[0]
+            elsewhere = app.rendezvous.directory.remote(prefill, "prefill", time.monotonic())
+            if elsewhere:  # its writers elsewhere would never be asked for their bytes
+                raise PlanRefusal(f"instance {prefill!r} has ranks at other daemons ({sorted(elsewhere)} at "
+                                  f"{sorted({h.daemon for h in elsewhere.values()})}) and at this decode daemon: "
+                                  "a source instance partly on its decode daemon is not supported", field="ranks")
             prefill_spec = app.registry.spec(prefill, "prefill")
             if prefill_spec is not None:
                 plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
