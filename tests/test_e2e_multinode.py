@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import signal
+import time
 
 import pytest
 
@@ -51,6 +52,24 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
         assert _status(b)["rendezvous"]["announcing"] == {f"m{d_tp}p/prefill": a.address}
         plans = {p["address"]: p["plans"] for p in _status(d)["peers"] if p["side"] == "prefill"}
         assert f"m{d_tp}p->m{d_tp}d" in plans[a.address] and f"m{d_tp}p->m{d_tp}d" in plans[b.address]
+    finally:
+        close(prefill + decode)
+
+
+def test_a_decode_instance_at_a_daemon_of_a_spread_source_is_refused_naming_the_ranks(cluster):
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+    prefill = cluster.spread_instance([a, a, b, b], "lp", "prefill", spec(tp_size=4, total_kv_heads=4), NUM_PAGES)
+    (decode,) = cluster.instances((a, "ld", "decode", spec(tp_size=1, total_kv_heads=4), NUM_PAGES))
+    try:
+        deadline = time.monotonic() + 30  # until A heard B's announcement (a heartbeat at most)
+        while "lp/prefill" not in _status(a)["rendezvous"].get("remote_ranks", {}):
+            assert time.monotonic() < deadline, _status(a)["rendezvous"]
+            time.sleep(0.05)
+        decode[0].command(cmd="expect", request_id="l-1", pages=[1, 2], n=8, source_instance="lp",
+                          source_address=a.address)
+        ev = finished(decode[0], "l-1")
+        assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
+        assert "partly on its decode daemon" in ev["reason"] and b.address in ev["reason"], ev
     finally:
         close(prefill + decode)
 
