@@ -56,6 +56,19 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
         close(prefill + decode)
 
 
+def test_pp2_over_two_daemons_to_pp1_byte_exact(cluster):
+    a, b, d = (cluster.daemons[n] for n in ("node-a", "node-b", "node-d"))
+    prefill = cluster.spread_instance([a, b], "pp", "prefill", spec(pp_size=2), NUM_PAGES)
+    (decode,) = cluster.instances((d, "pd", "decode", spec(), NUM_PAGES))
+    try:
+        dec, pre = transfer(prefill, decode, "pp-r0", 29, src_pages=list(range(3, 11)), dst_pages=list(range(20, 28)),
+                            source_address=a.address, chunks=[[0, 16], [16, 29]])
+        assert_verified(dec, pre)
+        assert _status(a)["rendezvous"]["remote_ranks"]["pp/prefill"] == {"0.1": b.address}
+    finally:
+        close(prefill + decode)
+
+
 def test_a_decode_instance_at_a_daemon_of_a_spread_source_is_refused_naming_the_ranks(cluster):
     a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
     prefill = cluster.spread_instance([a, a, b, b], "lp", "prefill", spec(tp_size=4, total_kv_heads=4), NUM_PAGES)
