@@ -57,6 +57,7 @@ class DestEntry:
     #: and the link token each writer's data headers must carry (that of its daemon's link)
     writer_tokens: dict[tuple[int, int], bytes] = field(default_factory=dict)
     fence_waiting: set[str] = field(default_factory=set)  # source daemons yet to answer "fenced"
+    waiting_for: str = ""  # what bootstrap waits on (a source's "retry later"), named if the phase times out
 
     def source_addresses(self) -> list[str]:
         """Every source daemon of this destination (none: the source instance is on this daemon)."""

@@ -39,6 +39,9 @@ async def other_daemons(up: "Upstream", entry: DestEntry, rendezvous: "PeerLink"
                               "rest at other daemons: a source instance partly on its decode daemon is not "
                               "supported", field="ranks")
         link = rendezvous if address == rendezvous.address else up.link(address)
+        entry.waiting_for = (f"a handshake with daemon {address}, holding {held} by the directory of rendezvous "
+                             f"{rendezvous.address}: is that address reachable from here (peer.advertise_host of "
+                             "that daemon)?")
         try:
             theirs = plan if link is rendezvous else await up._remote_plan(link, prefill, decode, spec, deadline)
         except (asyncio.TimeoutError, TimeoutError):
@@ -58,4 +61,5 @@ async def other_daemons(up: "Upstream", entry: DestEntry, rendezvous: "PeerLink"
             raise PlanRefusal(f"daemon {address} sends over {kind!r}; a source instance over several daemons "
                               "moves its data over tcp only so far", field="transport")
         tokens[address] = link.token
+    entry.waiting_for = ""
     return tokens

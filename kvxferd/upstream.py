@@ -280,8 +280,16 @@ class Upstream:
                 raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
                                   prefill=err.get("prefill"), decode=err.get("decode"))
             if op == "handshake_retry" and isinstance(reply.get("reason"), str):
-                link.retry_reasons[(prefill, decode)] = reply["reason"][:500]  # named if the bootstrap times out
+                self._retry_said(link, prefill, decode, reply["reason"][:500])
             await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
+
+    def _retry_said(self, link: PeerLink, prefill: str, decode: str, reason: str) -> None:
+        """Keep a source's "retry later" (missing ranks...): a bootstrap that times out names it."""
+        link.retry_reasons[(prefill, decode)] = reason
+        for entry in self.app.inbox.all():
+            if (entry.state == "bootstrapping" and entry.from_source(link.address)
+                    and (entry.source_instance, entry.rank.instance) == (prefill, decode)):
+                entry.waiting_for = f"the source daemon {link.address}, which said: {reason}"
 
     def _accepted(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                   reply: dict[str, Any]) -> Plan:

@@ -137,9 +137,11 @@ QUICK = ("[timeouts]\nbootstrap_s = 3.0\nwaiting_for_input_s = 30.0\ntransfer_s 
          "drain_grace_s = 1.0\n")
 
 
-def test_missing_ranks_and_ranks_that_disagree_are_refused_by_name(request):
+def test_missing_ranks_disagreeing_ranks_and_unreachable_daemons_are_refused_by_name(request):
     with cluster_run(request) as c:
-        a, b, d = start_nodes(c, Node("node-a", QUICK), Node("node-b", QUICK), Node("node-d", QUICK))
+        # B binds 127.0.0.1 but advertises 127.0.0.2, where nothing listens (a mis-set advertised host)
+        a, b, d = start_nodes(c, Node("node-a", QUICK), Node("node-b", QUICK, {"KVXFERD_PEER_ADVERTISE_HOST": "127.0.0.2"}),
+                              Node("node-d", QUICK))
         pspec = spec(tp_size=4, total_kv_heads=4)
         # ranks 2 and 3 never register: the bootstrap ends naming them
         half = [Worker(a, "mp", "prefill", RankGeometry(pspec, tp, 0, NUM_PAGES), wait=False,
@@ -158,12 +160,23 @@ def test_missing_ranks_and_ranks_that_disagree_are_refused_by_name(request):
         decode[0].command(cmd="expect", request_id="miss-1", pages=[1, 2], n=8, source_instance="mp",
                           source_address=a.address)
         ev = finished(decode[0], "miss-1", timeout=25)
-        assert ev["state"] == "failed" and ev["code"] == "bootstrap_timeout", ev
+        # the bootstrap's own deadline or the phase timeout, whichever comes first: both name the ranks
+        assert ev["state"] == "failed" and ev["code"] in ("bootstrap_timeout", "bootstrapping_timeout"), ev
         assert "mp/tp2/pp0" in ev["reason"] and "mp/tp3/pp0" in ev["reason"], ev
         decode[0].command(cmd="expect", request_id="geo-1", pages=[1, 2], n=8, source_instance="gp",
                           source_address=a.address)
         ev = finished(decode[0], "geo-1", timeout=25)
         assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
-        assert "gp/tp2/pp0" in ev["reason"] and "page_size" in ev["reason"], ev
+        # it names a disagreeing rank (whichever B announced first), the field and both values
+        assert ("gp/tp2/pp0" in ev["reason"] or "gp/tp3/pp0" in ev["reason"]) and "page_size" in ev["reason"], ev
         assert "= 8" in ev["reason"] and "= 4" in ev["reason"], ev
         assert "page_size" in str(_status(b)["rendezvous"]["refused"]["gp/prefill"])
+        # a well-formed instance whose ranks 2-3 are at B: B's advertised address cannot be reached
+        up = c.spread_instance([a, a, b, b], "up", "prefill", pspec, NUM_PAGES)
+        decode[0].command(cmd="expect", request_id="far-1", pages=[1, 2], n=8, source_instance="up",
+                          source_address=a.address)
+        ev = finished(decode[0], "far-1", timeout=25)
+        assert ev["state"] == "failed" and ev["code"] in ("bootstrap_timeout", "bootstrapping_timeout"), ev
+        assert "127.0.0.2:" in ev["reason"] and "up/tp2/pp0" in ev["reason"], ev
+        assert f"directory of rendezvous {a.address}" in ev["reason"], ev
+        close(up)

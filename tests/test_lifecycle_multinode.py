@@ -148,3 +148,13 @@ def test_an_instance_wholly_at_one_daemon_expects_as_before():
         p.send(r, "r", pages(2, 2 * t), 0, 8, True)
     c.run()
     assert d.outcome("r", rank).state == "done"
+
+
+def test_a_bootstrap_that_times_out_names_what_it_waited_for():
+    c, a, b, d, prefill, decode = _spread(1)
+    c.hold_bootstraps = True
+    d.expect(decode[0], "r", pages(2), "p", num_tokens=8, source_node=a)
+    d.inbox.get("r", decode[0].id).waiting_for = "the source daemon A:1, which said: missing ranks p/tp3/pp0"
+    c.tick(d.cfg.timeouts.bootstrap_s + 1)
+    outcome = d.outcome("r", decode[0])
+    assert outcome.code == "bootstrapping_timeout" and "missing ranks p/tp3/pp0" in outcome.reason

@@ -200,4 +200,7 @@ class DecodeSide:
                                         "a WRITE still in flight may land in the request's pages")
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
-                self._fail(entry, f"{entry.state}_timeout", f"request spent more than {limit}s in state {entry.state}")
+                why = f" (waiting for {entry.waiting_for})" if entry.waiting_for and entry.state == states.BOOTSTRAPPING \
+                    else ""
+                self._fail(entry, f"{entry.state}_timeout",
+                           f"request spent more than {limit}s in state {entry.state}{why}")
