@@ -118,16 +118,18 @@ class Downstream:
             decode_spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.decode_spec, "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
-        existing = app.life.routes.pair(prefill, msg.decode_instance)
-        if existing is not None and existing[1].identity != identity and existing[1].identity in self.peers:
-            # the pair is bound to another live link; a restarted decode daemon gets in once
-            # the old link misses its heartbeats, a stranger replaying a handshake never does
-            return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} is bound to another live "
-                                           "peer link")
+        existing = app.life.routes.route_at(prefill, msg.decode_instance, msg.daemon)
+        if existing is not None and existing.identity != identity and existing.identity in self.peers:
+            # the pair is bound to another live link of that decode daemon; a restarted decode daemon
+            # gets in once the old link misses its heartbeats, a stranger replaying a handshake never does
+            return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} at {msg.daemon} is bound to "
+                                           "another live peer link")
         mode = msg.mode if msg.mode != "auto" else app.cfg.peer.mode
         transport, remote, mode = app.transports.choose(msg.to_wire(), decode_spec, mode)
         plan = make_plan(spec, decode_spec, mode=mode, decode_tensors=msg.decode_tensors is not False,
                          require_same_page_size=app.cfg.peer.require_same_page_size)
+        # a decode instance over several daemons: each handshakes; all must find the same plan
+        app.life.routes.check_pair(prefill, msg.decode_instance, plan, msg.daemon)
         host, port = protocol.split_address(msg.data_address)
         route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
         app.life.routes.set_pair(prefill, msg.decode_instance, plan, route)
@@ -142,18 +144,20 @@ class Downstream:
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
         app = self.app
-        found = app.life.routes.pair(msg.prefill_instance, msg.decode_instance)
-        if found is None or found[1].identity != identity:
+        route = app.life.routes.route_of(msg.prefill_instance, msg.decode_instance, identity)
+        plan = app.life.routes.plan(msg.prefill_instance, msg.decode_instance)
+        if route is None or plan is None:
             return messages.PeerError.about(msg.request_id, "no_handshake", "no handshake for this instance "
                                             "pair; handshake again", incarnation=app.incarnation)
-        plan, route = found
+        dst = (msg.dst[0], msg.dst[1])
         bound = app.life.routes.request(msg.request_id, msg.prefill_instance)
-        if bound is not None and (bound.decode_instance != msg.decode_instance or bound.route.identity != identity):
+        held = bound.routes.get(dst) if bound is not None else None
+        if bound is not None and (bound.decode_instance != msg.decode_instance
+                                  or (held is not None and held.identity != identity)):
             # first binding wins: a second decode side may not take over a request's bytes
             return messages.PeerError.about(msg.request_id, "request_bound",
                                             f"request {msg.request_id!r} is already bound to decode "
                                             f"instance {bound.decode_instance!r} on another peer link", "request_id")
-        dst = (msg.dst[0], msg.dst[1])
         if not (dst[0] < plan.decode.tp_size and dst[1] < plan.decode.pp_size):
             raise ProtocolError(f"dst {list(dst)} is outside the decode instance's tp x pp",
                                 field="dst", fix="send a rank of the decode instance")

@@ -21,7 +21,8 @@ from .planner import Plan, Writer
 
 @dataclass(frozen=True)
 class Route:
-    """How to reach the decode daemon of a (prefill, decode) instance pair."""
+    """How to reach one decode daemon of a (prefill, decode) instance pair (a decode instance over
+    several daemons has one route per daemon)."""
 
     kind: str  # "local", "tcp" or "nixl"
     data_address: tuple[str, int] | None = None
@@ -38,12 +39,24 @@ class Route:
 
 @dataclass(frozen=True)
 class Binding:
-    """What an expect taught the prefill side about one request: shared by every source of it
-    (kept by :class:`~kvxferd.lifecycle.routes.RouteBook`), never copied."""
+    """What expects taught the prefill side about one request: shared by every source of it
+    (kept by :class:`~kvxferd.lifecycle.routes.RouteBook`), never copied. ``routes`` grows as the
+    expects of the decode ranks arrive: each names its destination rank, and the link it came
+    on is the route to that rank's daemon (a decode instance may span several daemons)."""
 
     plan: Plan
     decode_instance: str
-    route: Route
+    routes: dict[tuple[int, int], Route] = field(default_factory=dict)  # destination rank -> its daemon
+
+    def daemons(self) -> list[Route]:
+        """One route per decode daemon of the request (in the order their expects came)."""
+        seen: dict[str, Route] = {}
+        for route in self.routes.values():
+            seen.setdefault(route.daemon if route.identity is None else repr(route.identity), route)
+        return list(seen.values())
+
+    def routed_to(self, identity: bytes) -> bool:
+        return any(route.identity == identity for route in self.routes.values())
 
 
 @dataclass
@@ -61,8 +74,10 @@ class Target:
     writer: Writer
     scheduled: set[int] = field(default_factory=set)
     acked: set[int] = field(default_factory=set)
+    route: Route | None = None  # the daemon of the destination rank (the link its expect came on)
     dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
     start: int = 0  # the decode side holds tokens before it already: chunks are clipped to >= start
+    inflight: int = 0  # jobs towards it not returned yet (a fence waits for those of its daemon)
 
 
 @dataclass
@@ -112,9 +127,19 @@ class SrcEntry:
     def plan(self) -> Plan | None:
         return self.binding.plan if self.binding is not None else None
 
+    def routes(self) -> list[Route]:
+        """The decode daemons of the request known so far (each told of a failure once)."""
+        return self.binding.daemons() if self.binding is not None else []
+
+    def routed_to(self, identity: bytes) -> bool:
+        return self.binding is not None and self.binding.routed_to(identity)
+
     @property
-    def route(self) -> Route | None:
-        return self.binding.route if self.binding is not None else None
+    def transport(self) -> str:
+        """The metric label: the routes' transport (several only for a decode instance spread over
+        daemons reached differently, e.g. ``local+tcp``)."""
+        kinds = sorted({route.kind for route in self.routes()})
+        return "+".join(kinds) if kinds else "none"
 
     @property
     def decode_instance(self) -> str | None:

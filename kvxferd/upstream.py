@@ -216,8 +216,8 @@ class Upstream:
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
         app = self.app
         while True:
-            cached = app.life.routes.pair(prefill, decode)
-            if cached is not None and cached[1].local:
+            cached = app.life.routes.local(prefill, decode)
+            if cached is not None:
                 return cached[0]
             elsewhere = app.rendezvous.directory.remote(prefill, "prefill", time.monotonic())
             if elsewhere:  # its writers elsewhere would never be asked for their bytes

@@ -147,7 +147,8 @@ class Cluster:
     def _expect_upstream(self, node: Node, address: str, entry: DestEntry,
                          writers: tuple[tuple[int, int], ...] | None = None) -> None:
         source = self.by_address(address)
-        plan, route = source.life.routes.pair(entry.source_instance, entry.rank.instance)
+        plan = source.life.routes.plan(entry.source_instance, entry.rank.instance)
+        route = source.life.routes.route_of(entry.source_instance, entry.rank.instance, node.identity)
         self.later(source, events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
                                                entry.rank.coords, plan, route, start=entry.start, writers=writers))
 
@@ -215,7 +216,7 @@ class Cluster:
         self.later(node, events.JobFinished(job.entry, job.target, job.index, job.kind, moved, 0.001, error))
 
     def by_address_of_route(self, job: effects.StartJob) -> Node:
-        route = job.entry.route
+        route = job.target.route
         assert route is not None
         return self.by_address(route.daemon)
 

@@ -157,7 +157,7 @@ def test_decode_daemon_lost_fails_its_sources_and_forgets_its_routes():
     pn.handle(events.DownstreamLost(dn.identity, "peer_dead", "decode daemon silent"))
     c.run()
     assert pn.outcome("r", p).code == "peer_dead"
-    assert pn.life.routes.pair("p", "d") is None and pn.life.routes.request("r", "p") is None
+    assert pn.life.routes.plan("p", "d") is None and pn.life.routes.request("r", "p") is None
     assert [g.why for g in pn.gone] == ["decode daemon silent"]
 
 

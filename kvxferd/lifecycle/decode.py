@@ -47,7 +47,7 @@ class DecodeSide:
         if entry.source_address:
             self.emit(effects.ExpectUpstream(entry.source_address, entry))
             return
-        pair = self.routes.pair(entry.source_instance, entry.rank.instance)
+        pair = self.routes.local(entry.source_instance, entry.rank.instance)
         assert pair is not None, "a local plan is found through the route book"
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
                                             entry.rank.coords, pair[0], pair[1], start=entry.start))

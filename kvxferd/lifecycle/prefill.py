@@ -75,8 +75,8 @@ class PrefillSide:
 
     # -- decode daemons ------------------------------------------------------------------------
     def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:
-        binding = Binding(ev.plan, ev.decode, ev.route)
-        self.routes.bind(ev.request_id, ev.prefill, binding)
+        binding = self._binding_for(ev)
+        binding.routes.setdefault(ev.dst, ev.route)  # the destination rank's daemon: its expect's link
         for w in ev.plan.destination(*ev.dst).writers:
             if ev.writers is not None and w.src not in ev.writers:
                 continue  # held by another daemon of the instance
@@ -94,7 +94,8 @@ class PrefillSide:
                                                                 "reason": entry.failure[1]})
                 continue
             entry.bind(binding, self.now)
-            entry.targets.setdefault(ev.dst, Target(ev.dst, w, dst_pages=ev.dst_pages, start=ev.start))
+            entry.targets.setdefault(ev.dst, Target(ev.dst, w, route=ev.route, dst_pages=ev.dst_pages,
+                                                    start=ev.start))
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
         for entry in self.sources_of(ev.request_id):
@@ -103,23 +104,47 @@ class PrefillSide:
                 self._pump(entry)
             self._check_src(entry)
 
+    def _binding_for(self: "Lifecycle", ev: events.PeerExpected) -> Binding:
+        """The request's one binding: every decode rank's expect adds its route to it (the peer
+        endpoint refused an expect of another decode instance or plan already)."""
+        binding = self.routes.request(ev.request_id, ev.prefill)
+        if binding is None:  # the book is bounded: a source may still hold it
+            binding = next((e.binding for e in self.sources_of(ev.request_id)
+                            if e.binding is not None and e.rank_id.startswith(ev.prefill + "/")), None)
+        if binding is None or binding.decode_instance != ev.decode or binding.plan != ev.plan:
+            binding = Binding(ev.plan, ev.decode)
+        self.routes.bind(ev.request_id, ev.prefill, binding)
+        return binding
+
     def _late_expect(self: "Lifecycle", request_id: str, route: Route, record: dict[str, Any]) -> None:
         """An expect for a request this side already ended: a failure must reach the decode side,
         which would otherwise wait for bytes until its own phase timeout."""
         if record.get("state") == "failed":
-            self._propagate_downstream(request_id, route, str(record.get("code") or "failed"),
+            self._propagate_downstream(request_id, [route], str(record.get("code") or "failed"),
                                        str(record.get("reason") or "request failed on the prefill side"))
+
+    def _fail_from_downstream(self: "Lifecycle", entries: list[SrcEntry], identity: bytes, code: str,
+                              message: str) -> None:
+        """A decode daemon failed the request or went: fail the sources here, and pass it on once to
+        the request's other decode daemons (a decode instance over several daemons), never back."""
+        told: set[int] = set()
+        for entry in entries:
+            first = entry.failure is None
+            self._fail(entry, code, message, propagate=False)
+            if first and entry.binding is not None and id(entry.binding) not in told:
+                told.add(id(entry.binding))
+                others = [r for r in entry.binding.daemons() if r.identity != identity]
+                self._propagate_downstream(entry.request_id, others, code, message)
 
     def _downstream_abort(self: "Lifecycle", ev: events.DownstreamAbort) -> None:
         # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
-        for entry in self.sources_of(ev.request_id):
-            if entry.route is None or entry.route.identity == ev.identity:
-                self._fail(entry, ev.code, ev.message, propagate=False)
+        self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
+                                    if e.binding is None or e.routed_to(ev.identity)],
+                                   ev.identity, ev.code, ev.message)
 
     def _fence_asked(self: "Lifecycle", ev: events.FenceAsked) -> Fenced | None:
-        for entry in self.sources_of(ev.request_id):
-            if entry.route is not None and entry.route.identity == ev.identity:
-                self._fail(entry, "peer_aborted", "the decode daemon failed the request", propagate=False)
+        self._fail_from_downstream([e for e in self.sources_of(ev.request_id) if e.routed_to(ev.identity)],
+                                   ev.identity, "peer_aborted", "the decode daemon failed the request")
         if self._writing(ev.request_id, ev.identity):
             self.fence_waiters.setdefault(ev.request_id, set()).add(ev.identity)
             return None
@@ -127,8 +152,8 @@ class PrefillSide:
 
     def _writing(self: "Lifecycle", request_id: str, identity: bytes) -> bool:
         """Whether a chunk job of the request towards that decode daemon has not returned yet."""
-        return any(entry.inflight and entry.route is not None and entry.route.identity == identity
-                   for entry in self.sources_of(request_id))
+        return any(target.inflight and target.route is not None and target.route.identity == identity
+                   for entry in self.sources_of(request_id) for target in entry.targets.values())
 
     def _answer_fences(self: "Lifecycle", request_id: str) -> None:
         waiters = self.fence_waiters.get(request_id)
@@ -142,16 +167,16 @@ class PrefillSide:
             del self.fence_waiters[request_id]
 
     def _downstream_lost(self: "Lifecycle", ev: events.DownstreamLost) -> None:
-        """Forget a decode daemon's link: its routes, transports state; fail its requests."""
+        """Forget a decode daemon's link: its routes, transports state; fail its requests (on the
+        request's other decode daemons too)."""
         for route in self.routes.drop_peer(ev.identity):
             self.emit(effects.PeerGone(route.kind, route.nixl, route.data_address, ev.message))
         for request_id, waiters in list(self.fence_waiters.items()):
             waiters.discard(ev.identity)
             if not waiters:
                 del self.fence_waiters[request_id]
-        for entry in list(self.sources.values()):
-            if entry.route is not None and entry.route.identity == ev.identity:
-                self._fail(entry, ev.code, ev.message, propagate=False)
+        self._fail_from_downstream([e for e in self.sources.values() if e.routed_to(ev.identity)], ev.identity,
+                                   ev.code, ev.message)
 
     # -- jobs ----------------------------------------------------------------------------------
     def _pump(self: "Lifecycle", entry: SrcEntry) -> None:
@@ -183,11 +208,13 @@ class PrefillSide:
                 return True
             start = target.start
             chunk_slots = clip_slots(chunk_slots, rank.geometry.spec, chunk.start, start)
-        route = entry.binding.route
+        route = target.route
+        assert route is not None
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl)
         entry.inflight += 1
+        target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
             states.advance(entry, states.SRC, "job_started", self.now)
         self.emit(effects.StartJob(job, route.kind, entry, target, idx))
@@ -196,6 +223,7 @@ class PrefillSide:
     def _job_finished(self: "Lifecycle", ev: events.JobFinished) -> None:
         entry, target = ev.entry, ev.target
         entry.inflight -= 1
+        target.inflight -= 1
         if ev.error is None and ev.moved is not None:
             moved = ev.moved
             target.acked.add(ev.index)
@@ -227,8 +255,8 @@ class PrefillSide:
     def _fail_src_now(self: "Lifecycle", entry: SrcEntry, code: str, message: str, propagate: bool) -> None:
         if not states.mark_failed(entry, code, message):
             return
-        if propagate and entry.route is not None:
-            self._propagate_downstream(entry.request_id, entry.route, code, message)
+        if propagate:
+            self._propagate_downstream(entry.request_id, entry.routes(), code, message)
         self._check_src(entry)
 
     def _finalize_src(self: "Lifecycle", entry: SrcEntry, state: str) -> None:
@@ -236,8 +264,7 @@ class PrefillSide:
         self._drop_source(entry)
         self._answer_fences(entry.request_id)
         mode = entry.plan.mode if entry.plan else "none"
-        transport = entry.route.kind if entry.route else "none"
-        self.metrics.transfers.labels("prefill", state, mode, transport).inc()
+        self.metrics.transfers.labels("prefill", state, mode, entry.transport).inc()
         record: dict[str, Any] = {"state": state, "bytes": entry.bytes_sent}
         if state == states.FAILED:
             code, message = entry.failure or ("unknown", "")
@@ -248,12 +275,14 @@ class PrefillSide:
         if rank is not None:
             self.emit(effects.TellEngine(rank.identity, Event.of(entry.rank_id, entry.request_id, record)))
 
-    def _propagate_downstream(self: "Lifecycle", request_id: str, route: Route, code: str, message: str) -> None:
-        if route.local:
-            for dest in self.inbox.for_request(request_id):
-                self._fail(dest, code, message, propagate=False)
-        elif route.identity is not None:
-            self.emit(effects.SendDownstream(route.identity, PeerAbort.of(request_id, code, message)))
+    def _propagate_downstream(self: "Lifecycle", request_id: str, routes: list[Route], code: str,
+                              message: str) -> None:
+        for route in routes:
+            if route.local:
+                for dest in self.inbox.for_request(request_id):
+                    self._fail(dest, code, message, propagate=False)
+            elif route.identity is not None:
+                self.emit(effects.SendDownstream(route.identity, PeerAbort.of(request_id, code, message)))
 
     def _tick_sources(self: "Lifecycle") -> None:
         limits = self.phase_limits()

@@ -1,32 +1,90 @@
 """The one place for plans and routes.
 
-Prefill side: a handshake binds an instance pair to a plan and a route (how to reach the
-decode daemon); an expect binds a request to the pair's plan, the decode instance and the
-route. Sources refer to the request's :class:`Binding` (shared, never copied), so a route
-that goes with its peer goes for every request at once.
+Prefill side: a handshake binds an instance pair to a plan and a route to the decode daemon
+that sent it. A decode instance whose ranks sit at several daemons handshakes once from each,
+so a pair holds one plan and one route per decode daemon (they must agree on the plan). An
+expect binds a request to the pair's plan, the decode instance and, per destination rank, the
+route of the link the expect came on. Sources refer to the request's :class:`Binding` (shared,
+never copied), so a route that goes with its peer goes for every request at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import dataclass, field
 
+from ..directory import spec_difference
+from ..errors import PlanRefusal
 from ..outbox import Binding, Route
 from ..planner import Plan
 
 
+@dataclass
+class PairRoutes:
+    """An instance pair: its plan and each decode daemon's route (by advertised address)."""
+
+    plan: Plan
+    routes: dict[str, Route] = field(default_factory=dict)
+
+
 class RouteBook:
     def __init__(self, max_requests: int) -> None:
-        self._pairs: dict[tuple[str, str], tuple[Plan, Route]] = {}
+        self._pairs: dict[tuple[str, str], PairRoutes] = {}
         # (request, prefill instance) -> binding; bounded, oldest dropped
         self._requests: OrderedDict[tuple[str, str], Binding] = OrderedDict()
         self._max_requests = max_requests
 
     # -- instance pairs (handshakes) ---------------------------------------------------------
-    def pair(self, prefill: str, decode: str) -> tuple[Plan, Route] | None:
-        return self._pairs.get((prefill, decode))
+    def plan(self, prefill: str, decode: str) -> Plan | None:
+        found = self._pairs.get((prefill, decode))
+        return found.plan if found is not None else None
+
+    def route_of(self, prefill: str, decode: str, identity: bytes) -> Route | None:
+        """The route of the decode daemon whose link has this routing id (None: no handshake on it)."""
+        found = self._pairs.get((prefill, decode))
+        if found is None:
+            return None
+        return next((r for r in found.routes.values() if r.identity == identity), None)
+
+    def route_at(self, prefill: str, decode: str, daemon: str) -> Route | None:
+        found = self._pairs.get((prefill, decode))
+        return found.routes.get(daemon) if found is not None else None
+
+    def local(self, prefill: str, decode: str) -> tuple[Plan, Route] | None:
+        """The pair's plan and route when decode ranks are on this daemon."""
+        found = self._pairs.get((prefill, decode))
+        route = next((r for r in found.routes.values() if r.local), None) if found is not None else None
+        return (found.plan, route) if found is not None and route is not None else None
+
+    def daemons(self, prefill: str, decode: str) -> list[str]:
+        found = self._pairs.get((prefill, decode))
+        return sorted(found.routes) if found is not None else []
+
+    def check_pair(self, prefill: str, decode: str, plan: Plan, daemon: str) -> None:
+        """A decode daemon's handshake must find the plan the pair's other decode daemons found:
+        every daemon of a decode instance computes it from the same two specs, so a difference is
+        a misconfigured rank (another geometry) or daemon (another ``peer.mode``)."""
+        found = self._pairs.get((prefill, decode))
+        others = [d for d in (found.routes if found is not None else {}) if d != daemon]
+        if found is None or not others or found.plan == plan:
+            return
+        fix = "register every rank of a decode instance with the same geometry, and give its daemons the same peer.mode"
+        if found.plan.decode != plan.decode:
+            name, theirs, ours = spec_difference(found.plan.decode, plan.decode)
+            raise PlanRefusal(f"decode daemon {daemon} has ranks of {decode!r} with {name} = {ours!r}, but decode "
+                              f"daemon {others[0]} has ranks of it with {name} = {theirs!r}",
+                              field=name, prefill=theirs, decode=ours, fix=fix)
+        raise PlanRefusal(f"decode daemon {daemon} plans {prefill!r} -> {decode!r} in mode {plan.mode!r}, but decode "
+                          f"daemon {others[0]} in mode {found.plan.mode!r}", field="mode",
+                          prefill=found.plan.mode, decode=plan.mode, fix=fix)
 
     def set_pair(self, prefill: str, decode: str, plan: Plan, route: Route) -> None:
-        self._pairs[(prefill, decode)] = (plan, route)
+        """Record a handshake (call :meth:`check_pair` first): a new plan replaces the pair's."""
+        found = self._pairs.get((prefill, decode))
+        if found is None or found.plan != plan:
+            keep = {d: r for d, r in found.routes.items() if d != route.daemon} if found is not None else {}
+            found = self._pairs[(prefill, decode)] = PairRoutes(plan, keep)
+        found.routes[route.daemon] = route
 
     # -- requests (expects) ------------------------------------------------------------------
     def request(self, request_id: str, prefill: str) -> Binding | None:
@@ -43,13 +101,17 @@ class RouteBook:
 
     # -- peers -------------------------------------------------------------------------------
     def drop_peer(self, identity: bytes) -> list[Route]:
-        """Forget every pair and request routed to a decode daemon; return the pairs' routes."""
+        """Forget every pair's route and every request routed to a decode daemon; return its routes.
+        Bindings held by sources keep their routes: the other decode daemons still hear a failure."""
         gone = []
-        for key, (_plan, route) in list(self._pairs.items()):
-            if route.identity == identity:
+        for key, found in list(self._pairs.items()):
+            for daemon, route in list(found.routes.items()):
+                if route.identity == identity:
+                    del found.routes[daemon]
+                    gone.append(route)
+            if not found.routes:
                 del self._pairs[key]
-                gone.append(route)
         for key, binding in list(self._requests.items()):
-            if binding.route.identity == identity:
+            if binding.routed_to(identity):
                 del self._requests[key]
         return gone
