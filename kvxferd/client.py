@@ -74,12 +74,15 @@ class _Base:
 
     @staticmethod
     def _register_msg(instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                      regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> dict[str, Any]:
+                      regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
+                      dp: tuple[int, int] | None = None) -> dict[str, Any]:
         geo = geometry.to_dict() if isinstance(geometry, RankGeometry) else dict(geometry)
         # the pid lets a daemon on the same host notice an engine that died without a word
         msg = {"instance": instance, "role": role, "geometry": geo, "regions": list(regions), "pid": os.getpid()}
         if rendezvous:  # the instance's ranks span several daemons; this one keeps its directory
             msg["rendezvous"] = rendezvous
+        if dp is not None:  # (dp_rank, dp_size): a data-parallel rank, filed as <instance>@dp<dp_rank>
+            msg["dp_rank"], msg["dp_size"] = dp
         return msg
 
 
@@ -132,24 +135,29 @@ class EngineClient(_Base):
 
     # -- the API -----------------------------------------------------------------------
     def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                 regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> str:
+                 regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
+                 dp: tuple[int, int] | None = None) -> str:
         """``rendezvous``: host:port of the daemon every rank of the instance names (instances whose
-        ranks register at several daemons); decode sides name it as the source address."""
-        return self.call("register", **self._register_msg(instance, role, geometry, regions, rendezvous))["rank_id"]
+        ranks register at several daemons); decode sides name it as the source address.
+        ``dp``: ``(dp_rank, dp_size)`` of a data-parallel (DP attention) rank."""
+        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp)
+        return self.call("register", **msg)["rank_id"]
 
     def unregister(self, rank_id: str) -> None:
         self.call("unregister", rank_id=rank_id)
 
     def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
-               source_address: str | None = None, num_tokens: int | None = None, start: int | None = None) -> str:
+               source_address: str | None = None, num_tokens: int | None = None, start: int | None = None,
+               source_dp_rank: int | None = None) -> str:
         """Expect a request's KV into ``pages`` (they cover the request from token 0).
 
         ``start``: tokens before it are already in those pages (a prefix cache hit); only
         ``[start, num_tokens)`` moves and the request is done once that range arrived.
+        ``source_dp_rank``: the DP rank of a data-parallel source instance that holds the request.
         """
         return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
                          source_address=source_address, pages=_pages(pages), num_tokens=num_tokens,
-                         start=start or None)["state"]
+                         start=start or None, source_dp_rank=source_dp_rank)["state"]
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
              last: bool = True, aux: bytes | None = None) -> str:
@@ -249,16 +257,18 @@ class AsyncEngineClient(_Base):
             self._waiters.pop(msg["seq"], None)
 
     async def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
-                       regions: Sequence[dict[str, Any]], rendezvous: str | None = None) -> str:
-        msg = self._register_msg(instance, role, geometry, regions, rendezvous)
+                       regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
+                       dp: tuple[int, int] | None = None) -> str:
+        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp)
         return (await self.call("register", **msg))["rank_id"]
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
                      source_address: str | None = None, num_tokens: int | None = None,
-                     start: int | None = None) -> str:
+                     start: int | None = None, source_dp_rank: int | None = None) -> str:
         return (await self.call("expect", rank_id=rank_id, request_id=request_id,
                                 source_instance=source_instance, source_address=source_address,
-                                pages=_pages(pages), num_tokens=num_tokens, start=start or None))["state"]
+                                pages=_pages(pages), num_tokens=num_tokens, start=start or None,
+                                source_dp_rank=source_dp_rank))["state"]
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
                    last: bool = True, aux: bytes | None = None) -> str:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+from . import dp
 from .errors import PlanRefusal, RegistrationError
 from .geometry import InstanceSpec
 from .registry import rank_id
@@ -27,6 +28,7 @@ class Holder:
     incarnation: str
     spec: InstanceSpec
     expires: float
+    dp_size: int | None = None  # the instance is a DP rank (<name>@dp<k>) of a data-parallel instance
 
 
 def spec_difference(a: InstanceSpec, b: InstanceSpec) -> tuple[str, object, object]:
@@ -60,9 +62,11 @@ class Directory:
         return key in self._managed or bool(self._held.get(key)) or bool(self.refused.get(key))
 
     def announce(self, instance: str, role: str, spec: InstanceSpec, ranks: Iterable[Coords], daemon: str,
-                 incarnation: str, now: float, local: dict[Coords, InstanceSpec]) -> None:
+                 incarnation: str, now: float, local: dict[Coords, InstanceSpec], dp_size: int | None = None,
+                 local_dp: dp.DpSize | None = None) -> None:
         """Record (or renew) the ranks held by ``daemon`` (all of them: those it no longer names are
-        withdrawn); refuse ranks that contradict the instance."""
+        withdrawn); refuse ranks that contradict the instance (also a DP rank whose ``dp_size``
+        differs from another DP rank's: ``local_dp`` is what ranks registered here said)."""
         key = (instance, role)
         self._expire(key, now)
         held = self._held.setdefault(key, {})
@@ -83,6 +87,7 @@ class Directory:
                 self._refuse(key, coords, f"rank {rid} announced by {daemon} has {field} = {ours!r}, but rank "
                              f"{other[0]} of the instance has {field} = {theirs!r}", field,
                              "register every rank of an instance with the same instance geometry")
+            self._check_dp(key, coords, daemon, dp_size, local_dp, now)
             holder = held.get(coords)
             # a rank held here, or announced by another daemon whose lease runs, is not taken over
             claim = self.own_address if coords in local else (
@@ -90,7 +95,7 @@ class Directory:
             if claim is not None and claim != daemon:
                 self._refuse(key, coords, f"rank {rid} is announced by {daemon} but held by {claim}", "daemon",
                              "register each rank of an instance at one daemon only")
-            held[coords] = Holder(daemon, incarnation, spec, now + self.lease_s)
+            held[coords] = Holder(daemon, incarnation, spec, now + self.lease_s, dp_size)
             self.refused.get(key, {}).pop(coords, None)
 
     def withdraw(self, instance: str, role: str, daemon: str, ranks: Iterable[Coords]) -> None:
@@ -148,7 +153,34 @@ class Directory:
                                     f"this rendezvous knows of)", missing)
         return out
 
+    def dp_seen(self, base: str, role: str, now: float) -> dp.DpSize | None:
+        """The ``dp_size`` a DP rank of the data-parallel instance ``base`` was announced with."""
+        for (instance, r), held in self._held.items():  # read only: announce() calls it mid-update
+            if r == role and dp.split(instance)[0] == base and dp.split(instance)[1] is not None:
+                for coords, holder in sorted(held.items()):
+                    if holder.dp_size is not None and holder.expires >= now:
+                        return dp.DpSize(holder.dp_size, rank_id(instance, *coords), holder.daemon)
+        return None
+
+    def plain(self, instance: str, role: str) -> bool:
+        """Whether ranks of ``instance`` were announced without DP ranks."""
+        return bool(self._held.get((instance, role)))
+
     # -- internals ---------------------------------------------------------------------------
+    def _check_dp(self, key: tuple[str, str], coords: Coords, daemon: str, dp_size: int | None,
+                  local_dp: dp.DpSize | None, now: float) -> None:
+        base, dp_rank = dp.split(key[0])
+        if dp_rank is None or dp_size is None:
+            return
+        rid = rank_id(key[0], *coords)
+        if dp_rank >= dp_size:
+            self._refuse(key, coords, f"rank {rid} announced by {daemon} is DP rank {dp_rank}, not below its "
+                         f"dp_size = {dp_size}", "dp_rank", f"register DP ranks 0..{dp_size - 1}")
+        why = dp.size_mismatch(base, rid, dp_size, daemon, local_dp or self.dp_seen(base, key[1], now))
+        if why is not None:
+            self._refuse(key, coords, why, "dp_size", dp.SAME_SIZE_FIX)
+
+
     def _expire(self, key: tuple[str, str], now: float) -> None:
         held = self._held.get(key)
         if held:

@@ -106,6 +106,7 @@ class Downstream:
         app = self.app
         protocol.check_version(msg.v)
         prefill = msg.prefill_instance
+        app.rendezvous.check_dp_request(prefill)  # a DP rank the instance does not have: refused now
         try:  # an instance over several daemons: the whole rank set, or wait (PlanRefusal: ranks disagree)
             ranks = app.rendezvous.handshake_ranks(prefill)
         except RankSetIncomplete as missing:

@@ -17,14 +17,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from . import messages, protocol
+from . import dp, messages, protocol
 from .binding import binding
 from .errors import KvxferError, ProtocolError, RegistrationError, RequestError
 from .geometry import RankGeometry
 from .lifecycle import events
 from .logutil import q
 from .outbox import Chunk
-from .registry import ProcessRef, Rank
+from .registry import ProcessRef, Rank, rank_id
 from .rendezvous import check_rendezvous
 from .segments import as_pages, check_whole_pages, unit_slots
 from .upstream import ignore_result, serve_router
@@ -137,7 +137,13 @@ class EngineEndpoint:
     def register(self, identity: bytes, msg: messages.Register) -> dict[str, Any]:
         app = self.app
         geometry = RankGeometry.from_dict(protocol.bounded_geometry(msg.geometry, "geometry"))
-        app.registry.check_new(msg.instance, msg.role, geometry)
+        dp.check_registration(msg.instance, msg.dp_rank, msg.dp_size)
+        instance = msg.instance if msg.dp_rank is None else dp.dp_instance(msg.instance, msg.dp_rank)
+        app.registry.check_new(instance, msg.role, geometry)
+        if msg.dp_size is not None:  # every DP rank of the instance names the same dp_size
+            rid = rank_id(instance, geometry.tp_rank, geometry.pp_rank)
+            dp.check_same_size(msg.instance, rid, msg.dp_size, app.address, app.rendezvous.dp_seen(msg.instance,
+                                                                                                   msg.role))
         if msg.rendezvous:
             check_rendezvous(msg.rendezvous)
         process = ProcessRef.find(msg.pid) if msg.pid is not None else None
@@ -150,7 +156,7 @@ class EngineEndpoint:
         except BaseException:
             app.release_unused_mappings()  # a refused registration keeps nothing mapped
             raise
-        rank = Rank(msg.instance, msg.role, geometry, regions, identity, process)
+        rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size)
         old = app.registry.get(rank.id)
         if old is not None:
             app.drop_rank(old, "rank re-registered (engine restarted)")
@@ -206,12 +212,15 @@ class EngineEndpoint:
                                f"{rank.geometry.spec.layout} layout moves whole pages", field="start",
                                fix=f"round start down to a page boundary ({start // unit * unit}): the "
                                    "partly cached page is sent again, whole")
+        source = msg.source_instance
+        if msg.source_dp_rank is not None:  # a DP rank of a data-parallel instance: an instance of its own
+            source = dp.dp_instance(source, msg.source_dp_rank)
         source_address = msg.source_address or ""
         if source_address == self.app.address:
             source_address = ""
         if source_address:
             protocol.split_address(source_address)
-        state = self.app.dispatch(events.ExpectCalled(rank, msg.request_id, msg.source_instance, pages,
+        state = self.app.dispatch(events.ExpectCalled(rank, msg.request_id, source, pages,
                                                       num_tokens, start, source_address))
         return messages.reply(state=state)
 

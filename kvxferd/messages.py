@@ -66,6 +66,8 @@ class Register(Message):
     regions: list[dict[str, Any]]
     pid: int | None = None
     rendezvous: str | None = None  # the instance's rendezvous daemon (its ranks span several daemons)
+    dp_rank: int | None = None  # a data-parallel rank of the instance (with dp_size)
+    dp_size: int | None = None
 
 
 @dataclass(frozen=True)
@@ -87,6 +89,7 @@ class Expect(Message):
     num_tokens: int | None = None
     start: int | None = None
     timeout_s: float | None = None
+    source_dp_rank: int | None = None  # the source instance's DP rank that holds the request
 
 
 @dataclass(frozen=True)
@@ -255,6 +258,7 @@ class Announce(Message):
     role: str
     spec: dict[str, Any]
     ranks: list[list[int]]
+    dp_size: int | None = None  # the instance is one DP rank of a data-parallel instance
 
 
 @dataclass(frozen=True)
@@ -277,6 +281,11 @@ class Ranks(Message):
     op: ClassVar[str] = "ranks"
     instance: str
     ranks: list[list[Any]]  # [[tp, pp, daemon], ...], every rank of the instance
+    #: a data-parallel instance: its dp_size, each complete DP rank's rank map
+    #: ``[[dp_rank, [[tp, pp, daemon], ...]], ...]``, and what keeps the others incomplete
+    dp_size: int | None = None
+    dp_ranks: list[list[Any]] | None = None
+    missing: list[str] | None = None
 
 
 @dataclass(frozen=True)

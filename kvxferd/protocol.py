@@ -170,6 +170,7 @@ class Schema:
         return out
 
 
+MAX_DP = 1 << 12  # DP ranks of an instance (dp.MAX_DP)
 REQUEST_ID = text(MAX_ID_LEN)
 NAME = text(MAX_NAME_LEN)
 ADDRESS = text(300)
@@ -189,13 +190,16 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
     "register": Schema(
         required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
                   "regions": list_of(region, 1 << 16)},
-        optional={"pid": integer(1, 1 << 31), "rendezvous": ADDRESS}),
+        optional={"pid": integer(1, 1 << 31), "rendezvous": ADDRESS,
+                  # a data-parallel rank (DP attention): filed as instance <instance>@dp<dp_rank>
+                  "dp_rank": integer(0, MAX_DP - 1), "dp_size": integer(1, MAX_DP)}),
     "unregister": Schema(required={"rank_id": NAME}, optional={}),
     "expect": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
                   "pages": int_list()},
         optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
-                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400)}),
+                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400),
+                  "source_dp_rank": integer(0, MAX_DP - 1)}),
     "send": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
                   "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
@@ -279,7 +283,7 @@ PEER_SCHEMAS: dict[str, Schema] = {
         required={"daemon": ADDRESS, "incarnation": INCARNATION, "instance": NAME,
                   "role": text(16, ("prefill", "decode")), "spec": mapping,
                   "ranks": list_of(pair, MAX_INSTANCE_RANKS)},
-        optional={}),
+        optional={"dp_size": integer(1, MAX_DP)}),
     # anyone -> a rendezvous: which daemon holds which rank of an instance
     "lookup": Schema(required={"instance": NAME, "role": text(16, ("prefill", "decode"))}, optional={}),
     "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),

@@ -49,6 +49,7 @@ class Rank:
     regions: dict[tuple[int, str], MappedRegion]
     identity: bytes  # routing id of the engine connection that registered it
     process: "ProcessRef | None" = None  # the engine process, when this daemon can see it
+    dp_size: int | None = None  # a DP rank of a data-parallel instance (``instance`` is <name>@dp<k>)
     id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -62,8 +63,11 @@ class Rank:
         return self.regions[(layer, kind)]
 
     def describe(self) -> dict:
-        return {"rank_id": self.id, "instance": self.instance, "role": self.role,
-                "geometry": self.geometry.to_dict(), "regions": len(self.regions)}
+        out = {"rank_id": self.id, "instance": self.instance, "role": self.role,
+               "geometry": self.geometry.to_dict(), "regions": len(self.regions)}
+        if self.dp_size is not None:
+            out["dp_size"] = self.dp_size
+        return out
 
 
 class Registry:

@@ -15,7 +15,7 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import messages, protocol
+from . import dp, messages, protocol
 from .directory import Coords, Directory, RankSetIncomplete
 from .errors import KvxferError, RequestError
 from .geometry import InstanceSpec
@@ -49,6 +49,23 @@ class Rendezvous:
     def local(self, instance: str, role: str) -> dict[Coords, InstanceSpec]:
         return {r.coords: r.geometry.spec for r in self.app.registry if r.instance == instance and r.role == role}
 
+    def _local_dp(self, base: str, role: str) -> dp.DpSize | None:
+        for r in self.app.registry:
+            if r.role == role and r.dp_size is not None and dp.split(r.instance)[0] == base:
+                return dp.DpSize(r.dp_size, r.id, self.app.address)
+        return None
+
+    def dp_seen(self, base: str, role: str) -> dp.DpSize | None:
+        """The ``dp_size`` of the data-parallel instance ``base`` as a rank here or an announcement said."""
+        return self._local_dp(base, role) or self.directory.dp_seen(base, role, time.monotonic())
+
+    def check_dp_request(self, instance: str) -> None:
+        """A handshake for a DP rank (``<name>@dp<k>``) the instance does not have is refused now."""
+        base, dp_rank = dp.split(instance)
+        if dp_rank is not None:
+            plain = self.app.registry.spec(base, "prefill") is not None or self.directory.plain(base, "prefill")
+            dp.check_request(base, dp_rank, self.dp_seen(base, "prefill"), plain)
+
     def registered(self, rank: Rank, rendezvous: str | None) -> None:
         if not rendezvous:
             return
@@ -76,8 +93,10 @@ class Rendezvous:
             return  # the last one is still on its way; the next heartbeat renews
         local = self.local(instance, role)
         spec = next(iter(local.values()), None)
+        dp_size = next((r.dp_size for r in self.app.registry if r.instance == instance and r.role == role), None)
         msg = messages.Announce(self.app.address, self.app.incarnation, instance, role,
-                                spec.to_dict() if spec is not None else {}, [list(c) for c in sorted(local)])
+                                spec.to_dict() if spec is not None else {}, [list(c) for c in sorted(local)],
+                                dp_size)
         self._pending.add(key)
         asyncio.ensure_future(self._announce(self.remote[key], key, msg))
 
@@ -113,7 +132,8 @@ class Rendezvous:
         spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.spec, "spec"))
         known = set(self.directory.remote(msg.instance, msg.role, now))
         self.directory.announce(msg.instance, msg.role, spec, [tuple(c) for c in msg.ranks], msg.daemon,
-                                msg.incarnation, now, local)
+                                msg.incarnation, now, local, msg.dp_size,
+                                self._local_dp(dp.split(msg.instance)[0], msg.role))
         if known != set(self.directory.remote(msg.instance, msg.role, now)):
             log.info("event=ranks_announced instance=%s daemon=%s ranks=%s", msg.instance, msg.daemon,
                      ",".join(f"{tp}.{pp}" for tp, pp in msg.ranks))
@@ -128,8 +148,24 @@ class Rendezvous:
                                fix="start every rank of the instance, each naming this daemon as its rendezvous")
 
     def on_lookup(self, msg: messages.Lookup) -> messages.Message:
+        seen = self.dp_seen(msg.instance, msg.role) if dp.split(msg.instance)[1] is None else None
+        if seen is not None:  # a data-parallel instance: which DP ranks it has, and where their ranks are
+            return self._dp_ranks(msg.instance, msg.role, seen.dp_size)
         held = self.rank_map(msg.instance, msg.role)
         return messages.Ranks(msg.instance, [[tp, pp, a] for (tp, pp), a in sorted(held.items())])
+
+    def _dp_ranks(self, base: str, role: str, dp_size: int) -> messages.Ranks:
+        complete: list[list[Any]] = []
+        missing: list[str] = []
+        for k in range(dp_size):
+            try:
+                held = self.directory.ranks(dp.dp_instance(base, k), role, time.monotonic(),
+                                            self.local(dp.dp_instance(base, k), role))
+            except (RankSetIncomplete, KvxferError) as exc:
+                missing.append(f"DP rank {k}: {exc}"[:300])
+                continue
+            complete.append([k, [[tp, pp, a] for (tp, pp), a in sorted(held.items())]])
+        return messages.Ranks(base, [], dp_size, complete, missing or None)
 
     def handshake_ranks(self, instance: str) -> list[list[Any]] | None:
         """What a handshake for the instance answers: None for an instance wholly on this daemon (as

@@ -92,3 +92,48 @@ def test_the_directory_is_bounded():
         d.announce("p", "prefill", s, [(2, 0)], "C:1", "inc", 0.0, {})
     assert full.value.field == "ranks"
     d.announce("p", "prefill", s, [(0, 0), (1, 0)], "B:1", "inc", 1.0, {})  # a renewal still fits
+
+
+# -- data-parallel instances: each DP rank is an instance <name>@dp<k>, all agreeing on dp_size ----
+
+def test_dp_ranks_announce_their_dp_size_and_a_disagreeing_one_is_refused_naming_both_values():
+    from kvxferd import dp
+    d, s = _dir(), spec(1, heads=2)
+    d.announce(dp.dp_instance("p", 2), "prefill", s, [(0, 0)], "B:1", "inc", 0.0, {}, dp_size=4)
+    assert d.dp_seen("p", "prefill", 0.5) == dp.DpSize(4, "p@dp2/tp0/pp0", "B:1")
+    with pytest.raises(RegistrationError) as refused:
+        d.announce(dp.dp_instance("p", 3), "prefill", s, [(0, 0)], "C:1", "inc", 1.0, {}, dp_size=8)
+    assert refused.value.field == "dp_size"
+    assert "p@dp3/tp0/pp0 at C:1 has dp_size = 8" in str(refused.value), refused.value
+    assert "p@dp2/tp0/pp0" in str(refused.value) and "dp_size = 4" in str(refused.value), refused.value
+    with pytest.raises(PlanRefusal, match="dp_size = 8"):  # the handshake for that DP rank names it too
+        d.ranks(dp.dp_instance("p", 3), "prefill", 1.5, {})
+    # a DP rank outside its own dp_size; a rank registered here (local_dp) wins over announcements
+    with pytest.raises(RegistrationError, match="DP rank 5, not below its dp_size = 4"):
+        d.announce(dp.dp_instance("p", 5), "prefill", s, [(0, 0)], "C:1", "inc", 1.0, {}, dp_size=4)
+    with pytest.raises(RegistrationError, match="at A:1 has dp_size = 2"):
+        d.announce(dp.dp_instance("q", 1), "prefill", s, [(0, 0)], "B:1", "inc", 1.0, {}, dp_size=4,
+                   local_dp=dp.DpSize(2, "q@dp0/tp0/pp0", "A:1"))
+
+
+def test_dp_names_registration_and_request_checks():
+    from kvxferd import dp
+    from kvxferd.errors import RequestError
+    assert dp.split(dp.dp_instance("p", 3)) == ("p", 3) and dp.split("p") == ("p", None)
+    assert dp.split("a@dpx") == ("a@dpx", None)
+    dp.check_registration("p", None, None)
+    dp.check_registration("p", 3, 4)
+    for args, field in ((("p", 1, None), "dp_size"), (("p", None, 4), "dp_rank"), (("p", 4, 4), "dp_rank"),
+                        (("p@dp1", 0, 2), "instance")):
+        with pytest.raises(RequestError) as refused:
+            dp.check_registration(*args)
+        assert refused.value.field == field and refused.value.fix, (args, refused.value)
+    seen = dp.DpSize(4, "p@dp0/tp0/pp0", "A:1")
+    dp.check_request("p", 3, seen, plain=False)
+    with pytest.raises(PlanRefusal) as refused:
+        dp.check_request("p", 4, seen, plain=False)
+    assert refused.value.field == "dp_rank" and "dp_size = 4" in str(refused.value)
+    assert (refused.value.prefill_value, refused.value.decode_value) == (4, 4)
+    with pytest.raises(PlanRefusal, match="without data-parallel ranks"):
+        dp.check_request("p", 0, None, plain=True)
+    dp.check_request("p", 0, None, plain=False)  # not registered yet: the handshake waits instead

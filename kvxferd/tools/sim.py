@@ -44,9 +44,12 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--role", required=True)
     ap.add_argument("--geometry", required=True, help="rank geometry JSON")
     ap.add_argument("--rendezvous", default=None, help="the instance's rendezvous daemon (host:port)")
+    ap.add_argument("--dp", default=None, help="dp_rank,dp_size of a data-parallel rank")
     args = ap.parse_args(argv)
     geometry = RankGeometry.from_dict(json.loads(args.geometry))
-    cache = allocate_cpu(geometry, name=f"{args.instance}-{geometry.tp_rank}-{geometry.pp_rank}", fill=CANARY)
+    args.dp = tuple(int(x) for x in args.dp.split(",")) if args.dp else None
+    tag = f"-dp{args.dp[0]}" if args.dp else ""
+    cache = allocate_cpu(geometry, name=f"{args.instance}{tag}-{geometry.tp_rank}-{geometry.pp_rank}", fill=CANARY)
     client = EngineClient(args.socket, timeout=30)
     out_lock = threading.Lock()
 
@@ -66,7 +69,7 @@ def worker_main(argv: list[str]) -> int:
 
 def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, emit: Any) -> int:
     try:
-        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous)
+        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous, args.dp)
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
         return 1
@@ -93,7 +96,8 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                     break
                 if cmd["cmd"] == "register":  # again (a restarted daemon): the same memory, same descriptors
                     try:
-                        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous)
+                        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous,
+                                              args.dp)
                         emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
                     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
                         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
@@ -128,7 +132,8 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
         if op == "expect":
             pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
             client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
-                          source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"])
+                          source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"],
+                          source_dp_rank=cmd.get("source_dp_rank"))
         elif op == "send":
             t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
@@ -292,14 +297,15 @@ class Worker:
     """A simulated engine rank process."""
 
     def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry,
-                 wait: bool = True, rendezvous: str | None = None) -> None:
+                 wait: bool = True, rendezvous: str | None = None, dp: tuple[int, int] | None = None) -> None:
         self.instance = instance
         self.role = role
         self.geometry = geometry
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvxferd.tools.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
              "--role", role, "--geometry", json.dumps(geometry.to_dict())]
-            + (["--rendezvous", rendezvous] if rendezvous else []),
+            + (["--rendezvous", rendezvous] if rendezvous else [])
+            + (["--dp", f"{dp[0]},{dp[1]}"] if dp else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.events = read_events(self.proc)
         self.rank_id = ""
@@ -383,6 +389,22 @@ class Cluster:
         for w in group:
             w.wait_registered()
         return group
+
+    def dp_instance(self, placement: list[DaemonProc], name: str, role: str, spec: InstanceSpec,
+                    num_pages: int) -> list[list[Worker]]:
+        """A data-parallel instance of ``len(placement)`` DP ranks, each a TP x PP group of ``spec``
+        wholly at its daemon, every rank naming the first daemon as the rendezvous; the workers
+        per DP rank."""
+        rendezvous, dp_size = placement[0].address, len(placement)
+        coords = [(tp, pp) for pp in range(spec.pp_size) for tp in range(spec.tp_size)]
+        groups = [[Worker(d, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False, rendezvous=rendezvous,
+                          dp=(k, dp_size)) for tp, pp in coords] for k, d in enumerate(placement)]
+        for group in groups:
+            self.workers.extend(group)
+        for group in groups:
+            for w in group:
+                w.wait_registered()
+        return groups
 
     def close(self, keep_root: bool = False) -> None:
         """Stop engines and daemons; remove the run dir unless ``keep_root`` (its logs, to debug)."""
