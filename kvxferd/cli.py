@@ -20,12 +20,39 @@ def _load_geometry(path: str) -> dict[str, Any]:
     return json.loads(text)
 
 
+def _live_ranks(args: argparse.Namespace) -> dict[str, Any] | int:
+    """``--rendezvous``: the rendezvous's answer for ``--instance`` (or an exit code, said why)."""
+    from .lookup import lookup
+    try:
+        return lookup(args.rendezvous, args.instance, args.role, args.timeout)
+    except KvxferError as exc:
+        print(f"kvxferd plan: {exc}", file=sys.stderr)
+        return 1
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .geometry import InstanceSpec
+    from .lookup import daemons_of, format_ranks
     from .planner import make_plan
 
+    live: dict[str, Any] | None = None
+    if args.rendezvous:
+        if not args.instance:
+            print("kvxferd plan: --rendezvous needs --instance", file=sys.stderr)
+            return 2
+        found = _live_ranks(args)
+        if isinstance(found, int):
+            return found
+        live = found
+        if not args.decode or live.get("dp_size"):  # the rank map only (a DP rank: --instance NAME@dp<k>)
+            print(json.dumps(live, indent=2, default=str) if args.json else "\n".join(format_ranks(live)))
+            return 0
+    elif not (args.prefill and args.decode):
+        print("kvxferd plan: give --prefill and --decode geometry files, or --rendezvous and --instance",
+              file=sys.stderr)
+        return 2
     try:
-        prefill = InstanceSpec.from_dict(_load_geometry(args.prefill))
+        prefill = InstanceSpec.from_dict(live["spec"] if live else _load_geometry(args.prefill))
         decode = InstanceSpec.from_dict(_load_geometry(args.decode))
     except (OSError, ValueError) as exc:
         if isinstance(exc, KvxferError):
@@ -36,22 +63,30 @@ def cmd_plan(args: argparse.Namespace) -> int:
         plan = make_plan(prefill, decode, mode=args.mode, require_same_page_size=args.same_page_size)
     except PlanRefusal as refusal:
         return _refused(args, refusal)
+    held = daemons_of(live) if live else {}
     if args.json:
-        print(json.dumps(plan.to_dict(), indent=2))
+        out = plan.to_dict()
+        if live:
+            out["ranks"] = live["ranks"]
+        print(json.dumps(out, indent=2))
         return 0
+    if live:
+        print("\n".join(format_ranks(live)))
     kinds = prefill.region_kinds
     print(f"prefill: {_describe(prefill)}")
     print(f"decode:  {_describe(decode)}")
     print(f"mode: {plan.mode}   fragments per decode page (per layer and kind): {plan.fragments_per_page()}")
     unit = "page" if prefill.slot_tokens > 1 else "token"  # packed_page moves whole pages
-    rows = [("decode rank", "writer (tp,pp)", "heads", "layers", f"bytes/{unit}", "slice")]
+    rows = [("decode rank", "writer (tp,pp)", "heads", "layers", f"bytes/{unit}", "slice")
+            + (("writer's daemon",) if held else ())]
     for dest in plan.destinations:
         for i, w in enumerate(dest.writers):
             per_token = (w.layers[1] - w.layers[0]) * len(kinds) * w.slice_bytes
             rows.append((f"tp{dest.tp_rank} pp{dest.pp_rank}" if i == 0 else "",
                          f"({w.tp_rank},{w.pp_rank})", f"[{w.heads[0]},{w.heads[1]})",
                          f"[{w.layers[0]},{w.layers[1]})", str(per_token),
-                         "whole rows" if w.whole_rows else f"{w.slice_bytes} B head slice"))
+                         "whole rows" if w.whole_rows else f"{w.slice_bytes} B head slice")
+                        + ((held.get((w.tp_rank, w.pp_rank), "?"),) if held else ()))
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for n, row in enumerate(rows):
         print("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip())
@@ -202,7 +237,8 @@ def format_status(status: dict[str, Any]) -> str:
         out.append(f"  {r['rank_id']:<28} {r['role']:<8} {g['attention']} layers={g['num_layers']} "
                    f"kv_heads={g['total_kv_heads']} head_dim={g['head_dim']} {g['dtype']} "
                    f"page_size={g['page_size']} tp={g['tp_rank']}/{g['tp_size']} pp={g['pp_rank']}/{g['pp_size']} "
-                   f"pages={g['num_pages']}")
+                   f"pages={g['num_pages']}" + (f" dp_size={r['dp_size']}" if r.get("dp_size") else ""))
+    out += _format_rank_maps(status.get("rendezvous") or {})
     out += ["", f"peers ({len(status['peers'])})"]
     for p in status["peers"]:
         out.append(f"  {p['address']:<24} {p['state']:<10} {p['side']:<8} last seen {p['last_seen_s']:.1f}s ago")
@@ -225,6 +261,28 @@ def format_status(status: dict[str, Any]) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if isinstance(f.get("time"), (int, float)) else "-"
         out.append(f"  {when}  {f['side']:<8} {f['request_id']:<20} {f['code']:<20} {f['reason'][:80]}")
     return "\n".join(out)
+
+
+def _format_rank_maps(rendezvous: dict[str, Any]) -> list[str]:
+    """Instances over several daemons: which daemon holds which rank (where this daemon is the
+    rendezvous), where this daemon's ranks are announced, and refused announcements."""
+    maps, announcing, refused = (rendezvous.get(k) or {} for k in ("rank_map", "announcing", "refused"))
+    if not (maps or announcing or refused):
+        return []
+    out = ["", "instances over several daemons"]
+    for key, where in sorted(maps.items()):
+        out.append(f"  {key}: rendezvous here, {len(where)} ranks")
+        by_daemon: dict[str, list[str]] = {}
+        for coords, address in where.items():
+            tp, _, pp = coords.partition(".")
+            by_daemon.setdefault(address, []).append(f"tp{tp}/pp{pp}")
+        for address, ranks in sorted(by_daemon.items()):
+            out.append(f"    {address:<24} {' '.join(ranks)}")
+    for key, address in sorted(announcing.items()):
+        out.append(f"  {key}: ranks here announced to rendezvous {address}")
+    for key, why in sorted(refused.items()):
+        out.append(f"  {key}: refused by its rendezvous: {why[:200]}")
+    return out
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
@@ -250,8 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="show how a prefill instance maps onto a decode instance")
-    p.add_argument("--prefill", required=True, help="prefill instance geometry (JSON or TOML)")
-    p.add_argument("--decode", required=True, help="decode instance geometry (JSON or TOML)")
+    p.add_argument("--prefill", help="prefill instance geometry (JSON or TOML)")
+    p.add_argument("--decode", help="decode instance geometry (JSON or TOML)")
+    p.add_argument("--rendezvous", metavar="HOST:PORT",
+                   help="ask this daemon (an instance's rendezvous) which daemon holds which rank of --instance; "
+                        "with --decode, plan against the live instance and name each writer's daemon")
+    p.add_argument("--instance", help="the instance to look up (a DP rank of a data-parallel one: NAME@dp<k>)")
+    p.add_argument("--role", default="prefill", choices=("prefill", "decode"))
+    p.add_argument("--timeout", type=float, default=5.0)
     p.add_argument("--mode", default="auto", choices=("auto", "direct", "staged"))
     p.add_argument("--same-page-size", action="store_true", help="refuse differing page sizes")
     p.add_argument("--json", action="store_true")

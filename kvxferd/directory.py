@@ -57,6 +57,9 @@ class Directory:
     def manage(self, instance: str, role: str) -> None:
         self._managed.add((instance, role))
 
+    def managed_keys(self) -> set[tuple[str, str]]:
+        return set(self._managed)
+
     def managed(self, instance: str, role: str) -> bool:
         key = (instance, role)
         return key in self._managed or bool(self._held.get(key)) or bool(self.refused.get(key))

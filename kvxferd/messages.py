@@ -286,6 +286,7 @@ class Ranks(Message):
     dp_size: int | None = None
     dp_ranks: list[list[Any]] | None = None
     missing: list[str] | None = None
+    spec: dict[str, Any] | None = None  # the instance's spec (of a DP instance: each DP rank's)
 
 
 @dataclass(frozen=True)

@@ -152,7 +152,12 @@ class Rendezvous:
         if seen is not None:  # a data-parallel instance: which DP ranks it has, and where their ranks are
             return self._dp_ranks(msg.instance, msg.role, seen.dp_size)
         held = self.rank_map(msg.instance, msg.role)
-        return messages.Ranks(msg.instance, [[tp, pp, a] for (tp, pp), a in sorted(held.items())])
+        return messages.Ranks(msg.instance, [[tp, pp, a] for (tp, pp), a in sorted(held.items())],
+                              spec=self._spec(msg.instance, msg.role))
+
+    def _spec(self, instance: str, role: str) -> dict[str, Any] | None:
+        spec = self.app.registry.spec(instance, role) or self.directory.spec(instance, role, time.monotonic())
+        return spec.to_dict() if spec is not None else None
 
     def _dp_ranks(self, base: str, role: str, dp_size: int) -> messages.Ranks:
         complete: list[list[Any]] = []
@@ -165,7 +170,8 @@ class Rendezvous:
                 missing.append(f"DP rank {k}: {exc}"[:300])
                 continue
             complete.append([k, [[tp, pp, a] for (tp, pp), a in sorted(held.items())]])
-        return messages.Ranks(base, [], dp_size, complete, missing or None)
+        spec = next((self._spec(dp.dp_instance(base, k), role) for k, _ in complete), None)
+        return messages.Ranks(base, [], dp_size, complete, missing or None, spec)
 
     def handshake_ranks(self, instance: str) -> list[list[Any]] | None:
         """What a handshake for the instance answers: None for an instance wholly on this daemon (as
@@ -182,10 +188,18 @@ class Rendezvous:
         out: dict[str, Any] = {"announcing": {f"{i}/{r}": a for (i, r), a in self.remote.items()}}
         if self.refusals:
             out["refused"] = {f"{i}/{r}": m for (i, r), m in self.refusals.items()}
-        held = {}
-        for instance, role in sorted(self.directory.keys()):
+        held, maps = {}, {}
+        for instance, role in sorted(set(self.directory.keys()) | self.directory.managed_keys()):
             remote = self.directory.remote(instance, role, now)
-            held[f"{instance}/{role}"] = {f"{tp}.{pp}": h.daemon for (tp, pp), h in sorted(remote.items())}
+            if remote:
+                held[f"{instance}/{role}"] = {f"{tp}.{pp}": h.daemon for (tp, pp), h in sorted(remote.items())}
+            # the whole map this rendezvous answers: its own ranks too (which daemon holds which rank)
+            where = {(tp, pp): h.daemon for (tp, pp), h in remote.items()}
+            where.update({c: self.app.address for c in self.local(instance, role)})
+            if where:
+                maps[f"{instance}/{role}"] = {f"{tp}.{pp}": a for (tp, pp), a in sorted(where.items())}
         if held:
             out["remote_ranks"] = held
+        if maps:
+            out["rank_map"] = maps
         return out

@@ -4,7 +4,10 @@ daemons and engine processes, byte-exact against the oracle."""
 
 from __future__ import annotations
 
+import json
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -88,3 +91,31 @@ def test_a_dp_rank_the_instance_does_not_have_and_a_disagreeing_dp_size_are_refu
     message = str(refused.value)
     assert "dp_size = 8" in message and "dp_size = 4" in message and "dpp@dp5/tp0/pp0" in message, message
     odd.close()
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvxferd", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_status_and_plan_show_which_daemon_holds_which_rank(instances, tmp_path):
+    a, b, d, groups, decode, pspec = instances
+    out = _cli("status", "--socket", a.socket_path)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    at = lines.index("  dpp@dp2/prefill: rendezvous here, 1 ranks")
+    assert lines[at + 1].split() == [b.address, "tp0/pp0"], lines[at:at + 2]
+    at = lines.index("  dpp@dp0/prefill: rendezvous here, 1 ranks")
+    assert lines[at + 1].split() == [a.address, "tp0/pp0"], lines[at:at + 2]
+    out = _cli("status", "--socket", b.socket_path)
+    assert f"  dpp@dp3/prefill: ranks here announced to rendezvous {a.address}" in out.stdout, out.stdout
+    # the rendezvous answers the DP ranks; a plan against DP rank 2 names the daemon of each writer
+    out = _cli("plan", "--rendezvous", a.address, "--instance", "dpp")
+    assert out.returncode == 0, out.stderr
+    assert "instance dpp: 4 DP ranks" in out.stdout and f"    tp0 pp0  {b.address}" in out.stdout, out.stdout
+    (tmp_path / "d.json").write_text(json.dumps(spec(tp_size=2, total_kv_heads=2).to_dict()))
+    out = _cli("plan", "--rendezvous", a.address, "--instance", "dpp@dp2", "--decode", str(tmp_path / "d.json"))
+    assert out.returncode == 0, out.stderr
+    rows = [line.split() for line in out.stdout.splitlines() if line.startswith("tp")]
+    assert rows and all(row[-1] == b.address for row in rows), out.stdout  # both decode ranks: writer at B
+    out = _cli("plan", "--rendezvous", a.address, "--instance", "nobody", "--timeout", "10")
+    assert out.returncode == 1 and "nobody" in out.stderr, (out.stdout, out.stderr)
