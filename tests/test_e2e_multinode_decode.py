@@ -32,17 +32,19 @@ def _decode_peers(daemon) -> set[str]:
     return {p["address"] for p in _status(daemon)["peers"] if p["side"] == "decode"}
 
 
-@pytest.mark.parametrize("spread_source", [True, False], ids=["tp4_over_two_to_tp2_over_two", "tp1_to_tp2_over_two"])
-def test_decode_tp2_over_two_daemons_byte_exact(cluster, spread_source):
+@pytest.mark.parametrize("spread_source,attention", [(True, "mha"), (False, "mha"), (True, "mla")],
+                         ids=["tp4_over_two_to_tp2_over_two", "tp1_to_tp2_over_two", "mla_tp4_over_two_to_tp2_over_two"])
+def test_decode_tp2_over_two_daemons_byte_exact(cluster, spread_source, attention):
     a, b, d1, d2 = (cluster.daemons[n] for n in NODES)
-    tag = "s" if spread_source else "o"
+    tag = ("s" if spread_source else "o") + attention
     if spread_source:
-        pspec = spec(tp_size=4, total_kv_heads=4)
+        pspec = spec(tp_size=4, total_kv_heads=4, attention=attention)
         prefill = cluster.spread_instance([a, a, b, b], f"{tag}p", "prefill", pspec, NUM_PAGES)
     else:
         pspec = spec(tp_size=1, total_kv_heads=4)
         (prefill,) = cluster.instances((a, f"{tag}p", "prefill", pspec, NUM_PAGES))
-    dspec = spec(tp_size=2, total_kv_heads=4, page_size=8)  # another page size too: pages re-cut
+    # another page size too: pages re-cut
+    dspec = spec(tp_size=2, total_kv_heads=4, page_size=8, attention=attention)
     decode = cluster.spread_instance([d1, d2], f"{tag}d", "decode", dspec, NUM_PAGES)
     rng = random.Random(7)
     try:
