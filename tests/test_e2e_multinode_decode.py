@@ -106,3 +106,28 @@ def test_a_decode_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(r
         dec, pre = transfer(prefill, d_ok, "ok-1", 23, src_pages=[11, 12, 13, 14, 15, 16],
                             dst_pages=[9, 10, 11, 12, 13, 14], source_address=a.address)
         assert_verified(dec, pre)
+
+
+def test_decode_daemons_whose_ranks_disagree_on_geometry_are_refused_naming_both(cluster):
+    """d/0 at D1 and d/1 at D2 registered with different page sizes: the second decode daemon's
+    handshake with the source is refused naming both daemons, the field and both values."""
+    from kvxferd.geometry import RankGeometry
+    from kvxferd.tools.sim import Worker
+    a, b, d1, d2 = (cluster.daemons[n] for n in NODES)
+    (prefill,) = cluster.instances((a, "gp", "prefill", spec(tp_size=1, total_kv_heads=4), NUM_PAGES))
+    decode = [Worker(dm, "gd", "decode", RankGeometry(spec(tp_size=2, total_kv_heads=4, page_size=ps), tp, 0,
+                                                      NUM_PAGES)) for dm, ps, tp in ((d1, 4, 0), (d2, 8, 1))]
+    cluster.workers.extend(decode)
+    try:
+        decode[0].command(cmd="expect", request_id="g-1", pages=[1, 2], n=8, source_instance="gp",
+                          source_address=a.address)
+        prefill[0].command(cmd="send", request_id="g-1", pages=[3, 4], n=8)
+        assert finished(decode[0], "g-1")["state"] == "done"  # D1's rank got its bytes
+        decode[1].command(cmd="expect", request_id="g-1", pages=[1], n=8, source_instance="gp",
+                          source_address=a.address)
+        ev = finished(decode[1], "g-1")
+        assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
+        assert d1.address in ev["reason"] and d2.address in ev["reason"], ev
+        assert "page_size = 8" in ev["reason"] and "page_size = 4" in ev["reason"], ev
+    finally:
+        close(prefill + decode)
