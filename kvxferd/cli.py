@@ -298,7 +298,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.svg", help="also draw every target against its goal, as SVG")
     b.add_argument("--from-json", metavar="FILE", help="run nothing: read a run saved with --json, and print "
                    "or draw it (ratios and targets computed again)")
-    b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches")
+    b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches, with "
+                   "the limits they read (peer engines only beside throughput rows; the planner row only if "
+                   "'planner' matches)")
     b.add_argument("--seed", type=int, default=1)
     b.set_defaults(func=cmd_bench)
     return parser
