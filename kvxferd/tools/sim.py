@@ -140,6 +140,25 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                 last = i == len(chunks) - 1 and not cmd.get("hold_last")
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
+        elif op == "expect_many":  # one batched call for many requests; refusals come back per request
+            reqs = cmd["requests"]
+            for r in reqs:
+                pending[r["request_id"]] = {"pages": r["pages"], "n": r["n"]}
+            outcomes = client.expect_many(rid, [{"request_id": r["request_id"], "pages": r["pages"],
+                                                 "num_tokens": r["n"], "source_instance": cmd["source_instance"],
+                                                 "source_address": cmd.get("source_address")} for r in reqs])
+            _batch_refusals(reqs, outcomes, "expect", pending, emit)
+        elif op == "send_many":  # every request whole, in one batched call
+            reqs = cmd["requests"]
+            ps = geometry.spec.page_size
+            for r in reqs:
+                fill_rank(cache, geometry, r["request_id"], r["pages"], r["n"])
+                pending[r["request_id"]] = {"pages": r["pages"], "n": r["n"]}
+            outcomes = client.send_many(rid, [{"request_id": r["request_id"], "pages": r["pages"][:-(-r["n"] // ps)],
+                                               "start": 0, "end": r["n"], "last": True,
+                                               "aux": bytes.fromhex(r["aux"]) if r.get("aux") else None}
+                                              for r in reqs])
+            _batch_refusals(reqs, outcomes, "send", pending, emit)
         elif op == "send_chunks":  # explicit [start, end, last] chunks, e.g. the rest of a held request
             t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
@@ -160,6 +179,16 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
         pending.pop(cmd.get("request_id", ""), None)
         emit({"event": "error", "cmd": op, "request_id": cmd.get("request_id"), "error": str(exc),
               "code": getattr(exc, "code", ""), "field": getattr(exc, "field", None)})
+
+
+def _batch_refusals(reqs: list[dict[str, Any]], outcomes: list[Any], op: str, pending: dict[str, dict[str, Any]],
+                    emit: Any) -> None:
+    """A batched call's refused items, reported like a refused single call."""
+    for r, outcome in zip(reqs, outcomes):
+        if isinstance(outcome, Exception):
+            pending.pop(r["request_id"], None)
+            emit({"event": "error", "cmd": op, "request_id": r["request_id"], "error": str(outcome),
+                  "code": getattr(outcome, "code", ""), "field": getattr(outcome, "field", None)})
 
 
 # -- orchestration ------------------------------------------------------------------------

@@ -70,7 +70,7 @@ def _full(add: _Adder) -> None:
         for model in ("8B", "tiny"):
             add("latency", t, "direct", Workload(model, 16), requests=400, window=1, verify=1)
     for t in ("local", "tcp"):
-        for client in ("sync", "async"):
+        for client in ("sync", "batch", "async"):
             add("rate", t, "direct", Workload("tiny", 16), requests=4000, window=64, client=client)
 
 
@@ -85,7 +85,7 @@ def _quick(add: _Adder) -> None:
         add("throughput", "tcp", "direct", wl)
     for t, model in (("local", "8B"), ("tcp", "8B"), ("tcp", "tiny")):
         add("latency", t, "direct", Workload(model, 16), requests=100, window=1, verify=1)
-    for t, client in (("local", "sync"), ("tcp", "sync"), ("tcp", "async")):
+    for t, client in (("local", "sync"), ("local", "batch"), ("tcp", "sync"), ("tcp", "batch"), ("tcp", "async")):
         add("rate", t, "direct", Workload("tiny", 16), requests=1000, window=64, client=client)
 
 
@@ -96,7 +96,7 @@ def _smoke(add: _Adder) -> None:
         add("throughput", t, m, wl)
     add("throughput", "tcp", "direct", Workload("8B", 64, 1, 2))  # one rank feeds two: head slices
     add("latency", "tcp", "direct", Workload("tiny", 16), requests=20, window=1, verify=1)
-    for client in ("sync", "async"):
+    for client in ("sync", "batch", "async"):
         add("rate", "tcp", "direct", Workload("tiny", 16), requests=200, window=16, client=client)
 
 
