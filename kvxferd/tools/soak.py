@@ -120,13 +120,14 @@ class Tally:
         decode = [e for role, e in req.events if role == "decode"]
         prefill = [e for role, e in req.events if role == "prefill"]
         wrong = sum(int(e.get("mismatched_bytes") or 0) for e in decode if e.get("state") == "done")
-        if req.killed:
-            key = "engine_killed:" + "+".join(sorted(set(req.killed)))
-        elif decode and all(e.get("event") == "finished" and e.get("state") == "done" for e in decode):
+        codes = sorted({str(e.get("code") or e.get("state")) for e in decode
+                        if not (e.get("event") == "finished" and e.get("state") == "done")})
+        if decode and not codes and not req.killed:
             key = "done"
+        elif req.killed:  # what the surviving decode ranks said (none left: the killed one was the decode side)
+            said = "+".join(codes) or ("done" if decode else "-")
+            key = f"engine_killed:{'+'.join(sorted(set(req.killed)))}/decode {said}"
         else:
-            codes = sorted({str(e.get("code") or e.get("state")) for e in decode
-                            if not (e.get("event") == "finished" and e.get("state") == "done")})
             key = "failed:" + "+".join(codes or ["?"])
         with self.lock:
             self.by_outcome[key] = self.by_outcome.get(key, 0) + 1

@@ -56,10 +56,14 @@ class NixlReceiver:
                     except Exception as exc:  # noqa: BLE001 - one notification must not stop all receiving
                         log.error("event=notification_crashed sender=%s error=%s", q(name), q(_why(exc)))
             busy = 0 if notifs else busy + 1
-            if (self._unreleased or self._forget_at) and time.monotonic() - last_retry > 1.0:
+            if (self._unreleased or self._forget_at or self.landing.quarantined) and \
+                    time.monotonic() - last_retry > 1.0:
                 last_retry = time.monotonic()
                 self._retry_releases()
                 self._drop_forgotten()
+                # a retired ring's memory goes when its quarantine ends, not only when the next ring is made
+                # (after a peer restart no new link may come for a long time)
+                self.landing.sweep()
             if busy < POLL_BUSY_ROUNDS:
                 self._closed.wait(POLL_BUSY_S)
             else:

@@ -177,6 +177,11 @@ class LandingRings:
             return len(self._rings)
 
     @property
+    def quarantined(self) -> int:
+        """Retired rings whose memory is still held: :meth:`sweep` frees them once their quarantine ends."""
+        return len(self._retired)
+
+    @property
     def bytes_held(self) -> int:
         """Memory of live and quarantined rings: what counts against the budget."""
         with self._lock:
