@@ -83,7 +83,8 @@ def fd_kinds(pid: int) -> dict[str, int]:
     return kinds
 
 
-def mappings(pid: int) -> tuple[int, int]:
-    """(all mappings, mappings of engine KV caches) of a process, from /proc/PID/maps."""
+def mappings(pid: int) -> tuple[int, list[str]]:
+    """(count of all mappings, the engine KV cache mappings' names) of a process, from /proc/PID/maps."""
     lines = Path(f"/proc/{pid}/maps").read_text().splitlines()
-    return len(lines), sum(1 for line in lines if any(m in line for m in KV_MAPPING_MARKS))
+    kv = [line.split(maxsplit=5)[-1] for line in lines if any(m in line for m in KV_MAPPING_MARKS)]
+    return len(lines), kv
