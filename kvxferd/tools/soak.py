@@ -584,8 +584,9 @@ class Soak:
             out.append(f"files left in /dev/shm: {shm}")
         return out
 
-    def close(self) -> list[str]:
-        """Stop everything; what outlived it (processes, files, the run dir) is a violation."""
+    def close(self, keep_logs: bool = False) -> list[str]:
+        """Stop everything; what outlived it (processes, files, the run dir) is a violation. ``keep_logs``:
+        the run dir stays with the daemons' logs (a failed soak), named in the summary."""
         with self.workers_lock:
             self.closing = True
             workers = list(self.all_workers)
@@ -594,7 +595,7 @@ class Soak:
                 w.kill()
         pids = [d.proc.pid for d in self.cluster.daemons.values() if d.proc is not None]
         self.cluster.workers = []
-        self.cluster.close(keep_root=False)
+        self.cluster.close(keep_root=keep_logs)
         out = []
         time.sleep(0.2)
         for pid in pids:
@@ -604,7 +605,7 @@ class Soak:
             if n.startswith(f"kvxferd-{self.tag}"):
                 out.append(f"/dev/shm/{n} left")
                 Path("/dev/shm", n).unlink(missing_ok=True)
-        if self.cluster.root.exists():
+        if self.cluster.root.exists() and not keep_logs:
             out.append(f"run dir {self.cluster.root} left")
             shutil.rmtree(self.cluster.root, ignore_errors=True)
         return out
@@ -697,8 +698,14 @@ def run_soak(duration: float, seed: int = 1, transports: list[str] | None = None
     summary: dict[str, Any] = {}
     try:
         summary = soak.run()
+    except Exception as exc:  # noqa: BLE001 - a soak that could not go on is a violation, with what it saw
+        t = soak.tally
+        summary = {"aborted": f"{type(exc).__name__}: {exc}", "run_dir": str(soak.cluster.root),
+                   "requests": {"issued": t.issued, "by_outcome": dict(sorted(t.by_outcome.items()))},
+                   "wrong_bytes": t.wrong_bytes, "engine_kills": t.engine_kills, "instances": t.instances,
+                   "violations": [*t.violations, f"the soak stopped: {type(exc).__name__}: {exc}"]}
     finally:
-        left = soak.close()
+        left = soak.close(keep_logs=bool(summary.get("violations")))
         if summary:
             summary["violations"] += left
             summary["ok"] = not summary["violations"]

@@ -177,6 +177,9 @@ class TcpDataServer:
                     self.inbox.finish(sink, ok)
                 if self.on_received:
                     self.on_received(sink, moved)
+                # the connection may now wait idle for minutes: nothing of this chunk may stay referenced, or
+                # its sink (the destination rank's regions) keeps a departed engine's KV cache mapped
+                del sink, moved
                 self._reply(conn, {"op": "ack", "ok": True})
                 proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
