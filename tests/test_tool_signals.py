@@ -1,4 +1,4 @@
-"""``kvxferd demo`` and ``kvxferd bench`` stopped by a signal leave nothing behind.
+"""``kvxferd demo``, ``kvxferd bench`` and ``kvxferd soak`` stopped by a signal leave nothing behind.
 
 The real commands, stopped with SIGTERM (what ``kill``, systemd and container runtimes
 send) or SIGINT while their daemons and engines run: afterwards none of the processes they
@@ -129,5 +129,12 @@ def test_bench_stopped_by_sigterm_stops_its_daemons_and_removes_its_files():
     code, started, files = stop_when_busy(
         [sys.executable, "-m", "kvxferd", "bench", "--smoke", "--only", "^local direct"], signal.SIGTERM,
         want_engines=1)
+    assert code == 128 + signal.SIGTERM, code
+    assert_clean(started, files)
+
+
+def test_soak_stopped_by_sigterm_stops_its_daemons_and_engines():
+    code, started, files = stop_when_busy([sys.executable, "-m", "kvxferd", "soak", "--duration", "600"],
+                                          signal.SIGTERM, want_engines=2)
     assert code == 128 + signal.SIGTERM, code
     assert_clean(started, files)
