@@ -38,12 +38,13 @@ demo: venv
 ENGINE_TESTS :=
 
 # The main suite mostly waits on the daemon and engine processes its tests start, so several
-# tests run at once (pytest-xdist). A module whose tests share a cluster of daemons runs in one
-# worker, so its daemons start once (tests/conftest.py groups them for --dist loadgroup).
+# test files run at once (pytest-xdist). Each file runs whole in one worker (--dist loadfile):
+# a module's shared cluster of daemons starts once, and tests that read what an earlier test of
+# their module recorded (summaries of fuzz runs) see it.
 PYTEST_WORKERS ?= 3
 
 test: venv
-	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadgroup $(PYTEST_ARGS)
+	$(PY) -m pytest -q --ignore=tests/engines -n $(PYTEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 	@for t in $(ENGINE_TESTS); do $(MAKE) --no-print-directory $$t || exit 1; done
 
 plan: $(STAMP)

@@ -283,20 +283,26 @@ def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
     return _env_overrides(os.environ if environ is None else environ, Config())[1]
 
 
-def validate(cfg: Config) -> Config:
-    def positive(key: str, value: float) -> None:
-        if value <= 0:
-            raise ConfigError(f"{key} must be > 0, got {value}", field=key, fix=f"set {key} to a positive value")
+def _positive(key: str, value: float) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}", field=key, fix=f"set {key} to a positive value")
 
-    for key in ("control_port", "data_port"):
-        port = getattr(cfg.peer, key)
-        if not 0 <= port <= 65535:
-            raise ConfigError(f"peer.{key} must be in [0, 65535], got {port}", field=f"peer.{key}",
-                              fix="pick a free TCP port (0 lets the OS choose)")
+
+def validate(cfg: Config) -> Config:
+    """Refuse a bad setting at start, naming it, rather than failing on the first request."""
+    _check_limits(cfg)
+    _check_peer(cfg)
+    _check_daemon(cfg)
+    _check_engine(cfg)
+    _check_metrics_and_auth(cfg)
+    return cfg
+
+
+def _check_limits(cfg: Config) -> None:
     for section in ("timeouts", "limits"):
         for f in dataclasses.fields(getattr(cfg, section)):
             if f.name != "nixl_landing_slots":  # 0 turns staged NIXL off
-                positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
+                _positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     lim = cfg.limits
     if lim.nixl_landing_slots < 0:
         raise ConfigError(f"limits.nixl_landing_slots must be >= 0, got {lim.nixl_landing_slots}",
@@ -307,36 +313,54 @@ def validate(cfg: Config) -> Config:
                           f"limits.staging_slot_bytes {lim.staging_slot_bytes} = {ring}) exceeds "
                           f"limits.nixl_landing_bytes {lim.nixl_landing_bytes}", field="limits.nixl_landing_bytes",
                           fix=f"raise limits.nixl_landing_bytes to at least {ring} (one ring per source daemon)")
-    positive("peer.heartbeat_interval_s", cfg.peer.heartbeat_interval_s)
-    positive("peer.peer_timeout_s", cfg.peer.peer_timeout_s)
-    positive("peer.data_connections", cfg.peer.data_connections)
-    positive("daemon.data_threads", cfg.daemon.data_threads)
-    if cfg.peer.peer_timeout_s <= cfg.peer.heartbeat_interval_s:
+
+
+def _check_peer(cfg: Config) -> None:
+    peer = cfg.peer
+    for key in ("control_port", "data_port"):
+        port = getattr(peer, key)
+        if not 0 <= port <= 65535:
+            raise ConfigError(f"peer.{key} must be in [0, 65535], got {port}", field=f"peer.{key}",
+                              fix="pick a free TCP port (0 lets the OS choose)")
+    _positive("peer.heartbeat_interval_s", peer.heartbeat_interval_s)
+    _positive("peer.peer_timeout_s", peer.peer_timeout_s)
+    _positive("peer.data_connections", peer.data_connections)
+    if peer.peer_timeout_s <= peer.heartbeat_interval_s:
         raise ConfigError(
-            f"peer.peer_timeout_s ({cfg.peer.peer_timeout_s}) must exceed peer.heartbeat_interval_s "
-            f"({cfg.peer.heartbeat_interval_s})", field="peer.peer_timeout_s",
+            f"peer.peer_timeout_s ({peer.peer_timeout_s}) must exceed peer.heartbeat_interval_s "
+            f"({peer.heartbeat_interval_s})", field="peer.peer_timeout_s",
             fix="allow at least two heartbeats before a peer is declared dead")
-    if cfg.peer.transport not in TRANSPORTS:
-        raise ConfigError(f"peer.transport {cfg.peer.transport!r} is not available", field="peer.transport",
+    if peer.transport not in TRANSPORTS:
+        raise ConfigError(f"peer.transport {peer.transport!r} is not available", field="peer.transport",
                           fix="use 'tcp', or 'nixl' (NIXL first, tcp as the fallback)")
-    if cfg.peer.transports:
-        bad = [t for t in cfg.peer.transports if t not in TRANSPORTS]
-        if bad or len(set(cfg.peer.transports)) != len(cfg.peer.transports):
-            raise ConfigError(f"peer.transports {cfg.peer.transports!r} must list distinct entries of {TRANSPORTS}",
+    if peer.transports:
+        bad = [t for t in peer.transports if t not in TRANSPORTS]
+        if bad or len(set(peer.transports)) != len(peer.transports):
+            raise ConfigError(f"peer.transports {peer.transports!r} must list distinct entries of {TRANSPORTS}",
                               field="peer.transports", fix='e.g. ["nixl", "tcp"]: NIXL first, tcp as the fallback')
-        if cfg.peer.transport != "tcp" and cfg.peer.transport not in cfg.peer.transports:
-            raise ConfigError(f"peer.transport {cfg.peer.transport!r} is not in peer.transports "
-                              f"{cfg.peer.transports!r}", field="peer.transports",
+        if peer.transport != "tcp" and peer.transport not in peer.transports:
+            raise ConfigError(f"peer.transport {peer.transport!r} is not in peer.transports "
+                              f"{peer.transports!r}", field="peer.transports",
                               fix="set one of them, or list peer.transport in peer.transports")
-    if cfg.peer.mode not in ("auto", "direct", "staged"):
-        raise ConfigError(f"peer.mode {cfg.peer.mode!r} is not one of auto, direct, staged",
+    if peer.mode not in ("auto", "direct", "staged"):
+        raise ConfigError(f"peer.mode {peer.mode!r} is not one of auto, direct, staged",
                           field="peer.mode", fix="use auto, direct or staged")
+    if not peer.bind_host:
+        raise ConfigError("peer.bind_host is empty", field="peer.bind_host",
+                          fix="set an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
+
+
+def _check_daemon(cfg: Config) -> None:
+    _positive("daemon.data_threads", cfg.daemon.data_threads)
     if cfg.daemon.log_format not in ("logfmt", "json"):
         raise ConfigError(f"daemon.log_format {cfg.daemon.log_format!r} is not logfmt or json",
                           field="daemon.log_format", fix="use logfmt or json")
     if cfg.daemon.log_level.lower() not in ("debug", "info", "warning", "error"):
         raise ConfigError(f"daemon.log_level {cfg.daemon.log_level!r} is not a level",
                           field="daemon.log_level", fix="use debug, info, warning or error")
+
+
+def _check_engine(cfg: Config) -> None:
     try:
         mode = int(cfg.engine.socket_mode, 8)
     except ValueError:
@@ -345,14 +369,6 @@ def validate(cfg: Config) -> Config:
     if mode & 0o007:
         raise ConfigError(f"engine.socket_mode {cfg.engine.socket_mode} lets every local user in",
                           field="engine.socket_mode", fix="use owner/group-only modes such as 0600 or 0660")
-    if cfg.metrics.bind:
-        _host, sep, port = cfg.metrics.bind.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ConfigError(f"metrics.bind {cfg.metrics.bind!r} is not host:port", field="metrics.bind",
-                              fix="write it like 127.0.0.1:9400 ([::1]:9400 for IPv6), or empty to disable")
-    if not cfg.peer.bind_host:
-        raise ConfigError("peer.bind_host is empty", field="peer.bind_host",
-                          fix="set an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
     if not cfg.engine.shm_dirs:
         raise ConfigError("engine.shm_dirs is empty: no shared-memory region could be mapped",
                           field="engine.shm_dirs", fix='list at least one directory, e.g. ["/dev/shm"]')
@@ -364,6 +380,14 @@ def validate(cfg: Config) -> Config:
             raise ConfigError(f"engine.socket_group {cfg.engine.socket_group!r} is not a group on this host",
                               field="engine.socket_group",
                               fix="create the group, or leave socket_group empty to keep the daemon's group") from None
+
+
+def _check_metrics_and_auth(cfg: Config) -> None:
+    if cfg.metrics.bind:
+        _host, sep, port = cfg.metrics.bind.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ConfigError(f"metrics.bind {cfg.metrics.bind!r} is not host:port", field="metrics.bind",
+                              fix="write it like 127.0.0.1:9400 ([::1]:9400 for IPv6), or empty to disable")
     if cfg.auth.enabled:
         from . import auth
         if not cfg.auth.secret_key_file:
@@ -372,7 +396,6 @@ def validate(cfg: Config) -> Config:
         for key in cfg.auth.allowed_keys:
             auth.check_key("auth.allowed_keys", key)
         auth.parse_peer_keys(cfg.auth.peer_keys)
-    return cfg
 
 
 def load(path: str | os.PathLike[str] | None = None,

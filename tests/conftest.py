@@ -98,30 +98,6 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         terminalreporter.write_line(f"{path} ({size} bytes) {what}", red=not pids)
 
 
-# -- parallel runs (pytest-xdist, --dist loadgroup) ---------------------------------------------
-# A module whose tests share a module- or class-scoped fixture (a cluster of daemons) runs in
-# one worker, so those daemons start once; the tests of every other module are independent and
-# go wherever a worker is free.
-_SHARED_SCOPES = ("module", "class", "package")
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(config, items):
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-
-    def shares(item) -> bool:
-        info = getattr(item, "_fixtureinfo", None)
-        return info is not None and any(d.scope in _SHARED_SCOPES
-                                        for defs in info.name2fixturedefs.values() for d in defs)
-
-    shared = {item.module.__name__ for item in items if getattr(item, "module", None) is not None and shares(item)}
-    for item in items:
-        module = getattr(item, "module", None)
-        if module is not None and module.__name__ in shared:
-            item.add_marker(pytest.mark.xdist_group(module.__name__))
-
-
 @pytest.fixture
 def cluster(request):
     """An empty loopback cluster for one test: whatever daemons and engines the test starts in

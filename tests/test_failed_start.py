@@ -71,3 +71,29 @@ def test_engine_socket_of_a_running_daemon_is_left_alone(cluster):
         assert client.call("ping")["ok"] is True
     finally:
         client.close()
+
+
+def test_harness_moves_a_first_start_off_a_taken_port(cluster):
+    """Another run on the machine may take a port between allocation and bind; the harness's first
+    start then moves to fresh ports (the daemon itself still refuses, as above)."""
+    d = cluster.daemon("moved", start=False)
+    taken = d.metrics_port
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", taken))
+        holder.listen(1)
+        d.start()
+    assert d.metrics_port != taken
+    assert f'bind = "127.0.0.1:{d.metrics_port}"' in d.config_path.read_text()
+    assert "code=bind_failed" in d.log()  # the first attempt failed for the reason named
+    client = EngineClient(d.socket_path, timeout=10)
+    try:
+        assert client.call("ping")["ok"] is True
+    finally:
+        client.close()
+
+
+def test_free_port_never_repeats_in_a_process_and_avoids_the_ephemeral_range():
+    from kvxferd.tools.sim import _ephemeral_floor, free_port
+    ports = [free_port() for _ in range(50)]
+    assert len(set(ports)) == len(ports)
+    assert all(port < _ephemeral_floor() for port in ports), ports

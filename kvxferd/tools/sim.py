@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -163,10 +164,43 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
 
 # -- orchestration ------------------------------------------------------------------------
 
+_PORT_FLOOR = 20000
+_PORT_BLOCK = 1000
+_next_port: list[int] = []
+
+
+def _ephemeral_floor() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody holds now and this process has not handed out before.
+
+    Asking the kernel for port 0 and closing it races: the same number goes to the next outgoing
+    connection or to a parallel test worker before the daemon binds it. So ports come from below
+    the ephemeral range, walked in order, from a block of their own per pytest-xdist worker."""
+    if not _next_port:
+        blocks = max(1, (_ephemeral_floor() - _PORT_FLOOR) // _PORT_BLOCK)
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else blocks - 1
+        _next_port.append(_PORT_FLOOR + (index % blocks) * _PORT_BLOCK + os.getpid() % (_PORT_BLOCK // 2))
+    start = _PORT_FLOOR + (_next_port[0] - _PORT_FLOOR) // _PORT_BLOCK * _PORT_BLOCK
+    for _ in range(_PORT_BLOCK):
+        port = _next_port[0]
+        _next_port[0] = start + (port + 1 - start) % _PORT_BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {start}..{start + _PORT_BLOCK - 1}")
+
+
+_PORT_KEYS = re.compile(r'^(control_port = |data_port = |bind = "127\.0\.0\.1:)(\d+)', re.M)
 
 
 @dataclass
@@ -180,6 +214,7 @@ class DaemonProc:
     config_path: Path
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    answered: bool = False
 
     @property
     def address(self) -> str:
@@ -190,11 +225,30 @@ class DaemonProc:
         return f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def start(self, env: dict[str, str] | None = None) -> None:
+        """Start and wait until it answers. A first start that finds one of its ports taken (another
+        run on the machine got there first) moves to fresh ports and tries again; a restart keeps its
+        ports, because its peers know them."""
+        for attempt in range(3):
+            try:
+                return self._start_once(env)
+            except RuntimeError as exc:
+                if "code=bind_failed" not in str(exc) or self.answered or attempt == 2:
+                    raise
+                self._move_ports()
+
+    def _move_ports(self) -> None:
+        fresh = {"control_port = ": free_port(), "data_port = ": free_port(), 'bind = "127.0.0.1:': free_port()}
+        self.config_path.write_text(_PORT_KEYS.sub(lambda m: m.group(1) + str(fresh[m.group(1)]),
+                                                   self.config_path.read_text()))
+        self.control_port, self.data_port = fresh["control_port = "], fresh["data_port = "]
+        self.metrics_port = fresh['bind = "127.0.0.1:']
+
+    def _start_once(self, env: dict[str, str] | None) -> None:
         self.log_path = self.workdir / f"{self.name}.log"
-        log = open(self.log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
-                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                     start_new_session=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
+                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                         start_new_session=True)
         deadline = time.monotonic() + 60
         from ..client import EngineClient
         while time.monotonic() < deadline:
@@ -204,6 +258,7 @@ class DaemonProc:
                 c = EngineClient(self.socket_path, timeout=1)
                 try:
                     c.call("ping")
+                    self.answered = True
                     return
                 except Exception:  # noqa: BLE001 - not up yet
                     pass

@@ -53,7 +53,7 @@ from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank
-from ..copier import gather, scatter, settle
+from ..copier import gather
 from ..segments import paired_segments, slots
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
@@ -237,11 +237,11 @@ class NixlTransport(NixlReceiver):
             self._forget_at.pop(agent, None)  # back before it was dropped: keep it
         for md in metadata:
             try:
-                loaded = self.agent.add_remote_agent(md)
+                added = self.agent.add_remote_agent(md)
             except Exception as exc:  # noqa: BLE001
                 raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
                                     field="nixl_md", fix="check both daemons run NIXL with a common backend")
-            name = loaded.decode() if isinstance(loaded, bytes) else str(loaded)
+            name = added.decode() if isinstance(added, bytes) else str(added)
             with self._lock:
                 self._loaded.add(name)
             if name != agent:
@@ -323,10 +323,7 @@ class NixlTransport(NixlReceiver):
                 if local is None:
                     local = pool.acquire(max(0.0, deadline - time.monotonic()))
                 try:
-                    for piece in pieces:  # overlaps the previous block's WRITE
-                        out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
-                        gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
-                               job.head_offset, w.slice_bytes, out)
+                    _gather_block(job, regions, pieces, local)  # overlaps the previous block's WRITE
                     address = self._slot_address(local)
                     if in_flight is not None:
                         pending, in_flight = in_flight, None
@@ -336,15 +333,8 @@ class NixlTransport(NixlReceiver):
                     pool.release(local)
                     raise
                 notif = protocol.encode({**head, "slot": remote_slot, "block": k})
-                try:
-                    handle = self._post(np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM",
-                                        np.array([[credits.info.slot_address(remote_slot), nbytes, 0]],
-                                                 dtype=np.uint64), "DRAM", peer.agent, notif,
-                                        after=lambda slot=local: pool.release(slot))
-                except TransferError as exc:
-                    if not getattr(exc, "posted", True):
-                        credits.release(remote_slot)  # nothing was posted: the landing slot is still ours
-                    raise  # else it stays taken: a WRITE that may still land there must not meet another
+                handle = self._post_block(peer, credits, remote_slot, address, nbytes, notif,
+                                          release=lambda slot=local: pool.release(slot))
                 in_flight = (handle, local)
             if in_flight is not None:
                 pending, in_flight = in_flight, None
@@ -356,6 +346,18 @@ class NixlTransport(NixlReceiver):
             with self._lock:
                 self._sending -= 1
         return Moved(job.nbytes, n_blocks, "staged")
+
+    def _post_block(self, peer: NixlPeer, credits: Credits, remote_slot: int, address: int, nbytes: int,
+                    notif: bytes, release: Callable[[], None]) -> Any:
+        """WRITE one gathered block into its landing slot; ``release`` frees the local slot once done."""
+        try:
+            return self._post(np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM",
+                              np.array([[credits.info.slot_address(remote_slot), nbytes, 0]], dtype=np.uint64),
+                              "DRAM", peer.agent, notif, after=release)
+        except TransferError as exc:
+            if not getattr(exc, "posted", True):
+                credits.release(remote_slot)  # nothing was posted: the landing slot is still ours
+            raise  # else it stays taken: a WRITE that may still land there must not meet another
 
     def _finish(self, in_flight: tuple[Any, Any], peer: NixlPeer, deadline: float, pool: StagingPool) -> None:
         handle, local = in_flight
@@ -536,3 +538,12 @@ class NixlTransport(NixlReceiver):
         self._retry_releases()
         self._scatterers.shutdown(wait=True, cancel_futures=True)
         self.landing.close()
+
+
+def _gather_block(job: ChunkJob, regions: list[Any], pieces: list[Any], local: Any) -> None:
+    """Pack one block's pieces (head slices of some tokens of some regions) into a staging slot."""
+    w = job.writer
+    for piece in pieces:
+        out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
+        gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
+               job.head_offset, w.slice_bytes, out)

@@ -19,7 +19,6 @@ Failures carry kvxferd's code and reason into SGLang's ``KVTransferError``.
 
 from __future__ import annotations
 
-import contextvars
 import ctypes
 import logging
 import os
@@ -49,7 +48,8 @@ from ...errors import KvxferError, RegistrationError
 from ...memory import describe_tensors
 from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
-from .layout import PoolFacts, RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
+from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
+from .pool import CURRENT_POOL, PoolContext, pool_facts, pool_region_tensors
 
 log = logging.getLogger("kvxferd.sglang")
 
@@ -58,71 +58,6 @@ CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang 
 INSTANCE_ENV = "KVXFERD_SGLANG_INSTANCE"
 BOOTSTRAP_HOST_ENV = "KVXFERD_SGLANG_BOOTSTRAP_HOST"
 BOOTSTRAP_WAIT_ENV = "KVXFERD_SGLANG_BOOTSTRAP_WAIT_S"
-
-
-@dataclass
-class PoolContext:
-    """What the plugin's hook on ``_init_kv_manager`` hands the manager SGLang builds inside it.
-
-    SGLang gives a manager only KVArgs (pointers); kvxferd registers tensors, so the hook
-    passes the pool (already moved into shared memory on CPU) and the model's KV head count.
-    """
-
-    pool: Any
-    metadata_buffers: Any
-    model_total_kv_heads: int | None
-    num_hidden_layers: int
-    shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
-
-
-CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
-                                                                                      default=None)
-
-_DTYPES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-           torch.int8: "int8", torch.uint8: "uint8"}
-for _name in ("float8_e4m3fn", "float8_e5m2"):
-    if hasattr(torch, _name):
-        _DTYPES[getattr(torch, _name)] = _name
-
-
-def pool_buffers(pool: Any) -> tuple[str, dict[str, list[torch.Tensor]]]:
-    """(attention kind, {region kind: per-layer tensors}) of an MHA or MLA token pool."""
-    if getattr(pool, "kv_buffer", None) is not None:
-        return "mla", {"latent": list(pool.kv_buffer)}
-    if getattr(pool, "k_buffer", None) is not None and getattr(pool, "v_buffer", None) is not None:
-        return "mha", {"k": list(pool.k_buffer), "v": list(pool.v_buffer)}
-    raise RegistrationError(f"KV pool {type(pool).__name__} has neither k_buffer/v_buffer nor kv_buffer",
-                            field="token_to_kv_pool", fix="use an MHA or MLA token pool (MHATokenToKVPool, "
-                                                          "MLATokenToKVPool)")
-
-
-def pool_facts(pool: Any) -> PoolFacts:
-    attention, buffers = pool_buffers(pool)
-    if getattr(pool, "use_hnd", False):
-        raise RegistrationError("the KV pool is laid out HND; kvxferd registers NHD buffers in place",
-                                field="kv_cache_layout", fix="start SGLang without an HND kv cache layout")
-    first = next(iter(buffers.values()))[0]
-    if first.dim() != 3:
-        raise RegistrationError(f"KV buffers have shape {list(first.shape)}, expected [rows, heads, head_dim]",
-                                field="token_to_kv_pool", fix="use an NHD MHA or MLA token pool")
-    shapes = {tuple(t.shape) for ts in buffers.values() for t in ts}
-    dtypes = {t.dtype for ts in buffers.values() for t in ts}
-    if len(shapes) != 1 or len(dtypes) != 1:
-        raise RegistrationError(f"KV buffers differ in shape {sorted(shapes)} or dtype {sorted(map(str, dtypes))}",
-                                field="token_to_kv_pool", fix="use a pool whose K and V have one head_dim")
-    dtype = _DTYPES.get(first.dtype)
-    if dtype is None:
-        raise RegistrationError(f"KV buffer dtype {first.dtype} is not one kvxferd moves", field="kv_cache_dtype",
-                                fix=f"use one of {sorted(_DTYPES.values())}")
-    rows, heads, dim = first.shape
-    return PoolFacts(attention=attention, dtype=dtype, rows=int(rows), local_heads=int(heads), head_dim=int(dim),
-                     page_size=int(pool.page_size), start_layer=int(getattr(pool, "start_layer", 0) or 0),
-                     num_layers=len(next(iter(buffers.values()))))
-
-
-def pool_region_tensors(pool: Any, facts: PoolFacts) -> dict[tuple[int, str], torch.Tensor]:
-    _, buffers = pool_buffers(pool)
-    return {(facts.start_layer + i, kind): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
 
 
 def _host(host: str | None) -> str:

@@ -65,7 +65,7 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
     if getattr(queue.transfer_backend, "value", None) != BACKEND:
         return original(queue)
     from ...memory import share_in_place
-    from .conn import CURRENT_POOL, PoolContext, pool_buffers
+    from .pool import CURRENT_POOL, PoolContext, pool_buffers
 
     pool = queue.token_to_kv_pool
     _, buffers = pool_buffers(pool)
