@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..geometry import InstanceSpec, RankGeometry
+from ..signals import deferred
 from . import procstats
 from .sim import Cluster, DaemonProc, Worker
 
@@ -379,6 +380,7 @@ class Soak:
         self.prefill_daemon: DaemonProc
         self.decode_daemons: dict[str, DaemonProc] = {}
         self.restarted: dict[str, Any] = {}
+        self.starting: list[threading.Thread] = []  # daemons being started: close() waits for them
 
     def worker(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry) -> Worker:
         """A registered engine rank; a rank started again right after its predecessor was killed may be
@@ -416,10 +418,10 @@ class Soak:
             self.decode_daemons[t] = d
             wanted.append((d, nixl_env if t == "nixl" else {}))
         self.envs = {d.name: env for d, env in wanted}
-        threads = [threading.Thread(target=d.start, args=(env or None,)) for d, env in wanted]
-        for t in threads:
+        self.starting = [threading.Thread(target=d.start, args=(env or None,)) for d, env in wanted]
+        for t in self.starting:
             t.start()
-        for t in threads:
+        for t in self.starting:
             t.join()
         for d, _ in wanted:
             if d.proc is None or d.proc.poll() is not None:
@@ -587,6 +589,9 @@ class Soak:
         with self.workers_lock:
             self.closing = True
             workers = list(self.all_workers)
+        for t in self.starting:  # stopped while daemons started: each is stopped once it runs
+            if t.is_alive():
+                t.join()
         for w in workers:
             if w.proc.poll() is None:
                 w.kill()
@@ -702,7 +707,8 @@ def run_soak(duration: float, seed: int = 1, transports: list[str] | None = None
                    "wrong_bytes": t.wrong_bytes, "engine_kills": t.engine_kills, "instances": t.instances,
                    "violations": [*t.violations, f"the soak stopped: {type(exc).__name__}: {exc}"]}
     finally:
-        left = soak.close(keep_logs=bool(summary.get("violations")))
+        with deferred():  # SIGTERM now would cut the cleanup short: it ends the soak once this is done
+            left = soak.close(keep_logs=bool(summary.get("violations")))
         if summary:
             summary["violations"] += left
             summary["ok"] = not summary["violations"]
