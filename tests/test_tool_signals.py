@@ -154,6 +154,7 @@ def test_soak_killed_by_sigkill_leaves_no_daemon_engine_or_file():
 
     def note(pid: int, below: set[int]) -> None:
         seen["pid"] = pid
+        seen["started"] = below
         configs = [arg for p in below if b"serve" in cmdline(p) for arg in cmdline(p).split(b"\0")
                    if arg.endswith(b".toml")]
         seen["run_dirs"] = {os.path.dirname(c.decode()) for c in configs}
@@ -178,6 +179,9 @@ def test_soak_killed_by_sigkill_leaves_no_daemon_engine_or_file():
         named = list(Path("/dev/shm").glob(f"kvxferd-soak{seen['pid']}*")) if os.path.isdir("/dev/shm") else []
         assert not named, named
     finally:
+        for pid in seen.get("started") or ():  # a failed check must not leave them running either
+            if alive(pid) and any(d.encode() in cmdline(pid) for d in seen.get("run_dirs") or ()):
+                os.kill(pid, signal.SIGKILL)
         # the run dir (daemon logs and configs) is the one thing a SIGKILLed soak cannot remove
         for d in seen.get("run_dirs") or ():
             if os.path.basename(d).startswith("kvxferd-"):
