@@ -186,3 +186,23 @@ def test_soak_killed_by_sigkill_leaves_no_daemon_engine_or_file():
         for d in seen.get("run_dirs") or ():
             if os.path.basename(d).startswith("kvxferd-"):
                 shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_signal_during_a_cleanup_ends_the_tool_after_the_cleanup(tmp_path):
+    """A tool cleaning up on its normal way out is sent SIGTERM: the cleanup runs to its end, then
+    the tool exits with 128 + SIGTERM (before, the signal cut the cleanup short)."""
+    marker = tmp_path / "cleaned"
+    script = (
+        "import os, signal, sys\n"
+        "from kvxferd.signals import cleanup_on_signals, deferred\n"
+        "with cleanup_on_signals():\n"
+        "    with deferred():\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "        for _ in range(1000):\n"
+        "            pass  # the handler runs between bytecodes: here, inside the cleanup\n"
+        f"        open({str(marker)!r}, 'w').write('done')\n"
+        "    print('after the cleanup', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=WAIT_S)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, proc.stderr)
+    assert marker.read_text() == "done"
+    assert "after the cleanup" not in proc.stdout
