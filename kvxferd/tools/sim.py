@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..geometry import InstanceSpec, RankGeometry
-from . import jsonlines
+from . import jsonlines, launch
 from .jsonlines import read_events, send_command
 from .oracle import CANARY, canary_report, check_rank, fill_rank, untouched
 
@@ -275,9 +275,10 @@ class DaemonProc:
     def _start_once(self, env: dict[str, str] | None) -> None:
         self.log_path = self.workdir / f"{self.name}.log"
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            # its own session (a terminal's Ctrl-C is the tool's to handle), yet it dies with the tool
+            self.proc = launch.popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         deadline = time.monotonic() + 60
         from ..client import EngineClient
         while time.monotonic() < deadline:
@@ -324,7 +325,7 @@ class Worker:
         self.instance = instance
         self.role = role
         self.geometry = geometry
-        self.proc = subprocess.Popen(
+        self.proc = launch.popen(
             [sys.executable, "-m", "kvxferd.tools.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
              "--role", role, "--geometry", json.dumps(geometry.to_dict())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)

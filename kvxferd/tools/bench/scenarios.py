@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .. import launch
 from .limits import memcpy_limit, socket_limit
 from .machine import children_cpu, machine_busy, others_pct, proc_cpu, wait_quiet
 from .model import STEADY_BYTES, GiB, MiB, Row, Scenario, Workload, say, size_label
@@ -189,8 +190,8 @@ def run_engine(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one scenario's engine process; its result record. However this ends (timeout, a
     signal to the bench), the engine is stopped with SIGTERM first, so it unlinks its caches,
     and any cache file it could not unlink (killed) is removed here."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvxferd.tools.bench.engine", json.dumps(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.popen([sys.executable, "-m", "kvxferd.tools.bench.engine", json.dumps(cfg)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
