@@ -193,6 +193,11 @@ def _batch_refusals(reqs: list[dict[str, Any]], outcomes: list[Any], op: str, pe
 
 # -- orchestration ------------------------------------------------------------------------
 
+#: peer liveness in the harness's configs: quick enough for tests that kill a daemon, slow
+#: enough that a daemon starved of CPU on a busy machine is not declared dead
+HEARTBEAT_S = 0.25
+PEER_TIMEOUT_S = 5.0
+
 _PORT_FLOOR = 20000
 _PORT_BLOCK = 1000
 _next_port: list[int] = []
@@ -374,7 +379,7 @@ class Cluster:
             f'[daemon]\ninstance_name = "{name}"\nlog_level = "info"\n'
             f'[engine]\nsocket_path = "{d.socket_path}"\nsocket_mode = "0600"\n'
             f'[peer]\nbind_host = "127.0.0.1"\ncontrol_port = {d.control_port}\ndata_port = {d.data_port}\n'
-            f'heartbeat_interval_s = 0.25\npeer_timeout_s = 1.5\n'
+            f'heartbeat_interval_s = {HEARTBEAT_S}\npeer_timeout_s = {PEER_TIMEOUT_S}\n'
             f'[metrics]\nbind = "127.0.0.1:{d.metrics_port}"\n' + extra_toml)
         self.daemons[name] = d
         if start:

@@ -403,18 +403,12 @@ class Soak:
                     self.tally.register_retries += 1
                 time.sleep(0.5)
 
-    def daemon_config(self, d: DaemonProc) -> None:
-        # a busy machine must not look like dead peers: heartbeats are generous
-        d.config_path.write_text(d.config_path.read_text().replace("peer_timeout_s = 1.5", "peer_timeout_s = 5.0"))
-
     def start_daemons(self) -> None:
         nixl_env = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl"}
         p = self.cluster.daemon("soak-p", extra_toml=CONFIG, start=False)
-        self.daemon_config(p)
         wanted = [(p, nixl_env if "nixl" in self.transports else {})]
         for t in self.transports:
             d = self.cluster.daemon(f"soak-d{t}", extra_toml=CONFIG, start=False)
-            self.daemon_config(d)
             self.decode_daemons[t] = d
             wanted.append((d, nixl_env if t == "nixl" else {}))
         self.envs = {d.name: env for d, env in wanted}
