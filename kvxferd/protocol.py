@@ -7,6 +7,7 @@ raises :class:`ProtocolError` naming the field, which endpoints turn into an err
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -174,8 +175,21 @@ REQUEST_ID = text(MAX_ID_LEN)
 NAME = text(MAX_NAME_LEN)
 ADDRESS = text(300)
 
+BASE_KINDS = ("k", "v", "latent", "kv")
+_GROUP_KIND = re.compile(r"^[a-z][a-z0-9_]{0,23}\.(k|v|latent|state)$")
+
+
+def region_kind(name: str, value: Any) -> str:
+    """A region's kind: a base kind, or ``<group>.<kind>`` for a cache group's region."""
+    kind = text(40)(name, value)
+    if kind not in BASE_KINDS and not _GROUP_KIND.match(kind):
+        raise ProtocolError(f"{name} = {kind!r} is not one of {BASE_KINDS} nor <group>.<k|v|latent|state>",
+                            field=name, fix="use the kinds the rank's geometry names")
+    return kind
+
+
 REGION = Schema(
-    required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent", "kv")),
+    required={"layer": integer(0, 1 << 16), "kind": region_kind,
               "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
     optional={"path": text(4096), "fd": integer(0, 1 << 31), "offset": integer(0, 1 << 48), "handle": mapping},
 )
@@ -217,7 +231,7 @@ def nixl_region(name: str, value: Any) -> list[Any]:
         raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device]", field=name,
                             fix="send one 7-entry list per region")
     tp, pp = pair(name, value[:2])
-    return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent", "kv"))(name, value[3]),
+    return [tp, pp, integer(0, 1 << 16)(name, value[2]), region_kind(name, value[3]),
             integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
             integer(-1, 1 << 10)(name, value[6])]
 
