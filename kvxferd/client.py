@@ -23,7 +23,7 @@ import asyncio
 import itertools
 import os
 import time
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import zmq
 import zmq.asyncio
@@ -48,6 +48,13 @@ class DaemonError(KvxferError):
 
 def _pages(pages: Iterable[int]) -> list[int]:
     return [int(p) for p in pages]
+
+
+def _groups(groups: Mapping[str, Iterable[int] | int] | None) -> dict[str, list[int]] | None:
+    """Cache groups' tables: pages per KV group, a state slot (an int or ``[slot]``) per state group."""
+    if not groups:
+        return None
+    return {name: [int(v)] if isinstance(v, int) else _pages(v) for name, v in groups.items()}
 
 
 class _Base:
@@ -136,20 +143,26 @@ class EngineClient(_Base):
         self.call("unregister", rank_id=rank_id)
 
     def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
-               source_address: str | None = None, num_tokens: int | None = None, start: int | None = None) -> str:
+               source_address: str | None = None, num_tokens: int | None = None, start: int | None = None,
+               groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         """Expect a request's KV into ``pages`` (they cover the request from token 0).
 
         ``start``: tokens before it are already in those pages (a prefix cache hit); only
         ``[start, num_tokens)`` moves and the request is done once that range arrived.
+        ``groups``: the instance's cache groups, a page table (from token 0) per KV group and
+        the state slot per state group.
         """
         return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
                          source_address=source_address, pages=_pages(pages), num_tokens=num_tokens,
-                         start=start or None)["state"]
+                         start=start or None, groups=_groups(groups))["state"]
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
-             last: bool = True, aux: bytes | None = None) -> str:
+             last: bool = True, aux: bytes | None = None,
+             groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
+        """``groups``: the chunk's pages per KV group (as ``pages``), each state group's slot with
+        the last chunk."""
         return self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages), start=start,
-                         end=end, last=last, aux=aux)["state"]
+                         end=end, last=last, aux=aux, groups=_groups(groups))["state"]
 
     def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))
@@ -249,15 +262,17 @@ class AsyncEngineClient(_Base):
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
                      source_address: str | None = None, num_tokens: int | None = None,
-                     start: int | None = None) -> str:
+                     start: int | None = None, groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         return (await self.call("expect", rank_id=rank_id, request_id=request_id,
                                 source_instance=source_instance, source_address=source_address,
-                                pages=_pages(pages), num_tokens=num_tokens, start=start or None))["state"]
+                                pages=_pages(pages), num_tokens=num_tokens, start=start or None,
+                                groups=_groups(groups)))["state"]
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
-                   last: bool = True, aux: bytes | None = None) -> str:
+                   last: bool = True, aux: bytes | None = None,
+                   groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         return (await self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages),
-                                start=start, end=end, last=last, aux=aux))["state"]
+                                start=start, end=end, last=last, aux=aux, groups=_groups(groups)))["state"]
 
     async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))

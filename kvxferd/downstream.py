@@ -164,7 +164,7 @@ class Downstream:
         except KvxferError as exc:
             return messages.PeerError(exc.to_wire(), msg.request_id)
         app.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
-                                         route, dst_pages, start))
+                                         route, dst_pages, start, msg.num_tokens))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:

@@ -50,7 +50,8 @@ class GroupPlan:
 
 
 def _refuse(group: str, field: str, prefill: Any, decode: Any, fix: str) -> PlanRefusal:
-    return PlanRefusal(f"cache group {group!r}: {field} differs: prefill has {prefill!r}, decode has {decode!r}",
+    return PlanRefusal(f"cache group {group!r}: {field} differs (groups.{group}.{field}): prefill has {prefill!r}, "
+                       f"decode has {decode!r}",
                        field=f"groups.{group}.{field}", prefill=prefill, decode=decode, fix=fix)
 
 
@@ -61,7 +62,7 @@ def check_groups(prefill: InstanceSpec, decode: InstanceSpec) -> None:
     for name in p_names + [n for n in d_names if n not in p_names]:
         if name not in p_names or name not in d_names:
             side, other = ("prefill", "decode") if name in p_names else ("decode", "prefill")
-            raise PlanRefusal(f"cache group {name!r} exists on the {side} side only: prefill has groups "
+            raise PlanRefusal(f"cache group {name!r} (groups.{name}) exists on the {side} side only: prefill has groups "
                               f"{p_names}, decode has {d_names}", field=f"groups.{name}",
                               prefill=p_names, decode=d_names,
                               fix=f"register the same cache groups on both instances (add {name!r} to the {other} "
@@ -101,7 +102,8 @@ def group_plans(prefill: InstanceSpec, decode: InstanceSpec, mode: str,
                             prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
         except PlanRefusal as refusal:
             where = "shape" if g.kind == "state" and refusal.field in ("head_dim", "total_kv_heads") else refusal.field
-            raise PlanRefusal(f"cache group {g.name!r}: {refusal.message}", field=f"groups.{g.name}.{where}",
+            raise PlanRefusal(f"cache group {g.name!r} (groups.{g.name}.{where}): {refusal.message}",
+                              field=f"groups.{g.name}.{where}",
                               prefill=refusal.prefill_value, decode=refusal.decode_value, fix=refusal.fix) from None
         dests = tuple(Destination(d.tp_rank, d.pp_rank, d.heads, d.layers,
                                   tuple(replace(w, group=g.name) for w in d.writers)) for d in sub.destinations)

@@ -86,6 +86,7 @@ class Expect(Message):
     num_tokens: int | None = None
     start: int | None = None
     timeout_s: float | None = None
+    groups: dict[str, list[int]] | None = None  # cache groups: page table per KV group, [slot] per state group
 
 
 @dataclass(frozen=True)
@@ -100,6 +101,7 @@ class Send(Message):
     end: int
     last: bool
     aux: bytes | None = None
+    groups: dict[str, list[int]] | None = None  # cache groups: the chunk's pages per KV group, state slots
 
 
 @dataclass(frozen=True)

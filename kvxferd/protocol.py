@@ -199,6 +199,23 @@ def region(name: str, value: Any) -> dict[str, Any]:
     return REGION.check({"op": "region", **mapping(name, value)})
 
 
+_GROUP_NAME = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
+
+
+def group_tables(name: str, value: Any) -> dict[str, list[int]]:
+    """``{group: [pages]}`` or ``{group: [state slot]}``: what a request names of its cache groups."""
+    if not isinstance(value, dict) or len(value) > 16:
+        raise ProtocolError(f"{name} must map at most 16 group names to lists of integers", field=name,
+                            fix="send groups as {name: [pages]} or {name: [slot]}")
+    out = {}
+    for key, pages in value.items():
+        if not isinstance(key, str) or not _GROUP_NAME.match(key):
+            raise ProtocolError(f"{name} has key {str(key)[:40]!r}, not a group name", field=name,
+                                fix="name groups as the geometry does")
+        out[key] = int_list()(f"{name}.{key}", pages)
+    return out
+
+
 ENGINE_SCHEMAS: dict[str, Schema] = {
     "register": Schema(
         required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
@@ -209,11 +226,11 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
         required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
                   "pages": int_list()},
         optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
-                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400)}),
+                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400), "groups": group_tables}),
     "send": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
                   "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
-        optional={"aux": blob()}),
+        optional={"aux": blob(), "groups": group_tables}),
     "poll": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID}, optional={}),
     "abort": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID},
                     optional={"reason": text(512)}),
@@ -290,7 +307,9 @@ DATA_HEADER = Schema(
               # staged over NIXL: the landing ring and slot the block was written into, the block's
               # index in its chunk and the block size the chunk was cut into
               "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
-              "pack": integer(1, 1 << 34)},
+              "pack": integer(1, 1 << 34),
+              # a cache group's chunk (kvxferd.groups): its writer is (src, group) at the destination
+              "group": text(24)},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

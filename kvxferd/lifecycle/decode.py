@@ -24,7 +24,7 @@ class DecodeSide:
     def _expect(self: "Lifecycle", ev: events.ExpectCalled) -> str:
         self.refuse_finished(ev.request_id, ev.rank.id)
         entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
-                          created=self.now, phase_since=self.now)
+                          created=self.now, phase_since=self.now, groups=ev.groups or {})
         entry.transport = "tcp" if ev.source_address else "local"
         entry.source_address = ev.source_address
         self.inbox.add(entry)
@@ -47,7 +47,8 @@ class DecodeSide:
         pair = self.routes.pair(entry.source_instance, entry.rank.instance)
         assert pair is not None, "a local plan is found through the route book"
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
-                                            entry.rank.coords, pair[0], pair[1], start=entry.start))
+                                            entry.rank.coords, pair[0], pair[1], start=entry.start,
+                                            num_tokens=entry.num_tokens or 0))
 
     def _dest_changed(self: "Lifecycle", entry: DestEntry) -> None:
         """Tell the engine what it may know: done once complete, failed once nothing touches the pages."""
