@@ -97,18 +97,52 @@ def group_plans(prefill: InstanceSpec, decode: InstanceSpec, mode: str,
     check_groups(prefill, decode)
     out = []
     for g in prefill.groups:
+        p_spec, d_spec = prefill.group_spec(g.name), decode.group_spec(g.name)
         try:
-            sub = make_plan(prefill.group_spec(g.name), decode.group_spec(g.name), mode=mode,
-                            prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
+            sub = make_plan(p_spec, d_spec, mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
+            parts = g.parts()
+            if len(parts) > 1:
+                writers = _part_writers(g.name, parts, p_spec, d_spec, mode, prefill_tensors, decode_tensors)
+            else:
+                writers = {d.rank: [replace(w, group=g.name) for w in d.writers] for d in sub.destinations}
         except PlanRefusal as refusal:
             where = "shape" if g.kind == "state" and refusal.field in ("head_dim", "total_kv_heads") else refusal.field
             raise PlanRefusal(f"cache group {g.name!r} (groups.{g.name}.{where}): {refusal.message}",
                               field=f"groups.{g.name}.{where}",
                               prefill=refusal.prefill_value, decode=refusal.decode_value, fix=refusal.fix) from None
-        dests = tuple(Destination(d.tp_rank, d.pp_rank, d.heads, d.layers,
-                                  tuple(replace(w, group=g.name) for w in d.writers)) for d in sub.destinations)
+        dests = tuple(Destination(d.tp_rank, d.pp_rank, d.heads, d.layers, tuple(writers[d.rank]))
+                      for d in sub.destinations)
         out.append(GroupPlan(g.name, g.kind, g.window, replace(sub, destinations=dests)))
     return tuple(out)
+
+
+def _part_writers(name: str, parts: tuple[int, ...], p_spec: InstanceSpec, d_spec: InstanceSpec, mode: str,
+                  prefill_tensors: bool, decode_tensors: bool) -> dict[tuple[int, int], list[Any]]:
+    """Writers of a state whose split dimension concatenates parts split by TP one by one: each
+    part is planned as a state of its own; its writers then address the whole row, shifted by
+    the parts before it (their local sizes on each side), in units of one channel."""
+    from .planner import make_plan
+
+    if p_spec.head_slot_bits % 8:
+        raise PlanRefusal(f"one channel of the state is {p_spec.head_slot_bits} bits: parts cannot start on a byte",
+                          field="head_dim", prefill=p_spec.head_slot_bits, decode=d_spec.head_slot_bits,
+                          fix="describe the state with whole-byte channels (a wider dtype or a larger inner size)")
+    out: dict[tuple[int, int], list[Any]] = {}
+    before = 0
+    for i, size in enumerate(parts):
+        one = {"attention": p_spec.attention, "num_layers": p_spec.num_layers, "head_dim": p_spec.head_dim,
+               "dtype": p_spec.dtype, "page_size": p_spec.page_size, "total_kv_heads": size}
+        sub = make_plan(InstanceSpec(tp_size=p_spec.tp_size, **one), InstanceSpec(tp_size=d_spec.tp_size, **one),
+                        mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
+        for d in sub.destinations:
+            out.setdefault(d.rank, []).extend(
+                replace(w, group=name, part=i, heads=(before + w.heads[0], before + w.heads[1]),
+                        src_head_offset=before // p_spec.tp_size + w.src_head_offset,
+                        dst_head_offset=before // d_spec.tp_size + w.dst_head_offset,
+                        src_row_bytes=p_spec.row_bytes, dst_row_bytes=d_spec.row_bytes)
+                for w in d.writers)
+        before += size
+    return out
 
 
 def window_origin(num_tokens: int, window: int, start: int) -> int:

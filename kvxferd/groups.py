@@ -47,7 +47,7 @@ _COMMON = ("name", "kind", "num_layers", "dtype")
 _FIELDS = {
     "window": _COMMON + ("attention", "head_dim", "total_kv_heads", "page_size", "window"),
     "draft": _COMMON + ("attention", "head_dim", "total_kv_heads", "page_size"),
-    "state": _COMMON + ("shape", "split_dim"),
+    "state": _COMMON + ("shape", "split_dim", "split_parts"),
 }
 
 
@@ -79,6 +79,9 @@ class Group:
     window: int | None = None
     shape: tuple[int, ...] | None = None
     split_dim: int | None = None
+    #: sizes of the parts ``split_dim`` concatenates, each split by TP on its own (Mamba2's conv
+    #: channels x|B|C, Qwen3-Next's q|k|v): a rank holds its slice of every part, part after part
+    split_parts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -130,6 +133,15 @@ class Group:
             raise GeometryError(f"state group {self.name!r}: split_dim {self.split_dim!r} is not a dimension of "
                                 f"shape {list(shape)}", field=f"groups.{self.name}.split_dim",
                                 fix=f"give a dimension in [0, {len(shape)}) or omit it (not split by TP)")
+        if self.split_parts is not None:
+            parts = self.split_parts
+            if (self.split_dim is None or not isinstance(parts, tuple) or not 1 <= len(parts) <= 16
+                    or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 1 for p in parts)
+                    or sum(parts) != shape[self.split_dim]):
+                size = shape[self.split_dim] if self.split_dim is not None else None
+                raise GeometryError(f"state group {self.name!r}: split_parts {parts!r} must be 1 to 16 positive sizes "
+                                    f"adding up to dimension split_dim ({size})", field=f"groups.{self.name}.split_parts",
+                                    fix="list the sizes of the parts the split dimension concatenates, or omit it")
         for name in ("head_dim", "total_kv_heads", "page_size", "window"):
             if getattr(self, name) is not None:
                 raise GeometryError(f"state group {self.name!r} has {name}", field=f"groups.{self.name}.{name}",
@@ -147,6 +159,12 @@ class Group:
             else:
                 rows, heads, inner = (math.prod(self.shape[:split]), self.shape[split],
                                       math.prod(self.shape[split + 1:]))
+                for part in self.split_parts or ():
+                    if part % tp:
+                        raise GeometryError(
+                            f"state group {self.name!r}: part {part} of split_parts {list(self.split_parts or ())} "
+                            f"is not divisible by tp_size {tp}", field=f"groups.{self.name}.split_parts",
+                            fix="use a tp_size that divides every part (parts are split by TP one by one)")
                 if heads % tp and tp % heads:
                     raise GeometryError(
                         f"state group {self.name!r}: dimension {split} of shape {list(self.shape)} has {heads} "
@@ -177,7 +195,15 @@ class Group:
             out["dtype"] = self.dtype or instance.dtype
         if self.shape is not None:
             out["shape"] = list(self.shape)
+        if self.kind == "state":
+            out["split_parts"] = list(self.split_parts or ()) or None
         return out
+
+    def parts(self) -> tuple[int, ...]:
+        """Sizes along the split dimension that TP splits one by one (one part unless split_parts)."""
+        if self.kind != "state" or self.split_dim is None or self.shape is None:
+            return ()
+        return self.split_parts or (self.shape[self.split_dim],)
 
     # -- (de)serialisation ------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -186,7 +212,7 @@ class Group:
             value = getattr(self, name)
             if value is None or (name == "attention" and value == "mha"):
                 continue
-            out[name] = list(value) if name == "shape" else value
+            out[name] = list(value) if name in ("shape", "split_parts") else value
         if self.kind == "state" and self.split_dim is None:
             out["split_dim"] = None
         return out
@@ -208,9 +234,9 @@ class Group:
             raise GeometryError(f"group {label!r}: unknown field(s) {unknown} for kind {kind}",
                                 field=f"groups.{label}.{unknown[0]}", fix=f"use only {list(_FIELDS[kind])}")
         kwargs = dict(data)
-        shape = kwargs.get("shape")
-        if isinstance(shape, list):
-            kwargs["shape"] = tuple(shape)
+        for key in ("shape", "split_parts"):
+            if isinstance(kwargs.get(key), list):
+                kwargs[key] = tuple(kwargs[key])
         for key in ("dtype", "attention"):
             if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], str):
                 raise GeometryError(f"group {label!r}: {key} must be a string, got {kwargs[key]!r}",

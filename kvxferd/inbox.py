@@ -163,7 +163,7 @@ class Inbox:
 
     def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
         """Validate a chunk header and reserve its token range; raise RequestError if bad."""
-        src = group_key(tuple(header["src"]), header.get("group") or "")
+        src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
             entry = self._entries.get((header["request_id"], dest_rank))

@@ -130,7 +130,7 @@ class SrcEntry:
 
     def expected_targets(self) -> set[tuple[int, int]]:
         assert self.plan is not None
-        return {group_key(d.rank, w.group) for d, w in self.plan.all_targets_of(*self.coords)}
+        return {group_key(d.rank, w.group, w.part) for d, w in self.plan.all_targets_of(*self.coords)}
 
     def complete(self) -> bool:
         if self.plan is None or self.last_end is None or self.inflight:

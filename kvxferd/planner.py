@@ -45,6 +45,7 @@ class Writer:
     src_row_bytes: int
     dst_row_bytes: int
     group: str = ""  # the cache group it moves ("": the instance's full-attention KV)
+    part: int = 0  # a state group's part (groups.Group.split_parts): one writer per part and rank
 
     @property
     def src(self) -> tuple[int, int]:
@@ -53,7 +54,7 @@ class Writer:
     @property
     def key(self) -> tuple[Any, ...]:
         """The writer's key at its destination: its rank, and its group when it has one."""
-        return group_key(self.src, self.group)
+        return group_key(self.src, self.group, self.part)
 
     @property
     def whole_rows(self) -> bool:
@@ -63,13 +64,15 @@ class Writer:
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "heads": list(self.heads),
                 "layers": list(self.layers), "src_head_offset": self.src_head_offset,
                 "dst_head_offset": self.dst_head_offset, "slice_bytes": self.slice_bytes,
-                **({"group": self.group} if self.group else {})}
+                **({"group": self.group} if self.group else {}), **({"part": self.part} if self.part else {})}
 
 
-def group_key(coords: tuple[int, int], group: str) -> tuple[Any, ...]:
-    """Rank coordinates, extended by a group name for a cache group's chunks (a key of the
-    per-writer and per-target bookkeeping on both sides)."""
-    return coords if not group else (*coords, group)
+def group_key(coords: tuple[int, int], group: str, part: int = 0) -> tuple[Any, ...]:
+    """Rank coordinates, extended by a group name (and a state part) for a cache group's chunks
+    (a key of the per-writer and per-target bookkeeping on both sides)."""
+    if not group:
+        return coords
+    return (*coords, group) if not part else (*coords, group, part)
 
 
 @dataclass(frozen=True)

@@ -309,7 +309,7 @@ DATA_HEADER = Schema(
               "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
               "pack": integer(1, 1 << 34),
               # a cache group's chunk (kvxferd.groups): its writer is (src, group) at the destination
-              "group": text(24)},
+              "group": text(24), "part": integer(0, 16)},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

@@ -25,7 +25,8 @@ from kvxferd.tools.sim import Worker
 NUM_PAGES = 48
 _ids = iter(range(1 << 30))
 
-CONV = {"name": "conv", "kind": "state", "num_layers": 6, "shape": [32, 3], "split_dim": 0, "dtype": "bfloat16"}
+CONV = {"name": "conv", "kind": "state", "num_layers": 6, "shape": [32, 3], "split_dim": 0, "split_parts": [8, 8, 16],
+        "dtype": "bfloat16"}  # q|k|v channels, each split by TP
 SSM = {"name": "ssm", "kind": "state", "num_layers": 6, "shape": [4, 8, 16], "split_dim": 0, "dtype": "float32"}
 SWA = {"name": "swa", "kind": "window", "num_layers": 3, "head_dim": 16, "total_kv_heads": 2, "window": 128}
 DRAFT = {"name": "draft", "kind": "draft", "num_layers": 1, "head_dim": 32, "total_kv_heads": 2, "page_size": 8}

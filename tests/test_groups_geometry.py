@@ -67,6 +67,9 @@ def test_allocation_gives_each_group_its_own_shape():
     ({**DRAFT, "total_kv_heads": 3}, "groups.draft.tp_size", ["total_kv_heads 3", "tp_size 4"]),
     ({**DRAFT, "window": 8}, "groups.draft.window", ["unknown field", "window"]),
     ({**CONV, "dtype": None}, "groups.conv.dtype", ["no dtype"]),
+    ({**CONV, "split_parts": [4, 4, 6]}, "groups.conv.split_parts", ["4, 4, 6", "(16)"]),
+    ({**CONV, "split_parts": [4, 6, 6]}, "groups.conv.split_parts", ["part 6", "tp_size 4"]),
+    ({**CONV, "split_dim": None, "split_parts": [16]}, "groups.conv.split_parts", ["split_dim"]),
     ({**CONV, "bogus": 1}, "groups.conv.bogus", ["unknown field"]),
     ({**SWA, "kind": "other"}, "groups.swa.kind", ["'other'"]),
     ({**SWA, "name": "Bad Name"}, "groups.name", ["'Bad Name'"]),
@@ -136,3 +139,18 @@ def test_state_group_tp_mismatch_plans_head_slices():
     assert conv.bytes_per_unit() == 3 * 16 * 3 * 4  # layers x shape x float32, once per request
     assert plan.group("swa").bytes_per_unit() == 4 * 2 * 4 * 8 * 2
     assert plan.group_kind("") == "full" and plan.group_kind("conv") == "state"
+
+
+def test_state_parts_are_split_by_tp_one_by_one():
+    """A split dimension that concatenates parts (Qwen3-Next's conv q|k|v): TP 2 -> 1 writes
+    each part's half at the part's place in the decode row."""
+    conv = {**CONV, "shape": [16, 3], "split_parts": [4, 4, 8]}
+    plan = make_plan(spec(2, [conv]), spec(1, [conv]))
+    writers = plan.group("conv").plan.destination(0, 0).writers
+    # (source rank, part, channels, channel offset in the source row, ... in the decode row)
+    assert [(w.tp_rank, w.part, w.heads, w.src_head_offset, w.dst_head_offset) for w in writers] == [
+        (0, 0, (0, 2), 0, 0), (1, 0, (2, 4), 0, 2),
+        (0, 1, (4, 6), 2, 4), (1, 1, (6, 8), 2, 6),
+        (0, 2, (8, 12), 4, 8), (1, 2, (12, 16), 4, 12)]
+    assert {w.slice_bytes for w in writers} >= {2 * 12} and all(w.src_row_bytes == 8 * 12 for w in writers)
+    assert len({w.key for w in writers}) == len(writers)

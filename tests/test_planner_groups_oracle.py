@@ -36,10 +36,18 @@ def with_group(tp: int, group: dict) -> InstanceSpec:
     return InstanceSpec("mla", 1, 4, "bfloat16", 4, tp_size=tp, groups=(Group.from_dict(group),))
 
 
-def ref_local(logical: np.ndarray, split: int | None, tp: int, rank: int) -> np.ndarray:
-    """``[layers, *local shape, esize]``: what TP rank ``rank`` holds of the state."""
+def ref_local(logical: np.ndarray, split: int | None, tp: int, rank: int, parts: list[int] | None = None) -> np.ndarray:
+    """``[layers, *local shape, esize]``: what TP rank ``rank`` holds of the state (with parts:
+    its slice of each part, part after part)."""
     if split is None:
         return logical
+    if parts:
+        pieces, before = [], 0
+        for size in parts:
+            a, b = ref_heads(size, tp, rank)
+            pieces.append(np.take(logical, np.arange(before + a, before + b), axis=split + 1))
+            before += size
+        return np.concatenate(pieces, axis=split + 1)
     c = logical.shape[split + 1]
     a, b = ref_heads(c, tp, rank)
     return np.take(logical, np.arange(a, b), axis=split + 1)
@@ -48,29 +56,40 @@ def ref_local(logical: np.ndarray, split: int | None, tp: int, rank: int) -> np.
 @st.composite
 def state_cases(draw: st.DrawFn) -> dict:
     ndim = draw(st.integers(1, 3))
-    shape = draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8]), min_size=ndim, max_size=ndim))
-    split = draw(st.one_of(st.none(), st.integers(0, ndim - 1)))
-    c = shape[split] if split is not None else 1
-    valid = [tp for tp in range(1, 9) if c % tp == 0 or tp % c == 0]
+    shape = draw(st.lists(st.sampled_from([1, 2, 3, 4, 6, 8, 12]), min_size=ndim, max_size=ndim))
+    split = draw(st.integers(-1, ndim - 1))
+    split = None if split < 0 else split  # None: every rank holds the state whole
+    parts = None
+    if split is not None and draw(st.booleans()):  # a concatenation of parts, each split by TP
+        ptp, dtp = draw(st.sampled_from([1, 2, 4])), draw(st.sampled_from([1, 2, 4]))
+        unit = max(ptp, dtp)
+        parts = [unit * draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
+        shape[split] = sum(parts)
+    else:
+        c = shape[split] if split is not None else 1
+        valid = [tp for tp in range(1, 9) if c % tp == 0 or tp % c == 0]
+        ptp = draw(st.sampled_from(valid))
+        others = [tp for tp in valid if tp != ptp]  # mostly a TP mismatch: what slices the state
+        dtp = draw(st.sampled_from(others)) if others and draw(st.integers(0, 3)) else ptp
     return dict(shape=shape, split=split, dtype=draw(st.sampled_from(sorted(ESIZE))), layers=draw(st.integers(1, 3)),
-                ptp=draw(st.sampled_from(valid)), dtp=draw(st.sampled_from(valid)), seed=draw(st.integers(0, 2**32 - 1)))
+                ptp=ptp, dtp=dtp, parts=parts, seed=draw(st.integers(0, 2**32 - 1)))
 
 
 @SETTINGS
 @given(state_cases())
 def test_state_group_heterogeneous_tp_is_byte_exact(case: dict) -> None:
     group = {"name": "st", "kind": "state", "num_layers": case["layers"], "shape": case["shape"],
-             "split_dim": case["split"], "dtype": case["dtype"]}
+             "split_dim": case["split"], "dtype": case["dtype"], "split_parts": case["parts"]}
     pspec, dspec = with_group(case["ptp"], group), with_group(case["dtp"], group)
     gplan = make_plan(pspec, dspec).group("st").plan
-    event(f"sliced={gplan.sliced}")
+    event(f"sliced={gplan.sliced} parts={bool(case['parts'])}")
     rng = np.random.default_rng(case["seed"])
     esize, split, layers = ESIZE[case["dtype"]], case["split"], case["layers"]
     logical = rng.integers(0, 256, size=(layers, *case["shape"], esize), dtype=np.uint8)
     pool = 5
 
     def rank_bytes(tp: int, rank: int) -> np.ndarray:  # [layers, slot bytes]
-        return ref_local(logical, split, tp, rank).reshape(layers, -1)
+        return ref_local(logical, split, tp, rank, case["parts"]).reshape(layers, -1)
 
     src: dict[int, tuple[int, np.ndarray]] = {}
     for r in range(case["ptp"]):

@@ -95,7 +95,8 @@ class PrefillSide:
                 continue
             entry.bind(binding, self.now)
             start = group_origin(ev.plan.prefill, w.group, ev.start, ev.num_tokens)
-            entry.targets.setdefault(group_key(ev.dst, w.group), Target(ev.dst, w, dst_pages=ev.dst_pages, start=start))
+            target = Target(ev.dst, w, dst_pages=ev.dst_pages, start=start)
+            entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
         for entry in self.sources_of(ev.request_id):

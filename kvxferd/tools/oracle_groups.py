@@ -37,6 +37,30 @@ def _rows(geometry: RankGeometry, group: str, table: list[int], n_tokens: int) -
     return lo, n_tokens, _token_rows(table, part.spec.page_size, lo, n_tokens)
 
 
+def _channels(geometry: RankGeometry, group: str) -> list[tuple[int, int]]:
+    """Global channel (head) ranges this rank holds of a group, in its memory order: one range,
+    or one per part when the split dimension concatenates parts TP splits one by one."""
+    part = geometry.group(group)
+    g = geometry.spec.group(group)
+    if g.kind != "state" or not g.split_parts:
+        return [part.heads]
+    tp, rank = part.spec.tp_size, geometry.tp_rank
+    out, before = [], 0
+    for size in g.split_parts:  # restated here, not taken from the planner
+        local = size // tp
+        out.append((before + rank * local, before + (rank + 1) * local))
+        before += size
+    return out
+
+
+def _logical(geometry: RankGeometry, group: str, request_id: str, n: int, layer: int) -> torch.Tensor:
+    """``[kinds, tokens, local heads, head bytes]`` the rank holds of one layer of the group."""
+    part = geometry.group(group)
+    pieces = [logical_cache(group_key(request_id, group), n, part.spec, (layer, layer + 1), heads)[0]
+              for heads in _channels(geometry, group)]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=2)
+
+
 def _region(cache: Any, geometry: RankGeometry, group: str, layer: int, kind: str) -> torch.Tensor:
     part = geometry.group(group)
     return cache.tensors[(layer, f"{group}.{kind}")].view(torch.uint8).reshape(-1, part.spec.row_bytes)
@@ -54,7 +78,7 @@ def fill_group(cache: Any, geometry: RankGeometry, group: str, request_id: str, 
         n = n_tokens
         rows = _token_rows(table, part.spec.page_size, 0, n)
     for layer in range(*part.layers):
-        logical = logical_cache(group_key(request_id, group), n, part.spec, (layer, layer + 1), part.heads)[0]
+        logical = _logical(geometry, group, request_id, n, layer)
         for k, kind in enumerate(part.spec.region_kinds):
             _wide(_region(cache, geometry, group, layer, kind)).index_copy_(0, rows, _wide(logical[k].reshape(n, -1)))
 
@@ -66,7 +90,7 @@ def check_group(cache: Any, geometry: RankGeometry, group: str, request_id: str,
     lo, hi, rows = _rows(geometry, group, table, n_tokens)
     bad = 0
     for layer in range(*part.layers):
-        logical = logical_cache(group_key(request_id, group), hi, part.spec, (layer, layer + 1), part.heads)[0]
+        logical = _logical(geometry, group, request_id, hi, layer)
         for k, kind in enumerate(part.spec.region_kinds):
             got = _wide(_region(cache, geometry, group, layer, kind)).index_select(0, rows)
             bad += _mismatched(got, _wide(logical[k, lo:hi].reshape(hi - lo, -1)))

@@ -69,6 +69,8 @@ class ChunkJob:
             head["token"] = self.token
         if self.group:
             head["group"] = self.group
+        if self.writer.part:
+            head["part"] = self.writer.part
         return head
 
 
