@@ -300,5 +300,7 @@ def make_plan(prefill: InstanceSpec, decode: InstanceSpec, *, mode: str = "auto"
     groups: tuple[GroupPlan, ...] = ()
     if prefill.groups or decode.groups:
         from .group_plan import group_plans
-        groups = group_plans(prefill, decode, resolved, prefill_tensors, decode_tensors)
+        groups = group_plans(prefill, decode, mode if mode == "auto" else resolved, prefill_tensors, decode_tensors)
+        if mode == "auto" and any(g.plan.mode == "staged" for g in groups):
+            resolved = "staged"  # one mode per pair: a group's small head slices make it staged
     return Plan(prefill=prefill, decode=decode, destinations=tuple(destinations), mode=resolved, groups=groups)
