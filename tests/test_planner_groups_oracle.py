@@ -148,6 +148,7 @@ def window_cases(draw: st.DrawFn) -> dict:
     return dict(heads=heads, ptp=draw(st.sampled_from(valid)), dtp=draw(st.sampled_from(valid)),
                 ps_p=draw(st.sampled_from([1, 2, 4, 16])), ps_d=draw(st.sampled_from([1, 3, 4, 16])),
                 window=draw(st.integers(1, 100)), tokens=tokens, cuts=cuts, layers=draw(st.integers(1, 3)),
+                prefix=draw(st.integers(0, tokens - 1)) if draw(st.booleans()) else 0,
                 seed=draw(st.integers(0, 2**32 - 1)))
 
 
@@ -164,8 +165,9 @@ def test_window_group_moves_exactly_the_last_window_tokens(case: dict) -> None:
     n, layers, ps_p, ps_d = case["tokens"], case["layers"], case["ps_p"], case["ps_d"]
     head_bytes = 4 * 2
     logical = rng.integers(0, 256, size=(layers, 2, n, case["heads"], head_bytes), dtype=np.uint8)
-    lo = max(0, n - case["window"])  # the reference window: the last `window` tokens
-    event(f"window covers {'all' if lo == 0 else 'a suffix'}")
+    # the reference: the last `window` tokens, less what the decode side holds already (a prefix hit)
+    lo = max(0, n - case["window"], case["prefix"])
+    event(f"window covers {'all' if lo == 0 else 'a suffix'}{' after a prefix' if case['prefix'] else ''}")
     tokens = np.arange(n)
 
     def store(tp: int, ps: int, rank: int, fill) -> tuple[np.ndarray, dict]:
@@ -191,8 +193,8 @@ def test_window_group_moves_exactly_the_last_window_tokens(case: dict) -> None:
     written = {r: {key: np.zeros(region.size, dtype=np.int64) for key, region in regions.items()}
                for r, (_, regions) in dst.items()}
     edges = [0, *case["cuts"], n]
-    origin = group_origin(pspec, "swa", 0, n)
-    assert group_origin(dspec, "swa", 0, n) == origin == lo
+    origin = group_origin(pspec, "swa", case["prefix"], n)
+    assert group_origin(dspec, "swa", case["prefix"], n) == origin == lo
     for dest in gplan.destinations:
         d_table, d_regions = dst[dest.tp_rank]
         d_part = RankGeometry(dspec, dest.tp_rank, 0, 1, group_pages={"swa": d_table.size + 2}).group("swa")
