@@ -62,7 +62,8 @@ def check_groups(prefill: InstanceSpec, decode: InstanceSpec) -> None:
     for name in p_names + [n for n in d_names if n not in p_names]:
         if name not in p_names or name not in d_names:
             side, other = ("prefill", "decode") if name in p_names else ("decode", "prefill")
-            raise PlanRefusal(f"cache group {name!r} (groups.{name}) exists on the {side} side only: prefill has groups "
+            raise PlanRefusal(f"cache group {name!r} (groups.{name}) exists on the {side} side only: "
+                              f"prefill has groups "
                               f"{p_names}, decode has {d_names}", field=f"groups.{name}",
                               prefill=p_names, decode=d_names,
                               fix=f"register the same cache groups on both instances (add {name!r} to the {other} "

@@ -88,7 +88,8 @@ def send_tables(geometry: RankGeometry, raw: Mapping[str, Any] | None, start: in
                 out[g.name] = _slot(geometry, g.name, raw[g.name])
             elif last:
                 raise RequestError(f"the last chunk names no slot of state group {g.name!r}",
-                                   field=f"groups.{g.name}", fix=f"send groups={{{g.name!r}: [slot]}} with the last chunk")
+                                   field=f"groups.{g.name}",
+                                   fix=f"send groups={{{g.name!r}: [slot]}} with the last chunk")
             continue
         if g.name not in raw:
             raise RequestError(f"chunk [{start}, {end}) names no pages of {g.kind} group {g.name!r}",

@@ -140,7 +140,8 @@ class Group:
                     or sum(parts) != shape[self.split_dim]):
                 size = shape[self.split_dim] if self.split_dim is not None else None
                 raise GeometryError(f"state group {self.name!r}: split_parts {parts!r} must be 1 to 16 positive sizes "
-                                    f"adding up to dimension split_dim ({size})", field=f"groups.{self.name}.split_parts",
+                                    f"adding up to dimension split_dim ({size})",
+                                    field=f"groups.{self.name}.split_parts",
                                     fix="list the sizes of the parts the split dimension concatenates, or omit it")
         for name in ("head_dim", "total_kv_heads", "page_size", "window"):
             if getattr(self, name) is not None:

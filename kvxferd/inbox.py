@@ -68,7 +68,8 @@ class DestEntry:
         self.received = {src: [] for src in self.writers}
         self.pending = {src: [] for src in self.writers}
         spec = self.rank.geometry.spec
-        self.origins = {key: group_origin(spec, w.group, self.start, self.num_tokens) for key, w in self.writers.items()}
+        self.origins = {key: group_origin(spec, w.group, self.start, self.num_tokens)
+                        for key, w in self.writers.items()}
 
     def complete(self) -> bool:
         if not self.writers or self.inflight:
@@ -192,7 +193,8 @@ class Inbox:
                                    fix="send only tokens the decode side allocated pages for")
             if start < origin:
                 raise RequestError(f"chunk [{start}, {end}) starts before token {origin}, the first "
-                                   "token the decode side expects" + (f" of group {writer.group!r}" if writer.group else ""),
+                                   "token the decode side expects"
+                                   + (f" of group {writer.group!r}" if writer.group else ""),
                                    field="start", fix="send only tokens at or after the expect's start")
             per_request = bool(writer.group) and entry.rank.geometry.spec.group(writer.group).per_request
             if per_request and (start, end, header["last"]) != (0, part.spec.page_size, True):

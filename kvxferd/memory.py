@@ -136,7 +136,8 @@ def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str | Non
     for i, (layer, kind) in enumerate(names):
         offset, nbytes = offsets[i], sizes[i]
         part = geometry.group(kind.rpartition(".")[0])  # the region's group (itself for the default one)
-        tensors[(layer, kind)] = base[offset:offset + nbytes].view(torch_dtype(part.spec.dtype)).view(region_shape(part))
+        region = base[offset:offset + nbytes]
+        tensors[(layer, kind)] = region.view(torch_dtype(part.spec.dtype)).view(region_shape(part))
         descriptors.append({"layer": layer, "kind": kind, "mem": "shm", **where,
                             "offset": offset, "nbytes": nbytes})
     return KVCache(geometry, tensors, path, descriptors, mm, fd=shared.fd, name=shared.name)

@@ -38,7 +38,8 @@ def as_group(d: dict[str, Any]):
     return Group.from_dict(d)
 
 
-def _tables(rng: random.Random, s: InstanceSpec, n: int, used: dict[str, set[int]]) -> tuple[list[int], dict[str, list[int]]]:
+def _tables(rng: random.Random, s: InstanceSpec, n: int,
+            used: dict[str, set[int]]) -> tuple[list[int], dict[str, list[int]]]:
     """Fresh main pages and group tables (pages from token 0, or one state slot) not used before."""
     def take(name: str, count: int) -> list[int]:
         free = [p for p in range(NUM_PAGES) if p not in used.setdefault(name, set())]

@@ -17,7 +17,8 @@ DRAFT = {"name": "draft", "kind": "draft", "num_layers": 1, "head_dim": 16, "tot
 
 
 def spec(tp: int = 1, groups: list | None = None, **kw) -> InstanceSpec:
-    return InstanceSpec.from_dict({**BASE, "tp_size": tp, **kw, "groups": groups if groups is not None else [SWA, CONV]})
+    chosen = groups if groups is not None else [SWA, CONV]
+    return InstanceSpec.from_dict({**BASE, "tp_size": tp, **kw, "groups": chosen})
 
 
 def test_a_uniform_geometry_is_what_it_always_was_on_the_wire():
