@@ -108,3 +108,15 @@ def test_requests_must_name_every_group(cluster):
         assert ev["event"] == "error" and ev["field"] == "groups.conv" and "one state slot" in ev["error"], ev
     finally:
         close(decode)
+
+
+def test_the_last_chunk_must_name_every_state_slot(cluster):
+    pd = cluster.daemons["prefill-node"]
+    prefill = cluster.instance(pd, f"np{next(request_ids)}", "prefill", qwen_next(1), NUM_PAGES)
+    try:
+        # a KV group's pages and no state slots: refused before anything is held
+        prefill[0].command(cmd="send", request_id="ns-1", pages=[1, 2], n=5, groups={"conv": [3]})
+        ev = finished(prefill[0], "ns-1")
+        assert ev["event"] == "error" and ev["field"] == "groups.ssm" and "last chunk" in ev["error"], ev
+    finally:
+        close(prefill)
