@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import pytest
 
-from e2e_util import close, finished, module_cluster, spec
+from e2e_util import Node, close, cluster_run, finished, module_cluster, spec, start_nodes
 from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, never_used, qwen_next, request_ids,
                          run_groups, untouched, with_draft)
+from nixl_util import metric
 
 
 @pytest.fixture(scope="module")
@@ -120,3 +121,20 @@ def test_the_last_chunk_must_name_every_state_slot(cluster):
         assert ev["event"] == "error" and ev["field"] == "groups.ssm" and "last chunk" in ev["error"], ev
     finally:
         close(prefill)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+def test_groups_in_either_mode_through_tcp(request, mode):
+    """Head slices of every group moved direct (runs straight from the socket) or staged."""
+    with cluster_run(request) as c:
+        env = {"KVXFERD_PEER_MODE": mode}
+        pd, _ = start_nodes(c, Node("prefill-node", env=env), Node("decode-node", env=env))
+        decode, moved = run_groups(c, qwen_next(2), qwen_next(1), n_tokens=37, transport="tcp", requests=1,
+                                   chunks=[[0, 16], [16, 37]])
+        try:
+            never_used(decode, moved, qwen_next(1))
+        finally:
+            close(decode)
+        other = "staged" if mode == "direct" else "direct"  # the plan's mode, whatever small runs did
+        assert metric(pd, "kvxferd_transfers_total", side="prefill", outcome="done", mode=mode) == 2
+        assert metric(pd, "kvxferd_transfers_total", side="prefill", mode=other) == 0
