@@ -53,6 +53,18 @@ def _tables(rng: random.Random, s: InstanceSpec, n: int,
     return main, groups
 
 
+def metric(daemon, name: str, **labels: str) -> float:
+    """Sum of a counter's samples on one daemon whose labels include ``labels``."""
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
 def group_bytes(daemon) -> dict[str, float]:
     text = urllib.request.urlopen(daemon.metrics_url, timeout=10).read().decode()
     out = {}

@@ -15,9 +15,8 @@ from __future__ import annotations
 import pytest
 
 from e2e_util import Node, close, cluster_run, finished, module_cluster, spec, start_nodes
-from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, never_used, qwen_next, request_ids,
-                         run_groups, untouched, with_draft)
-from nixl_util import metric
+from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, metric, never_used, qwen_next,
+                         request_ids, run_groups, untouched, with_draft)
 
 
 @pytest.fixture(scope="module")
