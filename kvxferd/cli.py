@@ -1,4 +1,4 @@
-"""``kvxferd serve | demo | plan | status``."""
+"""``kvxferd serve | demo | bench | soak | plan | status``."""
 
 from __future__ import annotations
 
@@ -329,9 +329,31 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--plot", metavar="FILE.svg", help="also draw every target against its goal, as SVG")
     b.add_argument("--from-json", metavar="FILE", help="run nothing: read a run saved with --json, and print "
                    "or draw it (ratios and targets computed again)")
-    b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches")
+    b.add_argument("--only", metavar="REGEX", help="run only the kvxferd scenarios whose name matches, with "
+                   "the limits they read (peer engines only beside throughput rows; the planner row only if "
+                   "'planner' matches)")
     b.add_argument("--seed", type=int, default=1)
     b.set_defaults(func=cmd_bench)
+
+    def cmd_soak(args: argparse.Namespace) -> int:
+        from .tools.soak import main as soak_main
+        return soak_main(args)
+
+    so = sub.add_parser("soak", help="a long mixed run with churn, killed engines and a restarted daemon; checks "
+                                     "every byte and that the daemons come back to their baseline")
+    so.add_argument("--duration", type=float, default=1800.0, help="seconds in all, warm-up included")
+    so.add_argument("--warmup", type=float, default=None,
+                    help="seconds of traffic before the baseline is taken (default 15%% of the duration, 20 to 120)")
+    so.add_argument("--transports", default="", help="comma-separated, of tcp,nixl (default both; NIXL is "
+                                                     "skipped, and the summary says so, where it cannot start)")
+    so.add_argument("--pairs", type=int, default=2, help="instance pairs at a time per transport")
+    so.add_argument("--kill-rate", type=float, default=0.3,
+                    help="share of instance pairs that lose an engine rank mid-request")
+    so.add_argument("--seed", type=int, default=1)
+    so.add_argument("--out", metavar="FILE.json",
+                    help="also write the summary there (tools/reliability_report.py --soak reads it)")
+    so.add_argument("--json", action="store_true", help="print one JSON line and no progress")
+    so.set_defaults(func=cmd_soak)
     return parser
 
 

@@ -73,6 +73,27 @@ class _Base:
         if msg.get("op") == "event":
             self.events[(msg["rank_id"], msg["request_id"])] = msg
 
+    def _batch_msgs(self, calls: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        return [self._msg(op, **fields) for op, fields in calls]
+
+    @staticmethod
+    def _outcomes(replies: list[dict[str, Any]], key: str) -> list[Any]:
+        return [r[key] if r.get("ok") else DaemonError(r.get("error") or {}) for r in replies]
+
+    @staticmethod
+    def _expect_call(rank_id: str, request: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "expect", {"rank_id": rank_id, "request_id": request["request_id"],
+                          "source_instance": request["source_instance"], "pages": _pages(request["pages"]),
+                          "source_address": request.get("source_address"),
+                          "num_tokens": request.get("num_tokens"), "start": request.get("start") or None,
+                          "groups": _groups(request.get("groups"))}
+
+    @staticmethod
+    def _send_call(rank_id: str, chunk: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
+        return "send", {"rank_id": rank_id, "request_id": chunk["request_id"], "pages": _pages(chunk["pages"]),
+                        "start": chunk["start"], "end": chunk["end"], "last": chunk.get("last", True),
+                        "aux": chunk.get("aux"), "groups": _groups(chunk.get("groups"))}
+
     @staticmethod
     def _check(reply: dict[str, Any]) -> dict[str, Any]:
         if not reply.get("ok"):
@@ -123,6 +144,41 @@ class EngineClient(_Base):
             if reply.get("seq") == msg["seq"]:
                 return self._check(reply)
             self._take(reply)
+
+    def batch(self, calls: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """Several calls in one message each way (the parts of one multipart message), answered in
+        order. Each reply is what :meth:`call` would get, errors included as ``ok: false``
+        replies rather than raised: one refused call does not hide the others' outcomes."""
+        msgs = self._batch_msgs(calls)
+        if not msgs:
+            return []
+        self.sock.send_multipart([protocol.encode(m) for m in msgs])
+        index = {m["seq"]: i for i, m in enumerate(msgs)}
+        out: list[dict[str, Any]] = [{} for _ in msgs]
+        deadline = time.monotonic() + self.timeout
+        while index:
+            reply = self._recv(deadline - time.monotonic())
+            if reply is None:
+                raise TransferError(f"daemon at {self.socket_path} did not answer {len(index)} of {len(msgs)} "
+                                    f"batched calls within {self.timeout}s", field="socket_path",
+                                    fix="check `kvxferd status` and the socket path")
+            i = index.pop(reply.get("seq"), None)  # type: ignore[arg-type]
+            if i is None:
+                self._take(reply)
+            else:
+                out[i] = reply
+        return out
+
+    def expect_many(self, rank_id: str, requests: Iterable[Mapping[str, Any]]) -> list[str | DaemonError]:
+        """:meth:`expect` for many requests in one round trip. Each request is a mapping of
+        ``expect``'s keyword arguments plus ``request_id``; each outcome is its state or the
+        :class:`DaemonError` that refused it."""
+        return self._outcomes(self.batch(self._expect_call(rank_id, r) for r in requests), "state")
+
+    def send_many(self, rank_id: str, chunks: Iterable[Mapping[str, Any]]) -> list[str | DaemonError]:
+        """:meth:`send` for many chunks (of one or many requests) in one round trip; outcomes as
+        for :meth:`expect_many`."""
+        return self._outcomes(self.batch(self._send_call(rank_id, c) for c in chunks), "state")
 
     def send_raw(self, payload: bytes) -> dict[str, Any] | None:
         """Send arbitrary bytes (for tests of the daemon's validation); return the reply."""
@@ -255,6 +311,31 @@ class AsyncEngineClient(_Base):
                                 field="socket_path", fix="check `kvxferd status`") from None
         finally:
             self._waiters.pop(msg["seq"], None)
+
+    async def batch(self, calls: Iterable[tuple[str, Mapping[str, Any]]]) -> list[dict[str, Any]]:
+        """As :meth:`EngineClient.batch`."""
+        self._ensure_reader()
+        msgs = self._batch_msgs(calls)
+        loop = asyncio.get_running_loop()
+        futs = [loop.create_future() for _ in msgs]
+        for m, fut in zip(msgs, futs):
+            self._waiters[m["seq"]] = fut
+        try:
+            if msgs:
+                await self.sock.send_multipart([protocol.encode(m) for m in msgs])
+            return list(await asyncio.wait_for(asyncio.gather(*futs), self.timeout))
+        except asyncio.TimeoutError:
+            raise TransferError(f"daemon at {self.socket_path} did not answer {len(msgs)} batched calls within "
+                                f"{self.timeout}s", field="socket_path", fix="check `kvxferd status`") from None
+        finally:
+            for m in msgs:
+                self._waiters.pop(m["seq"], None)
+
+    async def expect_many(self, rank_id: str, requests: Iterable[Mapping[str, Any]]) -> list[str | DaemonError]:
+        return self._outcomes(await self.batch(self._expect_call(rank_id, r) for r in requests), "state")
+
+    async def send_many(self, rank_id: str, chunks: Iterable[Mapping[str, Any]]) -> list[str | DaemonError]:
+        return self._outcomes(await self.batch(self._send_call(rank_id, c) for c in chunks), "state")
 
     async def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
                        regions: Sequence[dict[str, Any]]) -> str:

@@ -141,6 +141,7 @@ class MetricsSection:
 @dataclass
 class LimitsSection:
     max_message_bytes: int = 16 * 1024 * 1024
+    max_batch_calls: int = 1024  # calls one multipart message from an engine may carry
     max_inflight_requests: int = 4096
     max_pending_chunks: int = 65536
     max_ranks: int = 256

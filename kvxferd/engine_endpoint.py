@@ -27,7 +27,8 @@ from .logutil import q
 from .outbox import Chunk
 from .registry import ProcessRef, Rank
 from .segments import as_pages, check_whole_pages, unit_slots
-from .upstream import ignore_result, serve_router
+from .coalesce import Coalescer
+from .upstream import ignore_result
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -41,6 +42,7 @@ class EngineEndpoint:
         self.cfg = app.cfg
         self.sock: Any = None
         self.bound = False  # the socket file is ours to remove
+        self.outgoing = Coalescer(self._send_parts)
         self._ops: dict[str, Callable[[bytes, Any], dict[str, Any]]] = {
             "ping": lambda identity, msg: messages.reply(),
             "status": lambda identity, msg: messages.reply(status=self.app.status()),
@@ -85,14 +87,27 @@ class EngineEndpoint:
                 pass
 
     async def serve(self) -> None:
-        await serve_router(self.sock, self.answer)
+        """Every part of a multipart message is one call (a batch from :meth:`EngineClient.batch`);
+        their answers leave coalesced, in order (:class:`~kvxferd.coalesce.Coalescer`)."""
+        limit = self.cfg.limits.max_batch_calls
+        while True:
+            frames = await self.sock.recv_multipart(copy=True)
+            calls = len(frames) - 1
+            for i, payload in enumerate(frames[1:]):
+                self.answer(frames[0], payload, calls if i >= limit else 0)
+            await asyncio.sleep(0)  # a ready socket must not starve the loop (and the answers' flush)
 
-    def answer(self, identity: bytes, payload: bytes) -> None:
+    def answer(self, identity: bytes, payload: bytes, over_limit: int = 0) -> None:
         seq = None
         try:
             raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
-            msg = messages.parse_engine(raw)
             seq = raw.get("seq")
+            if over_limit:
+                raise RequestError(f"a batch of {over_limit} calls exceeds limits.max_batch_calls "
+                                   f"{self.cfg.limits.max_batch_calls}; this call was not run",
+                                   field="batch", code="batch_too_large",
+                                   fix="send smaller batches or raise limits.max_batch_calls")
+            msg = messages.parse_engine(raw)
             reply = self.op(identity, msg)
         except KvxferError as exc:
             if isinstance(exc, ProtocolError):
@@ -107,8 +122,13 @@ class EngineEndpoint:
         self.deliver(identity, reply)
 
     def deliver(self, identity: bytes, message: dict[str, Any]) -> None:
-        assert self.sock is not None
-        fut = self.sock.send_multipart([identity, protocol.encode(message)])
+        """Queue a reply or event; it leaves with the others of this loop turn for that engine."""
+        self.outgoing.put(identity, protocol.encode(message))
+
+    def _send_parts(self, parts: list[bytes]) -> None:
+        if self.sock is None or self.sock.closed:
+            return
+        fut = self.sock.send_multipart(parts)
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(ignore_result)
 

@@ -209,7 +209,7 @@ def test_killed_peer_daemon_fails_requests_and_is_rehandshaken_on_return():
                            hold_last=True)
         pd.signal(signal.SIGKILL)
         pd.proc.wait()
-        # heartbeats (0.25 s, dead after 1.5 s) fail it long before the 30 s phase timeouts
+        # heartbeats (dead after PEER_TIMEOUT_S, 5 s) fail it long before the 30 s phase timeouts
         ev = finished(decode[0], "k-1", timeout=25)  # under the 30 s phase timeouts: peer_dead or nothing
         assert ev["state"] == "failed" and ev["code"] == "peer_dead", ev
         close(prefill)

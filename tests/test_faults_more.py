@@ -23,13 +23,13 @@ import zmq
 from e2e_util import Node, assert_verified, close, finished, module_cluster, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.client import EngineClient
+from kvxferd.tools.sim import HEARTBEAT_S, PEER_TIMEOUT_S  # what Cluster configures
 from test_fuzz_engine import canary, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
 
 NUM_PAGES = 32
-HEARTBEAT_S, PEER_TIMEOUT_S = 0.25, 1.5  # what Cluster configures
 HEARTBEAT_DEADLINE_S = PEER_TIMEOUT_S + HEARTBEAT_S  # silence is noticed at the first heartbeat tick past it
 LONG = ("[timeouts]\nbootstrap_s = 20.0\nwaiting_for_input_s = 20.0\ntransfer_s = 20.0\ndrain_grace_s = 1.0\n"
         "handshake_retry_s = 0.2\n")

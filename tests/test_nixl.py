@@ -138,7 +138,7 @@ def test_killed_nixl_peer_daemons_fail_their_requests_within_the_deadline():
                 assert time.monotonic() < deadline, "first chunks never landed"
                 time.sleep(0.05)
 
-            # the prefill daemon of k-b dies: the decode side fails k-b (heartbeats: dead after 1.5 s)
+            # the prefill daemon of k-b dies: the decode side fails k-b (heartbeats: dead after PEER_TIMEOUT_S)
             pb.signal(signal.SIGKILL)
             pb.proc.wait()
             # waited for less than the 30 s phase timeouts: peer_dead (the heartbeats) or nothing

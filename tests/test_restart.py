@@ -18,6 +18,7 @@ import pytest
 
 from e2e_util import Cluster, Worker, assert_verified, close, finished, in_parallel, spec, transfer
 from kvxferd.client import EngineClient
+from kvxferd.tools.sim import HEARTBEAT_S, PEER_TIMEOUT_S
 from nixl_util import NIXL_ENV, NIXL_MISSING
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -32,9 +33,9 @@ LONG = (f"[timeouts]\nbootstrap_s = {NEVER_S}\nwaiting_for_input_s = {NEVER_S}\n
 
 def slow_heartbeats(d, interval: float | None = None) -> None:
     """Heartbeats never declare the peer dead within the test (and, with ``interval``, are rare)."""
-    text = d.config_path.read_text().replace("peer_timeout_s = 1.5", f"peer_timeout_s = {NEVER_S}")
+    text = d.config_path.read_text().replace(f"peer_timeout_s = {PEER_TIMEOUT_S}", f"peer_timeout_s = {NEVER_S}")
     if interval is not None:
-        text = text.replace("heartbeat_interval_s = 0.25", f"heartbeat_interval_s = {interval}")
+        text = text.replace(f"heartbeat_interval_s = {HEARTBEAT_S}", f"heartbeat_interval_s = {interval}")
     d.config_path.write_text(text)
 
 

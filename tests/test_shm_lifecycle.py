@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 
-from e2e_util import assert_verified, spec, transfer, wait_in_flight
+from e2e_util import assert_verified, in_parallel, spec, transfer, wait_in_flight
 from kvxferd.client import EngineClient
 
 NUM_PAGES = 16
@@ -157,3 +157,20 @@ def test_sigkilled_engine_with_its_own_tensors_leaves_no_memory(cluster):
         proc.wait()
     wait_until(lambda: rank not in ranks(d), "registered (the daemon did not notice the dead engine)")
     wait_until(lambda: not holders(name), lambda: f"held by {holders(name)}")
+
+
+def test_decode_engine_gone_over_tcp_leaves_no_mapping_of_its_cache(cluster):
+    """Found by the soak: the decode daemon kept the last departed instance's KV cache mapped,
+    because the tcp data connection that had received its chunk, idle until the next one,
+    still referred to the chunk's destination (and through it to the rank's regions)."""
+    pd = cluster.daemon("leave-p", start=False)
+    dd = cluster.daemon("leave-d", start=False)
+    in_parallel(pd.start, dd.start)
+    prefill, decode = cluster.instances((pd, "lv-p", "prefill", spec(), 16), (dd, "lv-d", "decode", spec(), 16))
+    assert_verified(*transfer(prefill, decode, "lv-r1", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],
+                              source_address=pd.address, chunks=[[0, 5], [5, 13]]))
+    [d] = decode
+    assert dd.proc.pid in holders(d.memfd)  # the daemon received through its own mapping
+    d.close()  # the decode engine leaves; the data connection between the daemons stays open, idle
+    wait_until(lambda: d.rank_id not in ranks(dd), "registered")
+    wait_until(lambda: dd.proc.pid not in holders(d.memfd), lambda: f"mapped by the decode daemon: {holders(d.memfd)}")

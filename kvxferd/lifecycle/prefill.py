@@ -287,4 +287,4 @@ class PrefillSide:
         for entry in list(self.sources.values()):
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
-                self._fail(entry, f"{entry.state}_timeout", f"request spent more than {limit}s in state {entry.state}")
+                self._fail(entry, states.timeout_code(entry.state), f"request spent more than {limit}s in state {entry.state}")

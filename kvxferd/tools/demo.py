@@ -175,7 +175,9 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
                 "oracle": {k: round(v, 4) for k, v in stream.oracle.items()},
                 "transport": transport, "mode": mode, **moved, "failures": stream.failed[:5]}
     finally:
-        cluster.close(keep_root=keep_logs)
+        from ..signals import deferred
+        with deferred():  # a SIGTERM now ends the demo once its daemons are stopped, not halfway
+            cluster.close(keep_root=keep_logs)
 
 
 def _families(metrics_url: str) -> dict[str, Any]:

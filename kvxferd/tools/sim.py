@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..geometry import InstanceSpec, RankGeometry
-from . import jsonlines
+from . import jsonlines, launch
 from .jsonlines import read_events, send_command
 from .oracle import CANARY, canary_report, check_rank, fill_rank, untouched
 from .oracle_groups import check_groups, fill_groups, untouched_group, untouched_rows
@@ -148,6 +148,25 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None,
                             groups=chunk_groups(geometry, cmd.get("groups"), start, end, last))
+        elif op == "expect_many":  # one batched call for many requests; refusals come back per request
+            reqs = cmd["requests"]
+            for r in reqs:
+                pending[r["request_id"]] = {"pages": r["pages"], "n": r["n"]}
+            outcomes = client.expect_many(rid, [{"request_id": r["request_id"], "pages": r["pages"],
+                                                 "num_tokens": r["n"], "source_instance": cmd["source_instance"],
+                                                 "source_address": cmd.get("source_address")} for r in reqs])
+            _batch_refusals(reqs, outcomes, "expect", pending, emit)
+        elif op == "send_many":  # every request whole, in one batched call
+            reqs = cmd["requests"]
+            ps = geometry.spec.page_size
+            for r in reqs:
+                fill_rank(cache, geometry, r["request_id"], r["pages"], r["n"])
+                pending[r["request_id"]] = {"pages": r["pages"], "n": r["n"]}
+            outcomes = client.send_many(rid, [{"request_id": r["request_id"], "pages": r["pages"][:-(-r["n"] // ps)],
+                                               "start": 0, "end": r["n"], "last": True,
+                                               "aux": bytes.fromhex(r["aux"]) if r.get("aux") else None}
+                                              for r in reqs])
+            _batch_refusals(reqs, outcomes, "send", pending, emit)
         elif op == "send_chunks":  # explicit [start, end, last] chunks, e.g. the rest of a held request
             t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
@@ -194,7 +213,22 @@ def chunk_groups(geometry: RankGeometry, tables: dict[str, list[int]] | None, st
     return out
 
 
+def _batch_refusals(reqs: list[dict[str, Any]], outcomes: list[Any], op: str, pending: dict[str, dict[str, Any]],
+                    emit: Any) -> None:
+    """A batched call's refused items, reported like a refused single call."""
+    for r, outcome in zip(reqs, outcomes):
+        if isinstance(outcome, Exception):
+            pending.pop(r["request_id"], None)
+            emit({"event": "error", "cmd": op, "request_id": r["request_id"], "error": str(outcome),
+                  "code": getattr(outcome, "code", ""), "field": getattr(outcome, "field", None)})
+
+
 # -- orchestration ------------------------------------------------------------------------
+
+#: peer liveness in the harness's configs: quick enough for tests that kill a daemon, slow
+#: enough that a daemon starved of CPU on a busy machine is not declared dead
+HEARTBEAT_S = 0.25
+PEER_TIMEOUT_S = 5.0
 
 _PORT_FLOOR = 20000
 _PORT_BLOCK = 1000
@@ -278,9 +312,10 @@ class DaemonProc:
     def _start_once(self, env: dict[str, str] | None) -> None:
         self.log_path = self.workdir / f"{self.name}.log"
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
-                                         stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
-                                         start_new_session=True)
+            # its own session (a terminal's Ctrl-C is the tool's to handle), yet it dies with the tool
+            self.proc = launch.popen([sys.executable, "-m", "kvxferd", "serve", "--config", str(self.config_path)],
+                                     stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
+                                     start_new_session=True)
         deadline = time.monotonic() + 60
         from ..client import EngineClient
         while time.monotonic() < deadline:
@@ -327,7 +362,7 @@ class Worker:
         self.instance = instance
         self.role = role
         self.geometry = geometry
-        self.proc = subprocess.Popen(
+        self.proc = launch.popen(
             [sys.executable, "-m", "kvxferd.tools.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
              "--role", role, "--geometry", json.dumps(geometry.to_dict())],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
@@ -376,7 +411,7 @@ class Cluster:
             f'[daemon]\ninstance_name = "{name}"\nlog_level = "info"\n'
             f'[engine]\nsocket_path = "{d.socket_path}"\nsocket_mode = "0600"\n'
             f'[peer]\nbind_host = "127.0.0.1"\ncontrol_port = {d.control_port}\ndata_port = {d.data_port}\n'
-            f'heartbeat_interval_s = 0.25\npeer_timeout_s = 1.5\n'
+            f'heartbeat_interval_s = {HEARTBEAT_S}\npeer_timeout_s = {PEER_TIMEOUT_S}\n'
             f'[metrics]\nbind = "127.0.0.1:{d.metrics_port}"\n' + extra_toml)
         self.daemons[name] = d
         if start:

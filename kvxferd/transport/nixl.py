@@ -118,6 +118,8 @@ class NixlTransport(NixlReceiver):
         self._conn_md: bytes | None = None
         #: remote agents of peers that went away, removed once no WRITE to them can be pending
         self._forget_at: dict[str, float] = {}
+        #: remote agents whose metadata is loaded now (for status: what a departed peer leaves behind)
+        self._loaded: set[str] = set()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -240,6 +242,8 @@ class NixlTransport(NixlReceiver):
                 raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
                                     field="nixl_md", fix="check both daemons run NIXL with a common backend")
             name = added.decode() if isinstance(added, bytes) else str(added)
+            with self._lock:
+                self._loaded.add(name)
             if name != agent:
                 raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
                                     field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
@@ -496,6 +500,15 @@ class NixlTransport(NixlReceiver):
             credits = list(self._credits.items())
         return {agent: c.outstanding for agent, c in credits}
 
+    def registrations(self) -> dict[str, int]:
+        """What this agent holds now, for ``status``: a soak compares it before and after churn."""
+        rings = self.landing.ring_count  # outside our lock: the rings have their own
+        with self._lock:
+            return {"ranks": len(self._ranks), "staging_slots": len(self._slot_regs),
+                    "landing_rings": rings, "remote_agents": len(self._loaded),
+                    "remote_agents_to_drop": len(self._forget_at), "credit_rings": len(self._credits),
+                    "unreleased_notifications": len(self._unreleased)}
+
     def forget(self, agent: str) -> None:
         """A peer daemon went away: drop its remote agent (connections, metadata, landing credits)
         once no WRITE to it can still be pending. A handshake that loads it again first keeps it."""
@@ -511,6 +524,8 @@ class NixlTransport(NixlReceiver):
                 del self._forget_at[agent]
                 self._credits.pop(agent, None)
         for agent in due:
+            with self._lock:
+                self._loaded.discard(agent)
             try:
                 self.agent.remove_remote_agent(agent)
                 log.info("event=nixl_agent_removed agent=%s", q(agent))

@@ -75,7 +75,7 @@ class NixlSupport:
                 # prefill side: landing slots of each destination agent written and not yet handed back
                 "landing": {"rings": t.landing.ring_count, "bytes_held": t.landing.bytes_held,
                             "budget_bytes": t.landing.budget_bytes},
-                "credits_out": t.credits_out()}
+                "credits_out": t.credits_out(), "registrations": t.registrations()}
 
     def offered(self) -> list[str]:
         """This daemon's transports in preference order, NIXL only where the agent works."""

@@ -1,5 +1,7 @@
-"""The bench engine with one :class:`EngineClient` per rank: calls one at a time, a window of
-requests in flight, every rank's events read off its socket as they come."""
+"""The bench engine with one :class:`EngineClient` per rank: a window of requests in flight,
+every rank's events read off its socket as they come. The ``sync`` client makes its calls one
+at a time; the ``batch`` client sends the new requests of each turn in one batched call per
+rank (``expect_many`` / ``send_many``)."""
 
 from __future__ import annotations
 
@@ -8,6 +10,12 @@ from collections import deque
 from typing import Any
 
 from .engine import Layout, Rank, failure, finish, split_rounds, summary
+
+
+def _raise_refused(outcomes: list[Any]) -> None:
+    for outcome in outcomes:
+        if isinstance(outcome, Exception):
+            raise outcome
 
 
 class SyncDriver:
@@ -27,6 +35,8 @@ class SyncDriver:
         for r in ranks:
             self.poller.register(r.client.sock, zmq.POLLIN)
         self.prefill_done: dict[str, int] = {}
+        #: the "batch" client: a turn's new requests go out in one call per rank
+        self.batched = lay.cfg.get("client") == "batch"
 
     def events(self, timeout_ms: int) -> list[dict[str, Any]]:
         """Events the clients hold already, else those that arrive within ``timeout_ms``."""
@@ -78,6 +88,23 @@ class SyncDriver:
             r.client.send(r.rid, req, pages=lay.src_pages, start=0, end=lay.n, last=True, aux=b"tok")
         return t_send
 
+    def issue_many(self, reqs: list[tuple[str, int]]) -> float:
+        """Every new request of a turn in one batched call per rank (``expect_many``, ``send_many``)."""
+        lay = self.lay
+        for r in self.decode:
+            _raise_refused(r.client.expect_many(r.rid, [
+                {"request_id": req, "source_instance": lay.pinst, "source_address": lay.source_address,
+                 "pages": lay.sets[set_idx], "num_tokens": lay.n} for req, set_idx in reqs]))
+        if lay.cfg["gate"]:
+            for req, _ in reqs:
+                self.wait_known(req)
+        t_send = time.perf_counter()
+        for r in self.prefill:
+            _raise_refused(r.client.send_many(r.rid, [
+                {"request_id": req, "pages": lay.src_pages, "start": 0, "end": lay.n, "last": True, "aux": b"tok"}
+                for req, _ in reqs]))
+        return t_send
+
     def landed(self, ev: dict[str, Any], pending: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
         """The pending request this event completes (every decode rank done), if any."""
         rank = self.by_rid.get(ev.get("rank_id"))
@@ -104,14 +131,20 @@ class SyncDriver:
         i = done = 0
         last_progress = time.monotonic()
         while done < len(plan):
-            while i < len(plan) and len(pending) < self.lay.window:
+            turn: list[tuple[str, int, bool]] = []
+            while i < len(plan) and len(pending) + len(turn) < self.lay.window:
                 req, fixed = plan[i]
-                set_idx = fixed if fixed is not None else free.popleft()
-                t_send = self.issue(req, set_idx)
-                first = first if first is not None else t_send
-                pending[req] = {"set": set_idx, "rotating": fixed is None, "t": t_send,
-                                "left": {r.rid for r in self.decode}}
+                turn.append((req, fixed if fixed is not None else free.popleft(), fixed is None))
                 i += 1
+            if turn and self.batched:
+                t_send = self.issue_many([(req, set_idx) for req, set_idx, _ in turn])
+                times = [t_send] * len(turn)
+            else:
+                times = [self.issue(req, set_idx) for req, set_idx, _ in turn]
+            for (req, set_idx, rotating), t_send in zip(turn, times):
+                first = first if first is not None else t_send
+                pending[req] = {"set": set_idx, "rotating": rotating, "t": t_send,
+                                "left": {r.rid for r in self.decode}}
             for ev in self.events(200):
                 info = self.landed(ev, pending)
                 if info is None:

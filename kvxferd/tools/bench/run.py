@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -131,9 +132,11 @@ def run_all(size: str, only: str | None = None, seed: int = 1) -> tuple[dict[str
     say(f"{size} run: {len(scenarios)} kvxferd scenarios, limits at {', '.join(size_label(s) for s in sizes)}, "
         f"{os.cpu_count()} cores")
     rows = _limit_rows(sizes, size)
-    rows += _peer_rows([headline.nbytes] if headline.nbytes in sizes or not sizes else [sizes[0]], size)
+    if sizes or not only:  # peer engines compare throughput: pointless when --only picked none
+        rows += _peer_rows([headline.nbytes] if headline.nbytes in sizes or not sizes else [sizes[0]], size)
     rows += _kvxferd_rows(scenarios, size, seed)
-    rows += _planner_rows(size)
+    if not only or re.search(only, "planner"):
+        rows += _planner_rows(size)
     ratios = compute(rows, headline, tp_workloads(size))
     verified = all(r.verified for r in rows if r.group in ("kvxferd", "latency", "rate") and not r.skipped)
     report = {"quick": size != "full", "size": size, "machine": machine(),

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from .. import launch
 from .limits import memcpy_limit, socket_limit
 from .machine import children_cpu, machine_busy, others_pct, proc_cpu, wait_quiet
 from .model import STEADY_BYTES, GiB, MiB, Row, Scenario, Workload, say, size_label
@@ -70,7 +71,7 @@ def _full(add: _Adder) -> None:
         for model in ("8B", "tiny"):
             add("latency", t, "direct", Workload(model, 16), requests=400, window=1, verify=1)
     for t in ("local", "tcp"):
-        for client in ("sync", "async"):
+        for client in ("sync", "batch", "async"):
             add("rate", t, "direct", Workload("tiny", 16), requests=4000, window=64, client=client)
 
 
@@ -85,7 +86,7 @@ def _quick(add: _Adder) -> None:
         add("throughput", "tcp", "direct", wl)
     for t, model in (("local", "8B"), ("tcp", "8B"), ("tcp", "tiny")):
         add("latency", t, "direct", Workload(model, 16), requests=100, window=1, verify=1)
-    for t, client in (("local", "sync"), ("tcp", "sync"), ("tcp", "async")):
+    for t, client in (("local", "sync"), ("local", "batch"), ("tcp", "sync"), ("tcp", "batch"), ("tcp", "async")):
         add("rate", t, "direct", Workload("tiny", 16), requests=1000, window=64, client=client)
 
 
@@ -96,7 +97,7 @@ def _smoke(add: _Adder) -> None:
         add("throughput", t, m, wl)
     add("throughput", "tcp", "direct", Workload("8B", 64, 1, 2))  # one rank feeds two: head slices
     add("latency", "tcp", "direct", Workload("tiny", 16), requests=20, window=1, verify=1)
-    for client in ("sync", "async"):
+    for client in ("sync", "batch", "async"):
         add("rate", "tcp", "direct", Workload("tiny", 16), requests=200, window=16, client=client)
 
 
@@ -189,8 +190,8 @@ def run_engine(cfg: dict[str, Any], timeout: float) -> dict[str, Any]:
     """Run one scenario's engine process; its result record. However this ends (timeout, a
     signal to the bench), the engine is stopped with SIGTERM first, so it unlinks its caches,
     and any cache file it could not unlink (killed) is removed here."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvxferd.tools.bench.engine", json.dumps(cfg)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = launch.popen([sys.executable, "-m", "kvxferd.tools.bench.engine", json.dumps(cfg)],
+                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout)
         lines = [ln for ln in stdout.splitlines() if ln.startswith("{")]
