@@ -3,16 +3,8 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-from pathlib import Path
 
-MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
-
-
-def plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvxferd", "plan", *args], capture_output=True, text=True,
-                          timeout=120)
+from test_cli_plan import MODELS, plan
 
 
 def test_hybrid_state_groups_in_the_json():
