@@ -87,18 +87,49 @@ def cmd_plan(args: argparse.Namespace) -> int:
                          f"[{w.layers[0]},{w.layers[1]})", str(per_token),
                          "whole rows" if w.whole_rows else f"{w.slice_bytes} B head slice")
                         + ((held.get((w.tp_rank, w.pp_rank), "?"),) if held else ()))
+    _table(rows)
+    if plan.groups:
+        _print_groups(plan)
+    return 0
+
+
+def _table(rows: list[tuple[str, ...]]) -> None:
     widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
     for n, row in enumerate(rows):
         print("  ".join(cell.ljust(widths[c]) for c, cell in enumerate(row)).rstrip())
         if n == 0:
             print("  ".join("-" * w for w in widths))
-    return 0
+
+
+def _print_groups(plan: Any) -> None:
+    """Per cache group: what it moves per token (or per request) and its writers."""
+    data = plan.to_dict()
+    print(f"\ncache groups (full-attention KV: {data['bytes_per_token']} bytes/token):")
+    for g, gd in zip(plan.groups, data["groups"]):
+        if g.kind == "state":
+            amount = f"{gd['bytes_per_request']} bytes/request (the state after the last token)"
+        elif g.kind == "window":
+            amount = (f"{gd['bytes_per_token']} bytes/token, the last {g.window} tokens only "
+                      f"(at most {gd['max_bytes_per_request']} bytes/request)")
+        else:
+            amount = f"{gd['bytes_per_token']} bytes/token"
+        print(f"group {g.name} ({g.kind}): {amount}")
+        kinds = len(g.plan.decode.region_kinds)
+        rows = [("decode rank", "writer (tp,pp)", "heads", "layers", "bytes/row", "slice")]
+        for dest in g.plan.destinations:
+            for i, w in enumerate(dest.writers):
+                rows.append((f"tp{dest.tp_rank}" if i == 0 else "", f"({w.tp_rank},{w.pp_rank})",
+                             f"[{w.heads[0]},{w.heads[1]})", f"[{w.layers[0]},{w.layers[1]})",
+                             str((w.layers[1] - w.layers[0]) * kinds * w.slice_bytes),
+                             "whole rows" if w.whole_rows else f"{w.slice_bytes} B head slice"))
+        _table(rows)
 
 
 def _describe(spec: Any) -> str:
     return (f"{spec.attention} layers={spec.num_layers} kv_heads={spec.kv_heads} head_dim={spec.head_dim} "
             f"dtype={spec.dtype} page_size={spec.page_size} tp={spec.tp_size} pp={spec.pp_size}"
-            + (f" layout={spec.layout}" if spec.layout != "NHD" else ""))
+            + (f" layout={spec.layout}" if spec.layout != "NHD" else "")
+            + (f" groups={[g.name for g in spec.groups]}" if spec.groups else ""))
 
 
 def _refused(args: argparse.Namespace, exc: KvxferError) -> int:

@@ -50,6 +50,13 @@ def _pages(pages: Iterable[int]) -> list[int]:
     return [int(p) for p in pages]
 
 
+def _groups(groups: Mapping[str, Iterable[int] | int] | None) -> dict[str, list[int]] | None:
+    """Cache groups' tables: pages per KV group, a state slot (an int or ``[slot]``) per state group."""
+    if not groups:
+        return None
+    return {name: [int(v)] if isinstance(v, int) else _pages(v) for name, v in groups.items()}
+
+
 class _Base:
     def __init__(self, socket_path: str | None = None, timeout: float = 30.0) -> None:
         self.socket_path = socket_path or default_socket_path()
@@ -79,13 +86,13 @@ class _Base:
                           "source_instance": request["source_instance"], "pages": _pages(request["pages"]),
                           "source_address": request.get("source_address"),
                           "num_tokens": request.get("num_tokens"), "start": request.get("start") or None,
-                          "source_dp_rank": request.get("source_dp_rank")}
+                          "source_dp_rank": request.get("source_dp_rank"), "groups": _groups(request.get("groups"))}
 
     @staticmethod
     def _send_call(rank_id: str, chunk: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         return "send", {"rank_id": rank_id, "request_id": chunk["request_id"], "pages": _pages(chunk["pages"]),
                         "start": chunk["start"], "end": chunk["end"], "last": chunk.get("last", True),
-                        "aux": chunk.get("aux")}
+                        "aux": chunk.get("aux"), "groups": _groups(chunk.get("groups"))}
 
     @staticmethod
     def _check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -204,21 +211,26 @@ class EngineClient(_Base):
 
     def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
                source_address: str | None = None, num_tokens: int | None = None, start: int | None = None,
-               source_dp_rank: int | None = None) -> str:
+               source_dp_rank: int | None = None, groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         """Expect a request's KV into ``pages`` (they cover the request from token 0).
 
         ``start``: tokens before it are already in those pages (a prefix cache hit); only
         ``[start, num_tokens)`` moves and the request is done once that range arrived.
         ``source_dp_rank``: the DP rank of a data-parallel source instance that holds the request.
+        ``groups``: the instance's cache groups, a page table (from token 0) per KV group and
+        the state slot per state group.
         """
         return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
                          source_address=source_address, pages=_pages(pages), num_tokens=num_tokens,
-                         start=start or None, source_dp_rank=source_dp_rank)["state"]
+                         start=start or None, source_dp_rank=source_dp_rank, groups=_groups(groups))["state"]
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
-             last: bool = True, aux: bytes | None = None) -> str:
+             last: bool = True, aux: bytes | None = None,
+             groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
+        """``groups``: the chunk's pages per KV group (as ``pages``), each state group's slot with
+        the last chunk."""
         return self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages), start=start,
-                         end=end, last=last, aux=aux)["state"]
+                         end=end, last=last, aux=aux, groups=_groups(groups))["state"]
 
     def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))
@@ -345,16 +357,18 @@ class AsyncEngineClient(_Base):
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],
                      source_address: str | None = None, num_tokens: int | None = None,
-                     start: int | None = None, source_dp_rank: int | None = None) -> str:
+                     start: int | None = None, source_dp_rank: int | None = None,
+                     groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         return (await self.call("expect", rank_id=rank_id, request_id=request_id,
                                 source_instance=source_instance, source_address=source_address,
                                 pages=_pages(pages), num_tokens=num_tokens, start=start or None,
-                                source_dp_rank=source_dp_rank))["state"]
+                                source_dp_rank=source_dp_rank, groups=_groups(groups)))["state"]
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
-                   last: bool = True, aux: bytes | None = None) -> str:
+                   last: bool = True, aux: bytes | None = None,
+                   groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         return (await self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages),
-                                start=start, end=end, last=last, aux=aux))["state"]
+                                start=start, end=end, last=last, aux=aux, groups=_groups(groups)))["state"]
 
     async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))

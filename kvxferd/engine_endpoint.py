@@ -21,6 +21,7 @@ from . import dp, messages, protocol
 from .binding import binding
 from .errors import KvxferError, ProtocolError, RegistrationError, RequestError
 from .geometry import RankGeometry
+from .group_requests import expect_tables, send_tables
 from .lifecycle import events
 from .logutil import q
 from .outbox import Chunk
@@ -240,8 +241,9 @@ class EngineEndpoint:
             source_address = ""
         if source_address:
             protocol.split_address(source_address)
+        groups = expect_tables(rank.geometry, msg.groups, num_tokens) if rank.geometry.spec.groups or msg.groups else {}
         state = self.app.dispatch(events.ExpectCalled(rank, msg.request_id, source, pages,
-                                                      num_tokens, start, source_address))
+                                                      num_tokens, start, source_address, groups))
         return messages.reply(state=state)
 
     def send_chunk(self, identity: bytes, msg: messages.Send) -> dict[str, Any]:
@@ -256,6 +258,8 @@ class EngineEndpoint:
                                field="pages", fix="send a page for every page_size tokens of the range")
         check_whole_pages(rank.geometry.spec, start, end, msg.last)
         chunk_slots = unit_slots(rank.geometry.spec, pages, start, end, start, rank.geometry.slot_pitch)
-        chunk = Chunk(start, end, msg.last, chunk_slots, msg.aux)
+        groups = (send_tables(rank.geometry, msg.groups, start, end, msg.last)
+                  if rank.geometry.spec.groups or msg.groups else None)
+        chunk = Chunk(start, end, msg.last, chunk_slots, msg.aux, groups)
         state = self.app.dispatch(events.SendCalled(rank, msg.request_id, chunk))
         return messages.reply(state=state)

@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
 
 from .errors import GeometryError
+from .groups import STATE_ATTENTION, Group, parse_groups, qualified_kind
 
 ATTENTION_KINDS = ("mha", "mla")
 LAYOUTS = ("NHD", "packed_page", "NHD_kv", "HND_kv")
@@ -61,7 +62,7 @@ DTYPE_BITS: dict[str, int] = {
 }
 
 #: region kinds per attention kind, in the order they travel on the wire.
-REGION_KINDS: dict[str, tuple[str, ...]] = {"mha": ("k", "v"), "mla": ("latent",)}
+REGION_KINDS: dict[str, tuple[str, ...]] = {"mha": ("k", "v"), "mla": ("latent",), STATE_ATTENTION: ("state",)}
 
 
 def even_layer_splits(num_layers: int, pp_size: int) -> tuple[tuple[int, int], ...]:
@@ -102,11 +103,15 @@ class InstanceSpec:
     layer_splits: tuple[tuple[int, int], ...] | None = None
     layout: str = "NHD"
     model: str | None = None
+    #: cache groups beside the full-attention KV (kvxferd.groups); empty for a uniform cache
+    groups: tuple[Group, ...] = ()
     kv_heads: int = field(init=False, repr=False)
     splits: tuple[tuple[int, int], ...] = field(init=False, repr=False)
+    group_specs: tuple[tuple[str, "InstanceSpec"], ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
-        if self.attention not in ATTENTION_KINDS:
+        # "state" is what a state group is moved as (kvxferd.groups), never an instance's own attention
+        if self.attention not in ATTENTION_KINDS and not (self.attention == STATE_ATTENTION and not self.groups):
             raise GeometryError(f"attention must be one of {ATTENTION_KINDS}, got {self.attention!r}",
                                 field="attention", fix="use 'mha' (separate K and V) or 'mla' (one latent)")
         _require_int("num_layers", self.num_layers, 1)
@@ -132,6 +137,45 @@ class InstanceSpec:
                 f"one token row of a rank is {bits} bits ({self.local_heads} heads x head_dim "
                 f"{self.head_dim} x {DTYPE_BITS[self.dtype]} bits), not whole bytes",
                 field="head_dim", fix="use an even head_dim with packed 4-bit dtypes")
+        if self.groups:
+            self._resolve_groups()
+
+    # -- groups ------------------------------------------------------------------------
+    def _resolve_groups(self) -> None:
+        groups = parse_groups(self.groups)
+        object.__setattr__(self, "groups", groups)
+        if self.pp_size != 1:
+            raise GeometryError(f"cache groups ({[g.name for g in groups]}) need pp_size 1, got {self.pp_size}",
+                                field=f"groups.{groups[0].name}", fix="run instances with cache groups without "
+                                "pipeline parallelism (groups across PP stages are not built)")
+        specs = []
+        for g in groups:
+            try:
+                specs.append((g.name, InstanceSpec(**g.spec_fields(self))))
+            except GeometryError as exc:
+                if exc.field and exc.field.startswith("groups."):
+                    raise
+                where = "shape" if g.kind == "state" else exc.field
+                raise GeometryError(f"group {g.name!r}: {exc.message}", field=f"groups.{g.name}.{where}",
+                                    fix=exc.fix) from None
+        object.__setattr__(self, "group_specs", tuple(specs))
+
+    def group(self, name: str) -> Group:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise GeometryError(f"no cache group {name!r}; this instance has {[g.name for g in self.groups]}",
+                            field="groups", fix="name a group of the instance's geometry")
+
+    def group_spec(self, name: str) -> "InstanceSpec":
+        """The InstanceSpec a group is moved as (``""``: the instance's own full-attention KV)."""
+        if not name:
+            return self
+        for n, spec in self.group_specs:
+            if n == name:
+                return spec
+        self.group(name)
+        raise AssertionError(name)
 
     # -- heads -------------------------------------------------------------------------
     def _resolve_kv_heads(self) -> int:
@@ -263,6 +307,11 @@ class InstanceSpec:
         data = asdict(self)
         data.pop("kv_heads")
         data.pop("splits")
+        data.pop("group_specs")
+        if self.groups:  # left out when empty: a uniform cache's geometry is what it always was
+            data["groups"] = [g.to_dict() for g in self.groups]
+        else:
+            data.pop("groups")
         data["total_kv_heads"] = self.kv_heads
         data["layer_splits"] = [list(s) for s in self.splits]
         data.pop("heads_per_rank")
@@ -274,8 +323,8 @@ class InstanceSpec:
             raise GeometryError(f"geometry must be a mapping, got {type(data).__name__}",
                                 field="geometry", fix="send a dict of geometry fields")
         known = {"attention", "num_layers", "head_dim", "dtype", "page_size", "tp_size", "pp_size",
-                 "total_kv_heads", "heads_per_rank", "layer_splits", "layout", "model"}
-        unknown = sorted(set(data) - known - {"tp_rank", "pp_rank", "num_pages", "page_stride"})
+                 "total_kv_heads", "heads_per_rank", "layer_splits", "layout", "model", "groups"}
+        unknown = sorted(set(data) - known - {"tp_rank", "pp_rank", "num_pages", "page_stride", "group_pages"})
         if unknown:
             raise GeometryError(f"unknown geometry field(s) {unknown}", field=unknown[0],
                                 fix=f"use only {sorted(known)}")
@@ -294,6 +343,10 @@ class InstanceSpec:
             if name in kwargs and not isinstance(kwargs[name], str):
                 raise GeometryError(f"{name} must be a string, got {kwargs[name]!r}", field=name,
                                     fix=f"give {name} as a string")
+        if kwargs["attention"] not in ATTENTION_KINDS:
+            raise GeometryError(f"attention must be one of {ATTENTION_KINDS}, got {kwargs['attention']!r}",
+                                field="attention", fix="use 'mha' (separate K and V) or 'mla' (one latent)")
+        kwargs["groups"] = parse_groups(kwargs.get("groups"))
         return cls(**kwargs)
 
 
@@ -311,6 +364,10 @@ class RankGeometry:
     #: (or page_bytes) is the dense case. A property of this rank's memory only: peers never
     #: see it, every offset is derived on the side that owns the region.
     page_stride: int | None = None
+    #: pages (KV groups) or state slots (state groups) per group, by name; num_pages when unset
+    group_pages: tuple[tuple[str, int], ...] = ()
+    group_geometries: tuple[tuple[str, "RankGeometry"], ...] = field(init=False, repr=False, compare=False,
+                                                                     default=())
 
     def __post_init__(self) -> None:
         _require_int("tp_rank", self.tp_rank, 0)
@@ -318,6 +375,7 @@ class RankGeometry:
         _require_int("num_pages", self.num_pages, 1)
         self.spec.head_range(self.tp_rank)
         self.spec.layer_range(self.pp_rank)
+        self._resolve_group_pages()
         if self.page_stride is not None:
             page = self.spec.page_bytes
             _require_int("page_stride", self.page_stride, page)
@@ -328,6 +386,40 @@ class RankGeometry:
                     fix=f"give the engine's real byte distance between pages (a multiple of {self.spec.row_bytes})")
             if self.page_stride == page:
                 object.__setattr__(self, "page_stride", None)  # dense: the one fast path
+
+    def _resolve_group_pages(self) -> None:
+        raw = self.group_pages
+        items = list(raw.items()) if isinstance(raw, Mapping) else list(raw or ())
+        names = {g.name for g in self.spec.groups}
+        pages: dict[str, int] = {}
+        for item in items:
+            if not isinstance(item, (list, tuple)) or len(item) != 2 or item[0] not in names:
+                raise GeometryError(f"group_pages names {item!r}, not a group of this instance ({sorted(names)})",
+                                    field="group_pages", fix="give pages only for the instance's groups, by name")
+            pages[item[0]] = _require_int(f"group_pages.{item[0]}", item[1], 1)
+        object.__setattr__(self, "group_pages", tuple(sorted(pages.items())))
+        object.__setattr__(self, "group_geometries", tuple(
+            (g.name, RankGeometry(self.spec.group_spec(g.name), self.tp_rank, 0, pages.get(g.name, self.num_pages)))
+            for g in self.spec.groups))
+
+    def group(self, name: str) -> "RankGeometry":
+        """This rank's view of one group as an ordinary rank geometry (``""``: itself)."""
+        if not name:
+            return self
+        for n, geometry in self.group_geometries:
+            if n == name:
+                return geometry
+        self.spec.group(name)
+        raise AssertionError(name)
+
+    def kinds_of(self, group: str = "") -> tuple[str, ...]:
+        """Region kinds of a group, as registered (``swa.k``, ``conv.state``)."""
+        return tuple(qualified_kind(group, k) for k in self.spec.group_spec(group).region_kinds)
+
+    def region_nbytes(self, kind: str) -> int:
+        """Bytes of one region of ``kind`` (a group's kinds are ``<group>.<kind>``)."""
+        group, _, base = kind.rpartition(".")
+        return self.group(group).region_bytes
 
     @property
     def slot_pitch(self) -> int | None:
@@ -352,17 +444,33 @@ class RankGeometry:
     def region_names(self) -> list[tuple[int, str]]:
         """``(global layer, kind)`` for every region this rank must register, in wire order."""
         start, end = self.layers
-        return [(layer, kind) for layer in range(start, end) for kind in self.spec.region_kinds]
+        names = [(layer, kind) for layer in range(start, end) for kind in self.spec.region_kinds]
+        for group, geometry in self.group_geometries:
+            names += [(layer, qualified_kind(group, kind)) for layer in range(*geometry.layers)
+                      for kind in geometry.spec.region_kinds]
+        return names
 
     def to_dict(self) -> dict[str, Any]:
         data = self.spec.to_dict()
         data.update(tp_rank=self.tp_rank, pp_rank=self.pp_rank, num_pages=self.num_pages)
         if self.page_stride is not None:
             data["page_stride"] = self.page_stride
+        if self.group_pages:
+            data["group_pages"] = dict(self.group_pages)
         return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RankGeometry":
         spec = InstanceSpec.from_dict(data)
         return cls(spec=spec, tp_rank=data.get("tp_rank", 0), pp_rank=data.get("pp_rank", 0),
-                   num_pages=data.get("num_pages", 1), page_stride=data.get("page_stride"))
+                   num_pages=data.get("num_pages", 1), page_stride=data.get("page_stride"),
+                   group_pages=_group_pages(data.get("group_pages")))
+
+
+def _group_pages(raw: Any) -> tuple[tuple[str, int], ...]:
+    if raw is None:
+        return ()
+    if not isinstance(raw, Mapping):
+        raise GeometryError(f"group_pages must map group names to page counts, got {type(raw).__name__}",
+                            field="group_pages", fix="send group_pages as {group: pages}")
+    return tuple(raw.items())

@@ -18,7 +18,8 @@ import numpy as np
 
 from .errors import RequestError
 from .lifecycle import states
-from .planner import Destination, Plan, Writer
+from .group_requests import group_origin
+from .planner import Destination, Plan, Writer, group_key
 from .registry import Rank
 from .segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
 
@@ -52,6 +53,8 @@ class DestEntry:
     data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
     fence_until: float = 0.0  # failed over NIXL direct: wait (until then) for the source to say no WRITE is left
     rehandshakes: int = 0  # times a source answered no_handshake and the request handshook again
+    groups: dict[str, np.ndarray] = field(default_factory=dict)  # cache groups: page tables, [state slot]
+    origins: dict[tuple[Any, ...], int] = field(default_factory=dict)  # per writer key: its first token that moves
     #: a source instance over several daemons: daemon address -> the writers of this rank it holds
     source_daemons: dict[str, tuple[tuple[int, int], ...]] = field(default_factory=dict)
     #: and the link token each writer's data headers must carry (that of its daemon's link)
@@ -75,19 +78,24 @@ class DestEntry:
     def bind(self, plan: Plan) -> None:
         self.plan = plan
         self.dest = plan.destination(*self.rank.coords)
-        self.writers = {w.src: w for w in self.dest.writers}
+        # a cache group's writers are keyed (tp, pp, group): one rank writes several groups
+        self.writers = {w.key: w for w in plan.writers_of(*self.rank.coords)}
         self.received = {src: [] for src in self.writers}
         self.pending = {src: [] for src in self.writers}
+        spec = self.rank.geometry.spec
+        self.origins = {key: group_origin(spec, w.group, self.start, self.num_tokens)
+                        for key, w in self.writers.items()}
 
     def complete(self) -> bool:
         if not self.writers or self.inflight:
             return False
         ends = set()
-        for src in self.writers:
+        for src, w in self.writers.items():
             end = self.last_end.get(src)
-            if end is None or _covered(self.received[src], self.start) != end:
+            if end is None or _covered(self.received[src], self.origins.get(src, self.start)) != end:
                 return False
-            ends.add(end)
+            if not (w.group and self.rank.geometry.spec.group(w.group).per_request):
+                ends.add(end)  # every token group ends at the request's last token; a state at its rows
         return len(ends) == 1
 
 
@@ -121,7 +129,7 @@ class Sink:
 
     def regions(self) -> list[Any]:
         rank = self.entry.rank
-        kinds = rank.geometry.spec.region_kinds
+        kinds = rank.geometry.kinds_of(self.writer.group)
         return [rank.region(layer, kind) for layer in range(*self.writer.layers) for kind in kinds]
 
 
@@ -171,7 +179,7 @@ class Inbox:
 
     def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
         """Validate a chunk header and reserve its token range; raise RequestError if bad."""
-        src = tuple(header["src"])
+        src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
             entry = self._entries.get((header["request_id"], dest_rank))
@@ -191,15 +199,25 @@ class Inbox:
                 raise RequestError(f"rank {list(src)} is not a writer of {dest_rank}; the plan names "
                                    f"{[list(s) for s in entry.writers]}", field="src",
                                    fix="send from the prefill ranks the plan assigns")
-            if not 0 <= start <= end or end > entry.capacity:
-                raise RequestError(f"token range [{start}, {end}) exceeds the {entry.capacity} tokens of "
+            part = entry.rank.geometry.group(writer.group)
+            pages = entry.groups[writer.group] if writer.group else entry.pages
+            capacity = int(pages.size) * part.spec.page_size
+            origin = entry.origins.get(src, entry.start)
+            if not 0 <= start <= end or end > capacity:
+                raise RequestError(f"token range [{start}, {end}) exceeds the {capacity} tokens of "
                                    f"the destination pages", field="end",
                                    fix="send only tokens the decode side allocated pages for")
-            if start < entry.start:
-                raise RequestError(f"chunk [{start}, {end}) starts before token {entry.start}, the first "
-                                   "token the decode side expects", field="start",
-                                   fix="send only tokens at or after the expect's start")
-            if entry.num_tokens is not None and end > entry.num_tokens:
+            if start < origin:
+                raise RequestError(f"chunk [{start}, {end}) starts before token {origin}, the first "
+                                   "token the decode side expects"
+                                   + (f" of group {writer.group!r}" if writer.group else ""),
+                                   field="start", fix="send only tokens at or after the expect's start")
+            per_request = bool(writer.group) and entry.rank.geometry.spec.group(writer.group).per_request
+            if per_request and (start, end, header["last"]) != (0, part.spec.page_size, True):
+                raise RequestError(f"state group {writer.group!r} moves its {part.spec.page_size} rows once, as "
+                                   f"[0, {part.spec.page_size}) with last; got [{start}, {end})", field="end",
+                                   fix="send a state group's slot whole with the last chunk")
+            if not per_request and entry.num_tokens is not None and end > entry.num_tokens:
                 raise RequestError(f"token range ends at {end}, request has {entry.num_tokens} tokens",
                                    field="end", fix="send only the request's tokens")
             final = entry.last_end.get(src)
@@ -209,16 +227,16 @@ class Inbox:
             if _overlaps(entry.received[src], start, end) or _overlaps(entry.pending[src], start, end):
                 raise RequestError(f"token range [{start}, {end}) from {list(src)} was already received",
                                    field="start", fix="send each token range once")
-            spec = entry.rank.geometry.spec
+            spec = part.spec
             check_whole_pages(spec, start, end, header["last"])
             expected = chunk_bytes(writer, len(spec.region_kinds), slot_count(spec, start, end))
             if header["nbytes"] != expected:
                 raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
                                    field="nbytes", fix="check both sides use the same geometry")
-            if header["last"] and entry.num_tokens is not None and end != entry.num_tokens:
+            if header["last"] and not per_request and entry.num_tokens is not None and end != entry.num_tokens:
                 raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
                                    field="end", fix="end the last chunk at the request's length")
-            dst_slots = unit_slots(spec, entry.pages, start, end, 0, entry.rank.geometry.slot_pitch)
+            dst_slots = unit_slots(spec, pages, start, end, 0, part.slot_pitch)
             entry.pending[src].append((start, end))
             entry.inflight += 1
             if header["last"]:
@@ -230,7 +248,7 @@ class Inbox:
 
     def finish(self, sink: Sink, ok: bool) -> None:
         entry = sink.entry
-        src = sink.writer.src
+        src = sink.writer.key
         with self._lock:
             entry.inflight -= 1
             entry.pending[src].remove((sink.start, sink.end))

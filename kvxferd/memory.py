@@ -122,22 +122,22 @@ def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str | Non
     for a daemon that cannot see this process's pid (it outlives a SIGKILLed engine).
     """
     names = geometry.region_names()
-    nbytes = geometry.region_bytes
-    stride = _align(nbytes)
-    total = stride * len(names)
+    sizes = [geometry.region_nbytes(kind) for _, kind in names]
+    offsets = np.concatenate(([0], np.cumsum([_align(n) for n in sizes]))).tolist()
+    total = offsets[-1]
     shared = shmfile.create(name, total, shm_dir)
     mm, path = shared.mm, shared.path
     where: dict[str, Any] = {"path": path} if path is not None else {"fd": shared.fd}
     base = torch.from_numpy(np.frombuffer(mm, dtype=np.uint8))
     if fill is not None:
         base.fill_(fill)
-    dtype = torch_dtype(geometry.spec.dtype)
-    shape = region_shape(geometry)
     tensors: dict[tuple[int, str], torch.Tensor] = {}
     descriptors = []
     for i, (layer, kind) in enumerate(names):
-        offset = i * stride
-        tensors[(layer, kind)] = base[offset:offset + nbytes].view(dtype).view(shape)
+        offset, nbytes = offsets[i], sizes[i]
+        part = geometry.group(kind.rpartition(".")[0])  # the region's group (itself for the default one)
+        region = base[offset:offset + nbytes]
+        tensors[(layer, kind)] = region.view(torch_dtype(part.spec.dtype)).view(region_shape(part))
         descriptors.append({"layer": layer, "kind": kind, "mem": "shm", **where,
                             "offset": offset, "nbytes": nbytes})
     return KVCache(geometry, tensors, path, descriptors, mm, fd=shared.fd, name=shared.name)
@@ -148,12 +148,11 @@ def allocate_cuda(geometry: RankGeometry, *, device: int | str = 0) -> KVCache:
     if not torch.cuda.is_available():
         raise RegistrationError("CUDA is not available in this process", field="mem",
                                 fix="allocate with allocate_cpu, or run on a GPU node")
-    dtype = torch_dtype(geometry.spec.dtype)
-    shape = region_shape(geometry)
     tensors = {}
     descriptors = []
     for layer, kind in geometry.region_names():
-        t = torch.zeros(shape, dtype=dtype, device=device)
+        part = geometry.group(kind.rpartition(".")[0])
+        t = torch.zeros(region_shape(part), dtype=torch_dtype(part.spec.dtype), device=device)
         tensors[(layer, kind)] = t
         descriptors.append({"layer": layer, "kind": kind, "mem": "cuda_ipc",
                             "nbytes": t.numel() * t.element_size(), "offset": 0,
@@ -229,15 +228,16 @@ class MemoryMapper:
                 f"{list(geometry.spec.region_kinds)}: missing {missing[:4]}, unexpected {extra[:4]}"
                 + (", duplicates present" if dup else ""),
                 field="regions", fix="register exactly one region per local layer and kind")
-        need = geometry.region_bytes
         out: dict[tuple[int, str], MappedRegion] = {}
         opened: dict[tuple[str, Any], torch.Tensor] = {}  # each named file / descriptor opened once
         for r in regions:
+            need = geometry.region_nbytes(r["kind"])
+            part = geometry.group(r["kind"].rpartition(".")[0])
             if r["nbytes"] != need:
                 raise RegistrationError(
                     f"region layer {r['layer']} kind {r['kind']} has {r['nbytes']} bytes, geometry needs "
-                    f"{need} ({geometry.num_pages} pages of {geometry.spec.page_bytes} bytes"
-                    + (f" every {geometry.page_stride} bytes" if geometry.page_stride else "") + ")",
+                    f"{need} ({part.num_pages} pages of {part.spec.page_bytes} bytes"
+                    + (f" every {part.page_stride} bytes" if part.page_stride else "") + ")",
                     field="regions.nbytes", fix="allocate regions from the same geometry you register")
             flat = self._map_one(r, pid, opened)
             out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat)

@@ -90,6 +90,7 @@ class Expect(Message):
     start: int | None = None
     timeout_s: float | None = None
     source_dp_rank: int | None = None  # the source instance's DP rank that holds the request
+    groups: dict[str, list[int]] | None = None  # cache groups: page table per KV group, [slot] per state group
 
 
 @dataclass(frozen=True)
@@ -104,6 +105,7 @@ class Send(Message):
     end: int
     last: bool
     aux: bytes | None = None
+    groups: dict[str, list[int]] | None = None  # cache groups: the chunk's pages per KV group, state slots
 
 
 @dataclass(frozen=True)

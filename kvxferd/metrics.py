@@ -36,6 +36,9 @@ class Metrics:
         self.bytes_received = Counter(
             "kvxferd_received_bytes", "KV bytes written into local destination pages, by transport.",
             ["transport"], registry=r)
+        self.group_bytes = Counter(
+            "kvxferd_group_sent_bytes", "Bytes sent to destination ranks by cache group kind (full, window, "
+            "draft, state); counted for instances that have cache groups.", ["group"], registry=r)
         self.chunks = Counter(
             "kvxferd_chunks", "Chunks moved (one writer to one destination), by transport and mode.",
             ["transport", "mode"], registry=r)

@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import RequestError
 from .lifecycle import states
-from .planner import Plan, Writer
+from .planner import Plan, Writer, group_key
 
 
 @dataclass(frozen=True)
@@ -66,6 +66,7 @@ class Chunk:
     last: bool
     slots: np.ndarray
     aux: bytes | None
+    groups: dict[str, np.ndarray] | None = None  # cache groups: the chunk's pages per KV group, state slots
 
 
 @dataclass
@@ -154,7 +155,7 @@ class SrcEntry:
 
     def expected_targets(self) -> set[tuple[int, int]]:
         assert self.plan is not None
-        return {d.rank for d, _ in self.plan.targets_of(*self.coords)}
+        return {group_key(d.rank, w.group, w.part) for d, w in self.plan.all_targets_of(*self.coords)}
 
     def complete(self) -> bool:
         if self.plan is None or self.last_end is None or self.inflight:

@@ -17,10 +17,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .errors import PlanRefusal
 from .geometry import InstanceSpec
+
+if TYPE_CHECKING:
+    from .group_plan import GroupPlan
 
 MODES = ("auto", "direct", "staged")
 
@@ -41,10 +44,17 @@ class Writer:
     slice_bytes: int      # bytes of the slice per token per layer per kind
     src_row_bytes: int
     dst_row_bytes: int
+    group: str = ""  # the cache group it moves ("": the instance's full-attention KV)
+    part: int = 0  # a state group's part (groups.Group.split_parts): one writer per part and rank
 
     @property
     def src(self) -> tuple[int, int]:
         return (self.tp_rank, self.pp_rank)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """The writer's key at its destination: its rank, and its group when it has one."""
+        return group_key(self.src, self.group, self.part)
 
     @property
     def whole_rows(self) -> bool:
@@ -53,7 +63,16 @@ class Writer:
     def to_dict(self) -> dict[str, Any]:
         return {"tp_rank": self.tp_rank, "pp_rank": self.pp_rank, "heads": list(self.heads),
                 "layers": list(self.layers), "src_head_offset": self.src_head_offset,
-                "dst_head_offset": self.dst_head_offset, "slice_bytes": self.slice_bytes}
+                "dst_head_offset": self.dst_head_offset, "slice_bytes": self.slice_bytes,
+                **({"group": self.group} if self.group else {}), **({"part": self.part} if self.part else {})}
+
+
+def group_key(coords: tuple[int, int], group: str, part: int = 0) -> tuple[Any, ...]:
+    """Rank coordinates, extended by a group name (and a state part) for a cache group's chunks
+    (a key of the per-writer and per-target bookkeeping on both sides)."""
+    if not group:
+        return coords
+    return (*coords, group) if not part else (*coords, group, part)
 
 
 @dataclass(frozen=True)
@@ -79,9 +98,34 @@ class Plan:
     decode: InstanceSpec
     destinations: tuple[Destination, ...]
     mode: str  # "direct" or "staged": the resolved mode
+    groups: tuple["GroupPlan", ...] = ()  # one sub-plan per cache group (kvxferd.group_plan)
 
     def destination(self, tp_rank: int, pp_rank: int) -> Destination:
         return self.destinations[pp_rank * self.decode.tp_size + tp_rank]
+
+    def writers_of(self, tp_rank: int, pp_rank: int) -> list[Writer]:
+        """Every writer of a decode rank, the cache groups' included."""
+        out = list(self.destination(tp_rank, pp_rank).writers)
+        for g in self.groups:
+            out += g.plan.destination(tp_rank, pp_rank).writers
+        return out
+
+    def all_targets_of(self, tp_rank: int, pp_rank: int) -> list[tuple[Destination, Writer]]:
+        """Every (destination, writer) a prefill rank is responsible for, in every group."""
+        out = self.targets_of(tp_rank, pp_rank)
+        for g in self.groups:
+            out += g.plan.targets_of(tp_rank, pp_rank)
+        return out
+
+    def group(self, name: str) -> "GroupPlan":
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(name)
+
+    def group_kind(self, name: str) -> str:
+        """``full`` for the default group, else the group's kind (a bounded metric label)."""
+        return self.group(name).kind if name else "full"
 
     def targets_of(self, tp_rank: int, pp_rank: int) -> list[tuple[Destination, Writer]]:
         """Every (destination, writer) a prefill rank is responsible for."""
@@ -113,10 +157,16 @@ class Plan:
         return worst
 
     def to_dict(self) -> dict[str, Any]:
-        return {"compatible": True, "mode": self.mode, "sliced": self.sliced,
-                "fragments_per_page": self.fragments_per_page(),
-                "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
-                "destinations": [d.to_dict() for d in self.destinations]}
+        out = {"compatible": True, "mode": self.mode, "sliced": self.sliced,
+               "fragments_per_page": self.fragments_per_page(),
+               "prefill": self.prefill.to_dict(), "decode": self.decode.to_dict(),
+               "destinations": [d.to_dict() for d in self.destinations]}
+        if self.groups:
+            spec = self.decode
+            out["bytes_per_token"] = (spec.num_layers * len(spec.region_kinds) * spec.kv_heads * spec.head_slot_bits
+                                    // 8 // spec.slot_tokens)
+            out["groups"] = [g.to_dict() for g in self.groups]
+        return out
 
 
 def _check_equal(field: str, prefill: Any, decode: Any, fix: str) -> None:
@@ -247,4 +297,10 @@ def make_plan(prefill: InstanceSpec, decode: InstanceSpec, *, mode: str = "auto"
             "through the daemon's mapped view of the KV buffers, and none was registered there",
             field="kv_buffer_tensors", prefill=prefill_tensors, decode=decode_tensors,
             fix="register the ranks' KV buffers as shared memory or CUDA IPC regions, or use mode=direct")
-    return Plan(prefill=prefill, decode=decode, destinations=tuple(destinations), mode=resolved)
+    groups: tuple[GroupPlan, ...] = ()
+    if prefill.groups or decode.groups:
+        from .group_plan import group_plans
+        groups = group_plans(prefill, decode, mode if mode == "auto" else resolved, prefill_tensors, decode_tensors)
+        if mode == "auto" and any(g.plan.mode == "staged" for g in groups):
+            resolved = "staged"  # one mode per pair: a group's small head slices make it staged
+    return Plan(prefill=prefill, decode=decode, destinations=tuple(destinations), mode=resolved, groups=groups)

@@ -7,6 +7,7 @@ raises :class:`ProtocolError` naming the field, which endpoints turn into an err
 
 from __future__ import annotations
 
+import re
 import struct
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
@@ -175,8 +176,21 @@ REQUEST_ID = text(MAX_ID_LEN)
 NAME = text(MAX_NAME_LEN)
 ADDRESS = text(300)
 
+BASE_KINDS = ("k", "v", "latent", "kv")
+_GROUP_KIND = re.compile(r"^[a-z][a-z0-9_]{0,23}\.(k|v|latent|state)$")
+
+
+def region_kind(name: str, value: Any) -> str:
+    """A region's kind: a base kind, or ``<group>.<kind>`` for a cache group's region."""
+    kind = text(40)(name, value)
+    if kind not in BASE_KINDS and not _GROUP_KIND.match(kind):
+        raise ProtocolError(f"{name} = {kind!r} is not one of {BASE_KINDS} nor <group>.<k|v|latent|state>",
+                            field=name, fix="use the kinds the rank's geometry names")
+    return kind
+
+
 REGION = Schema(
-    required={"layer": integer(0, 1 << 16), "kind": text(16, ("k", "v", "latent", "kv")),
+    required={"layer": integer(0, 1 << 16), "kind": region_kind,
               "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
     optional={"path": text(4096), "fd": integer(0, 1 << 31), "offset": integer(0, 1 << 48), "handle": mapping},
 )
@@ -184,6 +198,23 @@ REGION = Schema(
 
 def region(name: str, value: Any) -> dict[str, Any]:
     return REGION.check({"op": "region", **mapping(name, value)})
+
+
+_GROUP_NAME = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
+
+
+def group_tables(name: str, value: Any) -> dict[str, list[int]]:
+    """``{group: [pages]}`` or ``{group: [state slot]}``: what a request names of its cache groups."""
+    if not isinstance(value, dict) or len(value) > 16:
+        raise ProtocolError(f"{name} must map at most 16 group names to lists of integers", field=name,
+                            fix="send groups as {name: [pages]} or {name: [slot]}")
+    out = {}
+    for key, pages in value.items():
+        if not isinstance(key, str) or not _GROUP_NAME.match(key):
+            raise ProtocolError(f"{name} has key {str(key)[:40]!r}, not a group name", field=name,
+                                fix="name groups as the geometry does")
+        out[key] = int_list()(f"{name}.{key}", pages)
+    return out
 
 
 ENGINE_SCHEMAS: dict[str, Schema] = {
@@ -199,11 +230,11 @@ ENGINE_SCHEMAS: dict[str, Schema] = {
                   "pages": int_list()},
         optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
                   "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400),
-                  "source_dp_rank": integer(0, MAX_DP - 1)}),
+                  "source_dp_rank": integer(0, MAX_DP - 1), "groups": group_tables}),
     "send": Schema(
         required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
                   "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
-        optional={"aux": blob()}),
+        optional={"aux": blob(), "groups": group_tables}),
     "poll": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID}, optional={}),
     "abort": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID},
                     optional={"reason": text(512)}),
@@ -221,7 +252,7 @@ def nixl_region(name: str, value: Any) -> list[Any]:
         raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device]", field=name,
                             fix="send one 7-entry list per region")
     tp, pp = pair(name, value[:2])
-    return [tp, pp, integer(0, 1 << 16)(name, value[2]), text(16, ("k", "v", "latent", "kv"))(name, value[3]),
+    return [tp, pp, integer(0, 1 << 16)(name, value[2]), region_kind(name, value[3]),
             integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
             integer(-1, 1 << 10)(name, value[6])]
 
@@ -301,7 +332,9 @@ DATA_HEADER = Schema(
               # staged over NIXL: the landing ring and slot the block was written into, the block's
               # index in its chunk and the block size the chunk was cut into
               "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
-              "pack": integer(1, 1 << 34)},
+              "pack": integer(1, 1 << 34),
+              # a cache group's chunk (kvxferd.groups): its writer is (src, group) at the destination
+              "group": text(24), "part": integer(0, 16)},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

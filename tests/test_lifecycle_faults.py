@@ -124,8 +124,8 @@ def test_phase_timeouts_on_both_sides():
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
     pn.send(p, "s", pages(1), 0, 4, True)  # nobody ever expects it
     c.tick(dn.cfg.timeouts.bootstrap_s + 1)
-    assert dn.outcome("r", d).code == "bootstrapping_timeout"
-    assert pn.outcome("s", p).code == "bootstrapping_timeout"
+    assert dn.outcome("r", d).code == "bootstrap_timeout"  # the same code as a bootstrap that gave up
+    assert pn.outcome("s", p).code == "bootstrap_timeout"
 
 
 def test_waiting_for_input_timeout_aborts_the_source_side():

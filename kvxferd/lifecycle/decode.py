@@ -24,7 +24,7 @@ class DecodeSide:
     def _expect(self: "Lifecycle", ev: events.ExpectCalled) -> str:
         self.refuse_finished(ev.request_id, ev.rank.id)
         entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
-                          created=self.now, phase_since=self.now)
+                          created=self.now, phase_since=self.now, groups=ev.groups or {})
         entry.transport = "tcp" if ev.source_address else "local"
         entry.source_address = ev.source_address
         self.inbox.add(entry)
@@ -50,7 +50,8 @@ class DecodeSide:
         pair = self.routes.local(entry.source_instance, entry.rank.instance)
         assert pair is not None, "a local plan is found through the route book"
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
-                                            entry.rank.coords, pair[0], pair[1], start=entry.start))
+                                            entry.rank.coords, pair[0], pair[1], start=entry.start,
+                                            num_tokens=entry.num_tokens or 0))
 
     def _expect_each_daemon(self: "Lifecycle", entry: DestEntry, ev: events.PlanFound) -> None:
         """A source instance over several daemons: every daemon of it hears the expect, naming the
@@ -202,5 +203,5 @@ class DecodeSide:
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
                 why = f" (waiting for {entry.waiting_for})" if entry.waiting_for and entry.state == states.BOOTSTRAPPING \
                     else ""
-                self._fail(entry, f"{entry.state}_timeout",
+                self._fail(entry, states.timeout_code(entry.state),
                            f"request spent more than {limit}s in state {entry.state}{why}")

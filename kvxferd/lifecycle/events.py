@@ -28,6 +28,7 @@ class ExpectCalled:
     num_tokens: int | None
     start: int
     source_address: str  # empty: the source instance is on this daemon
+    groups: Any = None  # cache groups: page table per KV group, [slot] per state group (numpy)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class PeerExpected:
     dst_pages: Any = None
     start: int = 0
     writers: tuple[tuple[int, int], ...] | None = None  # the writers held here (None: every writer)
+    num_tokens: int = 0  # the request's length (0: not given); a sliding-window group's window ends there
 
 
 @dataclass(frozen=True)

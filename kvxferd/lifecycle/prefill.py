@@ -16,6 +16,8 @@ from ..logutil import q
 from ..messages import Event, Fenced, PeerAbort
 from ..outbox import Binding, Chunk, Route, SrcEntry, Target
 from ..registry import rank_id as make_rank_id
+from ..group_requests import group_origin, source_range
+from ..planner import group_key
 from ..segments import clip_slots
 from ..transport.base import ChunkJob
 from . import effects, events, states
@@ -77,7 +79,7 @@ class PrefillSide:
     def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:
         binding = self._binding_for(ev)
         binding.routes.setdefault(ev.dst, ev.route)  # the destination rank's daemon: its expect's link
-        for w in ev.plan.destination(*ev.dst).writers:
+        for w in ev.plan.writers_of(*ev.dst):  # the cache groups' writers included
             if ev.writers is not None and w.src not in ev.writers:
                 continue  # held by another daemon of the instance
             rank_id = make_rank_id(ev.prefill, *w.src)
@@ -94,8 +96,9 @@ class PrefillSide:
                                                                 "reason": entry.failure[1]})
                 continue
             entry.bind(binding, self.now)
-            entry.targets.setdefault(ev.dst, Target(ev.dst, w, route=ev.route, dst_pages=ev.dst_pages,
-                                                    start=ev.start))
+            start = group_origin(ev.plan.prefill, w.group, ev.start, ev.num_tokens)
+            target = Target(ev.dst, w, route=ev.route, dst_pages=ev.dst_pages, start=start)
+            entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
         for entry in self.sources_of(ev.request_id):
@@ -196,6 +199,8 @@ class PrefillSide:
     def _post(self: "Lifecycle", entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
         """One job for a chunk to a destination; False if the source failed instead."""
         assert entry.binding is not None
+        if target.writer.group:
+            return self._post_group(entry, rank, target, idx, chunk)
         start, chunk_slots = chunk.start, chunk.slots
         if target.start > chunk.start:  # the decode side holds a prefix already: only the rest moves
             if chunk.end <= target.start:
@@ -220,6 +225,27 @@ class PrefillSide:
         self.emit(effects.StartJob(job, route.kind, entry, target, idx))
         return True
 
+    def _post_group(self: "Lifecycle", entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
+        """A cache group's part of a chunk: its own token range (a window, or the state with the
+        last chunk) and slots from the chunk's group pages; a chunk with nothing of it is done."""
+        assert entry.binding is not None
+        group = target.writer.group
+        table = (chunk.groups or {}).get(group)
+        part = source_range(rank.geometry, group, chunk.start, chunk.end, chunk.last, target.start, table)
+        if part is None:
+            target.acked.add(idx)
+            return True
+        start, end, slots = part
+        route = entry.binding.route
+        job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
+                       start, end, chunk.last, None, slots, entry.binding.plan.mode,
+                       route.data_address, route.token, group=group)
+        entry.inflight += 1
+        if states.may(entry, states.SRC, "job_started"):
+            states.advance(entry, states.SRC, "job_started", self.now)
+        self.emit(effects.StartJob(job, route.kind, entry, target, idx))
+        return True
+
     def _job_finished(self: "Lifecycle", ev: events.JobFinished) -> None:
         entry, target = ev.entry, ev.target
         entry.inflight -= 1
@@ -229,6 +255,8 @@ class PrefillSide:
             target.acked.add(ev.index)
             entry.bytes_sent += moved.nbytes
             self.metrics.bytes_sent.labels(ev.kind, moved.mode).inc(moved.nbytes)
+            if entry.plan is not None and entry.plan.groups:
+                self.metrics.group_bytes.labels(entry.plan.group_kind(target.writer.group)).inc(moved.nbytes)
             self.metrics.chunks.labels(ev.kind, moved.mode).inc()
             self.metrics.chunk_bytes.observe(moved.nbytes)
             self.metrics.fragments.observe(moved.fragments)
@@ -289,4 +317,4 @@ class PrefillSide:
         for entry in list(self.sources.values()):
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
-                self._fail(entry, f"{entry.state}_timeout", f"request spent more than {limit}s in state {entry.state}")
+                self._fail(entry, states.timeout_code(entry.state), f"request spent more than {limit}s in state {entry.state}")

@@ -34,6 +34,12 @@ FAILED = "failed"
 ACTIVE = (BOOTSTRAPPING, WAITING, TRANSFERRING)
 TERMINAL = (DONE, FAILED)
 
+
+def timeout_code(state: str) -> str:
+    """The failure code of a request that outstays its state's time limit. A bootstrap that runs
+    out of time says ``bootstrap_timeout`` whether the sweeper or the bootstrap noticed first."""
+    return "bootstrap_timeout" if state == BOOTSTRAPPING else f"{state}_timeout"
+
 #: decode side, one destination: (state, event) -> next state
 DEST: dict[tuple[str, str], str] = {
     # the plan with the source instance is known; the source daemon was told (peer expect)

@@ -171,10 +171,13 @@ def _mismatched(got: torch.Tensor, want: torch.Tensor) -> int:
 
 
 def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
-    """Bytes that differ from the canary in the given (never allocated) pages."""
+    """Bytes that differ from the canary in the given (never allocated) pages of the default
+    group (cache groups: :func:`kvxferd.tools.oracle_groups.untouched_group`)."""
     bad = 0
     idx = torch.as_tensor(list(pages), dtype=torch.int64)
-    for tensor in cache.tensors.values():
+    for (_, kind), tensor in cache.tensors.items():
+        if "." in kind:  # a cache group's region: its pages are numbered apart
+            continue
         flat = tensor.view(torch.uint8).reshape(geometry.num_pages, -1)
         bad += int((flat.index_select(0, idx) != CANARY).sum())
     return bad
@@ -183,8 +186,9 @@ def untouched(cache: Any, geometry: RankGeometry, pages: list[int]) -> int:
 def reset_pages(cache: Any, geometry: RankGeometry, pages: list[int], value: int = CANARY) -> None:
     """Set every byte of the given pages (all regions) to ``value``: the canary, before a check."""
     idx = torch.as_tensor(list(pages), dtype=torch.int64)
-    for tensor in cache.tensors.values():
-        tensor.view(torch.uint8).reshape(geometry.num_pages, -1).index_fill_(0, idx, value)
+    for (_, kind), tensor in cache.tensors.items():
+        if "." not in kind:
+            tensor.view(torch.uint8).reshape(geometry.num_pages, -1).index_fill_(0, idx, value)
 
 
 def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) -> dict[str, Any]:
@@ -207,7 +211,11 @@ def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) 
         else:
             rows = _token_rows(list(pages), spec.page_size, 0, int(n)).numpy()
         for d in descriptors:
-            may[(d["offset"] + rows[:, None] * spec.row_bytes + row).ravel()] = True
+            if "." not in d["kind"]:
+                may[(d["offset"] + rows[:, None] * spec.row_bytes + row).ravel()] = True
+    for d in descriptors:  # cache groups' regions are checked by oracle_groups, not here
+        if "." in d["kind"]:
+            may[d["offset"]:d["offset"] + d["nbytes"]] = True
     changed = whole != CANARY
     outside = np.flatnonzero(changed & ~may)
     page_bytes = spec.page_bytes
@@ -220,6 +228,8 @@ def canary_report(cache: Any, geometry: RankGeometry, allowed: list[list[Any]]) 
 
     changed_pages: set[int] = set()
     for d in descriptors:
+        if "." in d["kind"]:
+            continue
         region = changed[d["offset"]:d["offset"] + d["nbytes"]].reshape(geometry.num_pages, -1)
         changed_pages.update(int(p) for p in np.flatnonzero(region.any(axis=1)))
     return {"outside_bytes": int(outside.size), "outside_at": [where(int(o)) for o in outside[:8]],

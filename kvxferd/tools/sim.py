@@ -29,6 +29,7 @@ from ..geometry import InstanceSpec, RankGeometry
 from . import jsonlines, launch
 from .jsonlines import read_events, send_command
 from .oracle import CANARY, canary_report, check_rank, fill_rank, untouched
+from .oracle_groups import check_groups, fill_groups, untouched_group, untouched_rows
 
 # -- the worker process -------------------------------------------------------------------
 
@@ -118,6 +119,10 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                 t0 = time.perf_counter()
                 result["mismatched_bytes"] = check_rank(cache, geometry, event["request_id"], info["pages"],
                                                         info["n"])
+                if info.get("groups"):  # cache groups: every group checked, reported apart too
+                    per_group = check_groups(cache, geometry, event["request_id"], info["groups"], info["n"])
+                    result["group_mismatched_bytes"] = per_group
+                    result["mismatched_bytes"] += sum(per_group.values())
                 result["check_s"] = time.perf_counter() - t0
                 aux = event.get("aux")
                 result["aux"] = aux.hex() if isinstance(aux, bytes) else None
@@ -130,13 +135,14 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
     op = cmd["cmd"]
     try:
         if op == "expect":
-            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"]}
+            pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "groups": cmd.get("groups")}
             client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
                           source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"],
-                          source_dp_rank=cmd.get("source_dp_rank"))
+                          source_dp_rank=cmd.get("source_dp_rank"), groups=cmd.get("groups"))
         elif op == "send":
             t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])
+            fill_groups(cache, geometry, cmd["request_id"], cmd.get("groups") or {}, cmd["n"])
             pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "fill_s": time.perf_counter() - t0}
             ps = geometry.spec.page_size
             chunks = cmd.get("chunks") or [[0, cmd["n"]]]
@@ -145,7 +151,8 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
             for i, (start, end) in enumerate(chunks):
                 last = i == len(chunks) - 1 and not cmd.get("hold_last")
                 client.send(rid, cmd["request_id"], pages=cmd["pages"][start // ps:-(-end // ps)], start=start,
-                            end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None)
+                            end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None,
+                            groups=chunk_groups(geometry, cmd.get("groups"), start, end, last))
         elif op == "expect_many":  # one batched call for many requests; refusals come back per request
             reqs = cmd["requests"]
             for r in reqs:
@@ -178,13 +185,37 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
         elif op == "canary":
             emit({"event": "canary", **canary_report(cache, geometry, cmd.get("allowed") or [])})
         elif op == "untouched":
-            emit({"event": "untouched", "bad_bytes": untouched(cache, geometry, cmd["pages"])})
+            if cmd.get("group"):  # a cache group's pages (or state slots); rows: [table, start, end]
+                bad = untouched_group(cache, geometry, cmd["group"], cmd["pages"])
+                if cmd.get("rows"):
+                    table, lo, hi = cmd["rows"]
+                    bad += untouched_rows(cache, geometry, cmd["group"], table, lo, hi)
+            else:
+                bad = untouched(cache, geometry, cmd["pages"])
+            emit({"event": "untouched", "bad_bytes": bad})
         elif op == "status":
             emit({"event": "status", "status": client.status()})
     except Exception as exc:  # noqa: BLE001 - the orchestrator asserts on it
         pending.pop(cmd.get("request_id", ""), None)
         emit({"event": "error", "cmd": op, "request_id": cmd.get("request_id"), "error": str(exc),
               "code": getattr(exc, "code", ""), "field": getattr(exc, "field", None)})
+
+
+def chunk_groups(geometry: RankGeometry, tables: dict[str, list[int]] | None, start: int, end: int,
+                 last: bool) -> dict[str, list[int]] | None:
+    """What a chunk ``[start, end)`` names of the cache groups: each KV group's pages of the chunk,
+    each state group's slot with the last chunk."""
+    if not tables:
+        return None
+    out = {}
+    for name, table in tables.items():
+        if geometry.spec.group(name).kind == "state":
+            if last:
+                out[name] = table
+            continue
+        ps = geometry.group(name).spec.page_size
+        out[name] = table[start // ps:-(-end // ps)]
+    return out
 
 
 def _batch_refusals(reqs: list[dict[str, Any]], outcomes: list[Any], op: str, pending: dict[str, dict[str, Any]],

@@ -36,14 +36,17 @@ class ChunkJob:
     token: bytes | None = None  # proves the data connection belongs to an authenticated link
     dst_pages: np.ndarray | None = None  # nixl: the destination's page table (one-sided writes need it)
     remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
+    group: str = ""  # a cache group's chunk: its regions, slots and writer are the group's
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return self.rank.geometry.spec.region_kinds
+        """Region kinds in wire order, as registered (a cache group's are ``<group>.<kind>``)."""
+        return self.rank.geometry.kinds_of(self.group)
 
     @property
     def nbytes(self) -> int:
-        return chunk_bytes(self.writer, len(self.kinds), slot_count(self.rank.geometry.spec, self.start, self.end))
+        spec = self.rank.geometry.spec.group_spec(self.group)
+        return chunk_bytes(self.writer, len(self.kinds), slot_count(spec, self.start, self.end))
 
     @property
     def head_offset(self) -> int:
@@ -64,6 +67,10 @@ class ChunkJob:
             head["aux"] = self.aux
         if self.token:
             head["token"] = self.token
+        if self.group:
+            head["group"] = self.group
+        if self.writer.part:
+            head["part"] = self.writer.part
         return head
 
 

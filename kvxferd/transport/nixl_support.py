@@ -167,15 +167,19 @@ class NixlSupport:
         theirs = list(msg.get("transports") or [])
         mine = self.offered()
         layout = getattr(decode_spec, "layout", "NHD")
+        # cache groups' chunks have page tables of their own, which one-sided WRITEs are not wired to
+        tcp_only = (f"layout {layout}" if layout != "NHD" else
+                    "cache groups" if getattr(decode_spec, "groups", ()) else "")
         for name in mine:
             if name not in theirs:
                 continue
             if name != "nixl":
                 return name, None
-            if layout != "NHD":
-                # its one-sided WRITEs address token rows; packed pages are not wired into it
+            if tcp_only:
+                # its one-sided WRITEs address token rows of one page table; packed pages and cache
+                # groups are not wired into it
                 log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
-                         q(f"layout {decode_spec.layout} is moved by tcp only; using the next transport"))
+                         q(f"{tcp_only} is moved by tcp only; using the next transport"))
                 continue
             if mode == "staged" and not msg.get("nixl_landing"):
                 log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
@@ -193,8 +197,8 @@ class NixlSupport:
                 continue
             return "nixl", peer
         unusable = f" (NIXL here: {self.unavailable})" if self.unavailable and "nixl" in self.preference else ""
-        if layout != "NHD" and "nixl" in mine and "nixl" in theirs:
-            unusable += f" (layout {layout} is moved by tcp only, not nixl)"
+        if tcp_only and "nixl" in mine and "nixl" in theirs:
+            unusable += f" ({tcp_only} is moved by tcp only, not nixl)"
         raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}{unusable}, the "
                           f"decode daemon offers {theirs}", field="peer.transports", prefill=mine, decode=theirs,
                           fix="list a common transport in both daemons' peer.transports (tcp works everywhere)")

@@ -183,7 +183,7 @@ class TcpDataServer:
                 self._reply(conn, {"op": "ack", "ok": True})
                 proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
-            log.info("event=data_conn_closed reason=%s", type(exc).__name__)
+            log.info("event=data_conn_closed reason=%s msg=%s", type(exc).__name__, json.dumps(str(exc)[:300]))
         finally:
             with self._lock:
                 self._conns.discard(conn)
