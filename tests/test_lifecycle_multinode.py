@@ -157,4 +157,4 @@ def test_a_bootstrap_that_times_out_names_what_it_waited_for():
     d.inbox.get("r", decode[0].id).waiting_for = "the source daemon A:1, which said: missing ranks p/tp3/pp0"
     c.tick(d.cfg.timeouts.bootstrap_s + 1)
     outcome = d.outcome("r", decode[0])
-    assert outcome.code == "bootstrapping_timeout" and "missing ranks p/tp3/pp0" in outcome.reason
+    assert outcome.code == "bootstrap_timeout" and "missing ranks p/tp3/pp0" in outcome.reason
