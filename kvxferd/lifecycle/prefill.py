@@ -236,11 +236,13 @@ class PrefillSide:
             target.acked.add(idx)
             return True
         start, end, slots = part
-        route = entry.binding.route
+        route = target.route
+        assert route is not None
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, group=group)
         entry.inflight += 1
+        target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
             states.advance(entry, states.SRC, "job_started", self.now)
         self.emit(effects.StartJob(job, route.kind, entry, target, idx))
