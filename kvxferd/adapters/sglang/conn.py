@@ -45,11 +45,15 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from ...client import DaemonError, EngineClient
 from ...config import default_socket_path
 from ...errors import KvxferError, RegistrationError
+from ...geometry import RankGeometry
+from ...groups import qualified_kind
 from ...memory import describe_tensors
 from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
-from .pool import CURRENT_POOL, PoolContext, pool_facts, pool_region_tensors
+from .pool import (CURRENT_POOL, PoolContext, dtype_name, mamba_pool, pool_facts, pool_region_tensors,
+                   state_tensors)
+from .state import StateTensor, mamba_groups, state_slot
 
 log = logging.getLogger("kvxferd.sglang")
 
@@ -103,9 +107,16 @@ class KvxferdKVManager(BaseKVManager):
         if self.facts.page_size != int(args.page_size):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
                                     field="page_size", fix="build KVArgs from the registered pool")
-        self.geometry = build_geometry(self.facts, self._rank_facts(args, ctx))
+        rank_facts = self._rank_facts(args, ctx)
+        self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
         self._check_pointers(args, tensors)
+        # Mamba/linear-attention state: one kvxferd state group per state tensor (see .state)
+        self.state_kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
+        self.state_groups: list[StateTensor] = []
+        if self.state_kinds:
+            self.geometry, state_regions = self._with_state_groups(args, ctx, rank_facts)
+            tensors.update(state_regions)
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
         self.aux_row_bytes = sum(self.aux_item_lens)
@@ -131,10 +142,16 @@ class KvxferdKVManager(BaseKVManager):
     # -- start-up checks -----------------------------------------------------------------
     @staticmethod
     def _refuse_unsupported(args: KVArgs, ctx: PoolContext) -> None:
-        if getattr(args, "state_types", None):
-            raise RegistrationError(f"state transfer ({[getattr(s, 'value', s) for s in args.state_types]}) "
-                                    "is not supported by the kvxferd backend", field="state_types",
-                                    fix="serve models without mamba/SWA/DSA state, or use another backend")
+        kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
+        other = [k for k in kinds if k != "mamba"]
+        if other:
+            raise RegistrationError(f"state transfer of {other} (state_types {kinds}) is not supported by the kvxferd "
+                                    "backend; of SGLang's state components it maps Mamba/linear-attention state only",
+                                    field="state_types",
+                                    fix="serve models without SWA/DSA/other state, or use another backend")
+        if kinds.count("mamba") > 1:
+            raise RegistrationError(f"state_types {kinds} lists Mamba state twice", field="state_types",
+                                    fix="fill KVArgs with SGLang's setup_state_kv_args")
         if getattr(args, "num_draft_entries", 0):
             raise RegistrationError("draft-model KV (speculative decoding) is not supported by the kvxferd backend",
                                     field="num_draft_entries", fix="serve without a draft model")
@@ -171,13 +188,71 @@ class KvxferdKVManager(BaseKVManager):
             if width > 1:
                 raise RegistrationError(f"{name} is {width}; the kvxferd backend serves one attention group "
                                         "per instance", field=name, fix=f"run with {name} 1")
-        splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
-                       for r in range(pp_size))
+        if mamba_pool(ctx.pool) is not None:
+            if pp_size != 1:
+                raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba) model's "
+                                        "state with one PP stage only", field="pp_size", fix="run with pp_size 1")
+            # a hybrid pool's KV lists only its full-attention layers, in their own numbering
+            splits: tuple[tuple[int, int], ...] = ((0, self.facts.num_layers),)
+        else:
+            splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
+                           for r in range(pp_size))
         return RankFacts(tp_rank=int(args.engine_rank) % attn_tp, tp_size=attn_tp, pp_rank=int(args.pp_rank),
                          pp_size=pp_size, layer_splits=splits,
                          kv_head_num=getattr(args, "kv_head_num", None),
                          total_kv_head_num=getattr(args, "total_kv_head_num", None),
                          model_total_kv_heads=ctx.model_total_kv_heads)
+
+    def _with_state_groups(self, args: KVArgs, ctx: PoolContext,
+                           rank: RankFacts) -> tuple[RankGeometry, dict[tuple[int, str], torch.Tensor]]:
+        """The geometry with the pool's Mamba state as state groups, and their regions."""
+        import dataclasses
+
+        idx = self.state_kinds.index("mamba")
+        views = state_tensors(ctx.pool)
+        ptrs = [int(p) for p in args.state_data_ptrs[idx]]
+        if not views:
+            raise RegistrationError(f"KVArgs lists Mamba state but the KV pool {type(ctx.pool).__name__} holds none",
+                                    field="state_types", fix="serve a hybrid model with SGLang's HybridLinearKVPool")
+        if [t.data_ptr() for t in views] != ptrs:
+            raise RegistrationError(
+                f"KVArgs.state_data_ptrs ({len(ptrs)} pointers) are not the Mamba pool's state buffers ({len(views)})",
+                field="state_data_ptrs", fix="fill KVArgs after the pool was placed in shared memory (the plugin's "
+                                             "hook does this)")
+        for i, t in enumerate(views):
+            if not t.is_contiguous():
+                raise RegistrationError(f"Mamba state entry {i} of shape {list(t.shape)} is not contiguous per slot",
+                                        field="state_data_ptrs", fix="use SGLang's standard (non-AMX, non-envelope) "
+                                                                     "Mamba state layout")
+
+        def field(name: str) -> Any:
+            lists = getattr(args, name, None) or []
+            return lists[idx] if idx < len(lists) else None
+
+        self.state_groups = mamba_groups(
+            item_lens=[int(n) for n in args.state_item_lens[idx]], data_lens=[int(n) for n in args.state_data_lens[idx]],
+            dims=field("state_dim_per_tensor"), outer_counts=field("state_slice_outer_counts"),
+            shard_groups=field("state_conv_shard_groups"), layer_ids=field("state_layer_ids"),
+            itemsizes=[t.element_size() for t in views],
+            dtypes=[dtype_name(t, "state_data_ptrs") for t in views], tp_size=rank.tp_size)
+        geometry = self.geometry
+        spec = dataclasses.replace(geometry.spec, groups=tuple(g.group for g in self.state_groups))
+        geometry = RankGeometry(spec, geometry.tp_rank, geometry.pp_rank, geometry.num_pages,
+                                group_pages=tuple((g.group.name, g.slots) for g in self.state_groups))
+        regions = {(layer, qualified_kind(g.group.name, "state")): views[entry]
+                   for g in self.state_groups for layer, entry in enumerate(g.entries)}
+        return geometry, regions
+
+    def state_groups_of(self, state_indices: Any) -> dict[str, list[int]] | None:
+        """kvxferd ``groups`` of a request from SGLang's ``state_indices`` (aligned with state_types)."""
+        if not self.state_groups:
+            return None
+        if state_indices is None or len(state_indices) != len(self.state_kinds):
+            got = None if state_indices is None else len(state_indices)
+            raise RegistrationError(f"state_indices has {got} entries, state_types {self.state_kinds}",
+                                    field="state_indices", fix="pass one state payload per state type")
+        slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
+        return {g.group.name: [slot] for g in self.state_groups}
 
     @staticmethod
     def _check_pointers(args: KVArgs, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
@@ -368,7 +443,9 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
                 raise RegistrationError(f"{self.pages_sent + len(pages)} pages sent, init announced {self.num_pages}",
                                         field="kv_indices", fix="send each page of the request once")
             aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
-            self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux)
+            groups = self.kv_mgr.state_groups_of(state_indices) if last else None
+            self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux,
+                             **({"groups": groups} if groups else {}))
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return
@@ -434,8 +511,10 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         start = int(decode_prefix_len or 0)
         try:
             pages = expect_pages(kv_indices, start, self.kv_mgr.facts.page_size)
+            groups = self.kv_mgr.state_groups_of(state_indices)
             self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
-                             source_address=self.route.daemon_address, pages=pages, start=start or None)
+                             source_address=self.route.daemon_address, pages=pages, start=start or None,
+                             **({"groups": groups} if groups else {}))
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return

@@ -65,16 +65,17 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
     if getattr(queue.transfer_backend, "value", None) != BACKEND:
         return original(queue)
     from ...memory import share_in_place
-    from .pool import CURRENT_POOL, PoolContext, pool_buffers
+    from .pool import CURRENT_POOL, PoolContext, full_pool, pool_buffers, state_base_tensors
 
     pool = queue.token_to_kv_pool
     _, buffers = pool_buffers(pool)
-    tensors = [t for ts in buffers.values() for t in ts]
+    # a hybrid pool's Mamba state moves too: its base tensors, so every per-layer view follows
+    tensors = [t for ts in buffers.values() for t in ts] + state_base_tensors(pool)
     shared = None
     if tensors and tensors[0].device.type == "cpu":
         role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
         shared = share_in_place(tensors, name=f"sglang-{role}-tp{queue.tp_rank}-pp{queue.pp_rank}")
-        _rebind_pool_pointers(pool)
+        _rebind_pool_pointers(full_pool(pool))
     model_config = queue.scheduler.model_config
     try:
         total = int(model_config.get_total_num_kv_heads())

@@ -1,0 +1,204 @@
+"""A hybrid (Mamba / Gated DeltaNet + full attention) model through the SGLang backend.
+
+Every object that touches KV transfer is SGLang's own: a CPU ``MambaPool`` (conv and
+temporal state, GDN-style conv shard groups q|k|v) inside a ``HybridLinearKVPool`` whose
+full-attention layers are an ``MHATokenToKVPool``; KVArgs filled by the real
+``_init_kv_manager`` of both queues (so ``state_types``, ``state_dim_per_tensor``,
+``state_conv_shard_groups``, ... come from SGLang's ``setup_state_kv_args``); the state
+payload passed to ``send`` / ``send_metadata`` is what SGLang's ``_mamba_payload`` builds
+(``[array(slot)]`` aligned with ``state_types``). Real daemons move it; the full-attention
+KV is checked against the head-by-head oracle of ``harness.expected_decode`` and every
+state slot against the state rebuilt from the prefill ranks' slices, byte for byte, with
+every other slot untouched.
+"""
+
+from __future__ import annotations
+
+import random
+import types
+
+import numpy as np
+import pytest
+import torch
+
+from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.disaggregation.decode import DecodePreallocQueue
+from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, get_kv_class
+from sglang.srt.mem_cache.common import kv_to_page_indices
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+from sglang.srt.runtime_context import get_parallel
+
+from harness import (BACKEND, KVPoll, Model, Rank, Request, assert_bytes_equal, bootstrap_server, close_all,
+                     expected_decode, free_port, published, set_metadata_row, sglang_wait, slots_of, socket_of,
+                     wait_poll)
+from kvxferd.adapters.sglang.state import mamba_groups
+from kvxferd.errors import RegistrationError
+
+FULL_LAYERS = [1, 3]  # Qwen3-Next-like: full attention every other layer, linear attention between
+MAMBA_LAYERS = [0, 2, 4]
+MODEL = Model(num_layers=5, total_kv_heads=2, head_dim=16)
+# GDN: conv channels are cat(q, k, v), each split by attention TP on its own
+SHARD_GROUPS = [16, 16, 32]
+HEADS, HEAD_DIM, STATE = 4, 8, 8
+MAMBA_SLOTS = 6  # MambaPool(size=6): 7 slots, slot 0 included
+
+
+def mamba_pool(tp: int) -> MambaPool:
+    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=32, n_groups=2, num_heads=HEADS,
+                                    head_dim=HEAD_DIM, state_size=STATE, conv_kernel=4, conv_shard_groups=SHARD_GROUPS)
+    assert shape.conv_dim == sum(SHARD_GROUPS)
+    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS,
+                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
+    return MambaPool(size=MAMBA_SLOTS, spec_state_size=MAMBA_SLOTS, cache_params=params,
+                     mamba_layer_ids=MAMBA_LAYERS, device="cpu")
+
+
+def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size: int, num_pages: int, port: int,
+                     bootstrap_port: int, seed: int) -> Rank:
+    """A scheduler rank of the hybrid model: the pools SGLang builds for it, and the manager its queue builds."""
+    mp = mamba_pool(tp_size)
+    pool = HybridLinearKVPool(size=(num_pages - 1) * page_size, dtype=MODEL.dtype, page_size=page_size,
+                              head_num=MODEL.total_kv_heads // tp_size, head_dim=MODEL.head_dim,
+                              full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mp)
+    gen = torch.Generator().manual_seed(seed)
+    full = pool.full_kv_pool
+    for t in [*full.k_buffer, *full.v_buffer, *mp.mamba_cache.conv, mp.mamba_cache.temporal]:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+    metadata = MetadataBuffers(16, hidden_size=MODEL.hidden_size, hidden_states_dtype=torch.float32,
+                               max_sampling_mask_tokens=4)
+    model_config = MODEL.model_config()
+    model_config.hf_text_config = types.SimpleNamespace(full_attention_layer_ids=FULL_LAYERS)
+    scheduler = types.SimpleNamespace(
+        rust_server=None, enable_hisparse=False, model_config=model_config,
+        tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="auto")))
+    queue_cls = PrefillBootstrapQueue if role == "prefill" else DecodePreallocQueue
+    queue = object.__new__(queue_cls)
+    queue.__dict__.update(token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=False,
+                          metadata_buffers=metadata, tp_rank=tp_rank, pp_rank=0, scheduler=scheduler,
+                          transfer_backend=BACKEND, enable_staging=False)
+    with published(tp_size=tp_size, pp_size=1, disaggregation_mode=role, disaggregation_transfer_backend="kvxferd",
+                   host="127.0.0.1", port=port, disaggregation_bootstrap_port=bootstrap_port) as sa:
+        scheduler.server_args = sa
+        with get_parallel().override(tp_rank=tp_rank, pp_rank=0, dp_rank=0), socket_of(daemon):
+            manager = queue._init_kv_manager()
+    rank = Rank(role, tp_rank, 0, full, metadata, manager, page_size, list(range(1, num_pages)))
+    rank.mamba = mp  # type: ignore[attr-defined]
+    return rank
+
+
+def states(rank: Rank) -> list[torch.Tensor]:
+    """The rank's state entries ([slots, ...] per state tensor and Mamba layer), SGLang's order."""
+    return [t for _, t, _, _ in rank.mamba._iter_transfer_state_entries()]
+
+
+def full_state(prefill: list[Rank], entry: int, slot: int) -> torch.Tensor:
+    """One slot of one state entry as the unsplit model holds it, rebuilt from the TP ranks' slices."""
+    tp = len(prefill)
+    pieces = [states(p)[entry][slot] for p in sorted(prefill, key=lambda r: r.tp_rank)]
+    dim = pieces[0].shape[0]
+    if dim * tp == sum(SHARD_GROUPS):  # conv: q|k|v, each part split by TP on its own
+        out, off = [], 0
+        for part in SHARD_GROUPS:
+            n = part // tp
+            out += [piece[off:off + n] for piece in pieces]
+            off += n
+        return torch.cat(out)
+    return torch.cat(pieces)  # temporal: heads
+
+
+def local_state(full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
+    if full.shape[0] == sum(SHARD_GROUPS):
+        out, off = [], 0
+        for part in SHARD_GROUPS:
+            n = part // tp
+            out.append(full[off + tp_rank * n:off + (tp_rank + 1) * n])
+            off += part
+        return torch.cat(out)
+    n = full.shape[0] // tp
+    return full[tp_rank * n:(tp_rank + 1) * n]
+
+
+def mamba_payload(slot: int) -> list:
+    """SGLang's state_indices for state_types [MAMBA]: _mamba_payload's [array(slot)] (0-d, from a tensor)."""
+    return [[torch.tensor(slot).cpu().numpy()]]
+
+
+@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (1, 1)], ids=["tp2to1", "tp1to2", "tp1to1"])
+def test_hybrid_mamba_state_and_full_attention(cluster, gloo, tp_p, tp_d):
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    prefill = [make_hybrid_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, page_size=4, num_pages=16,
+                                port=free_port(), bootstrap_port=bport, seed=700 + t) for t in range(tp_p)]
+    dport = free_port()
+    decode = [make_hybrid_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, page_size=4, num_pages=16,
+                               port=dport, bootstrap_port=bport, seed=750 + t) for t in range(tp_d)]
+    try:
+        spec = prefill[0].manager.geometry.spec
+        assert [g.name for g in spec.groups] == ["mamba_0", "mamba_1"]
+        assert spec.groups[0].split_parts == tuple(SHARD_GROUPS) and spec.groups[0].num_layers == len(MAMBA_LAYERS)
+        assert spec.num_layers == len(FULL_LAYERS)
+        req = Request(room=9100 + 10 * tp_p + tp_d, n_tokens=23)
+        rng = random.Random(tp_p * 10 + tp_d)
+        p_slot, d_slot = 3, 5
+        before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
+        state_before = [[t.clone() for t in states(d)] for d in decode]
+        senders = [get_kv_class(BACKEND, KVClassType.SENDER)(mgr=p.manager, bootstrap_addr=addr, bootstrap_room=req.room,
+                                                             req_has_disagg_prefill_dp_rank=False) for p in prefill]
+        receivers = []
+        for d in decode:
+            recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
+                                                              bootstrap_room=req.room)
+            recv.init(0)
+            pages = d.take_pages(-(-req.n_tokens // d.page_size), rng)
+            dslots = slots_of(pages, req.n_tokens, d.page_size)
+            d.metadata.clear_slot(3)
+            recv.send_metadata(kv_to_page_indices(dslots, d.page_size).astype(np.int32), 3, mamba_payload(d_slot),
+                               decode_prefix_len=0)
+            assert recv.failure is None, recv.failure
+            receivers.append((recv, dslots))
+        pslots = []
+        for p, s in zip(prefill, senders):
+            assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+            pages = p.take_pages(-(-req.n_tokens // p.page_size), rng)
+            slots = slots_of(pages, req.n_tokens, p.page_size)
+            s.init(len(pages), 5)
+            pslots.append(slots)
+            # two chunks like SGLang's chunked prefill: the state travels with the last one only
+            s.send(kv_to_page_indices(slots[:12], p.page_size), None, num_kv_tokens=12)
+            set_metadata_row(p, 5, req)
+            s.send(kv_to_page_indices(slots[12:], p.page_size), mamba_payload(p_slot), num_kv_tokens=req.n_tokens - 12)
+            assert s.failure is None, s.failure
+        assert sglang_wait(senders, gloo) == [KVPoll.Success] * len(senders), [s.failure for s in senders]
+        for (recv, dslots), d, old, old_state in zip(receivers, decode, before, state_before):
+            assert sglang_wait([recv], gloo, decode_metadata=d.metadata) == [KVPoll.Success], recv.failure
+            want = expected_decode(d, old, dslots, prefill, pslots, req, MODEL, tp_p, tp_d)
+            assert_bytes_equal(d.buffers(), want)
+            assert int(d.metadata.output_ids[3, 0]) == req.first_token
+            for entry, (got, was) in enumerate(zip(states(d), old_state)):
+                expect = was.clone()
+                expect[d_slot] = local_state(full_state(prefill, entry, p_slot), d.tp_rank, tp_d)
+                assert not torch.equal(expect.view(torch.uint8), was.view(torch.uint8)), "the oracle expects no change"
+                assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"state entry {entry} differs"
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_state_fields_that_cannot_map_are_refused_naming_the_field():
+    """What sglang's setup_state_kv_args would never fill, refused with the KVArgs field."""
+    base = dict(item_lens=[240], data_lens=[240 * 7], dims=[40], outer_counts=[1], layer_ids=[0], itemsizes=[2],
+                dtypes=["bfloat16"])
+    with pytest.raises(RegistrationError) as err:  # parts that do not add up to local channels x TP
+        mamba_groups(**base, shard_groups=[[64, 8, 4]], tp_size=2)
+    assert err.value.field == "state_conv_shard_groups"
+    with pytest.raises(RegistrationError) as err:  # a slot that is not rows x channels x inner
+        mamba_groups(**{**base, "dims": [7]}, shard_groups=[None], tp_size=2)
+    assert err.value.field == "state_dim_per_tensor"
+    with pytest.raises(RegistrationError) as err:
+        mamba_groups(**{**base, "data_lens": [1000]}, shard_groups=[None], tp_size=2)
+    assert err.value.field == "state_data_lens"
+    [t] = mamba_groups(**base, shard_groups=[[64, 8, 8]], tp_size=2)
+    assert (t.group.shape, t.group.split_dim, t.group.split_parts, t.slots) == ((80, 3), 0, (64, 8, 8), 7)
