@@ -46,13 +46,14 @@ from ...client import DaemonError, EngineClient
 from ...config import default_socket_path
 from ...errors import KvxferError, RegistrationError
 from ...geometry import RankGeometry
-from ...groups import qualified_kind
+from ...groups import Group, qualified_kind
 from ...memory import describe_tensors
 from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
-from .pool import (CURRENT_POOL, PoolContext, dtype_name, mamba_pool, pool_facts, pool_region_tensors,
-                   state_tensors)
+from .draft import DRAFT_GROUP, draft_group
+from .pool import (CURRENT_POOL, PoolContext, dtype_name, mamba_pool, pool_buffers, pool_facts,
+                   pool_region_tensors, state_tensors)
 from .state import StateTensor, mamba_groups, state_slot
 
 log = logging.getLogger("kvxferd.sglang")
@@ -110,13 +111,18 @@ class KvxferdKVManager(BaseKVManager):
         rank_facts = self._rank_facts(args, ctx)
         self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
-        self._check_pointers(args, tensors)
+        # draft-model KV (speculative decoding): a draft group over the target's page table (see .draft)
+        self.draft: Group | None = None
+        draft_regions = self._draft_regions(args, ctx, rank_facts)
+        self._check_pointers(args, {**tensors, **draft_regions})
+        tensors.update(draft_regions)
         # Mamba/linear-attention state: one kvxferd state group per state tensor (see .state)
         self.state_kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
         self.state_groups: list[StateTensor] = []
         if self.state_kinds:
-            self.geometry, state_regions = self._with_state_groups(args, ctx, rank_facts)
-            tensors.update(state_regions)
+            tensors.update(self._state_regions(args, ctx, rank_facts))
+        if self.draft is not None or self.state_groups:
+            self.geometry = self._with_groups(self.geometry)
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
         self.aux_row_bytes = sum(self.aux_item_lens)
@@ -152,9 +158,11 @@ class KvxferdKVManager(BaseKVManager):
         if kinds.count("mamba") > 1:
             raise RegistrationError(f"state_types {kinds} lists Mamba state twice", field="state_types",
                                     fix="fill KVArgs with SGLang's setup_state_kv_args")
-        if getattr(args, "num_draft_entries", 0):
-            raise RegistrationError("draft-model KV (speculative decoding) is not supported by the kvxferd backend",
-                                    field="num_draft_entries", fix="serve without a draft model")
+        if getattr(args, "num_draft_entries", 0) and ctx.draft_pool is None:
+            raise RegistrationError("KVArgs lists draft-model KV but no draft pool reached the kvxferd manager",
+                                    field="num_draft_entries",
+                                    fix="load the plugin with sglang.srt.plugins.load_plugins() before the scheduler "
+                                        "starts")
         aux = getattr(ctx.metadata_buffers, "output_ids", None)
         if aux is None or aux.device.type != "cpu":
             raise RegistrationError("MetadataBuffers are not in CPU memory; the kvxferd backend copies the first "
@@ -203,11 +211,31 @@ class KvxferdKVManager(BaseKVManager):
                          total_kv_head_num=getattr(args, "total_kv_head_num", None),
                          model_total_kv_heads=ctx.model_total_kv_heads)
 
-    def _with_state_groups(self, args: KVArgs, ctx: PoolContext,
-                           rank: RankFacts) -> tuple[RankGeometry, dict[tuple[int, str], torch.Tensor]]:
-        """The geometry with the pool's Mamba state as state groups, and their regions."""
+    def _with_groups(self, geometry: RankGeometry) -> RankGeometry:
+        """The rank's geometry with its cache groups (draft KV, Mamba state)."""
         import dataclasses
 
+        groups = ([self.draft] if self.draft is not None else []) + [g.group for g in self.state_groups]
+        pages = ([(DRAFT_GROUP, geometry.num_pages)] if self.draft is not None else []) + [
+            (g.group.name, g.slots) for g in self.state_groups]
+        spec = dataclasses.replace(geometry.spec, groups=tuple(groups))
+        return RankGeometry(spec, geometry.tp_rank, geometry.pp_rank, geometry.num_pages, group_pages=tuple(pages))
+
+    def _draft_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """The draft pool's regions (``(layer, "draft.k")``...), and :attr:`draft`; none without a draft model."""
+        count = int(getattr(args, "num_draft_entries", 0) or 0)
+        if not count:
+            return {}
+        if rank.pp_size != 1:
+            raise RegistrationError(f"pp_size is {rank.pp_size}; the kvxferd backend moves draft-model KV with one "
+                                    "PP stage only", field="pp_size", fix="run with pp_size 1")
+        facts = pool_facts(ctx.draft_pool)
+        self.draft = draft_group(facts, self.facts, rank.tp_size, count)
+        _, buffers = pool_buffers(ctx.draft_pool)
+        return {(i, qualified_kind(DRAFT_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+    def _state_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """The pool's Mamba state regions, and :attr:`state_groups`."""
         idx = self.state_kinds.index("mamba")
         views = state_tensors(ctx.pool)
         ptrs = [int(p) for p in args.state_data_ptrs[idx]]
@@ -235,24 +263,24 @@ class KvxferdKVManager(BaseKVManager):
             shard_groups=field("state_conv_shard_groups"), layer_ids=field("state_layer_ids"),
             itemsizes=[t.element_size() for t in views],
             dtypes=[dtype_name(t, "state_data_ptrs") for t in views], tp_size=rank.tp_size)
-        geometry = self.geometry
-        spec = dataclasses.replace(geometry.spec, groups=tuple(g.group for g in self.state_groups))
-        geometry = RankGeometry(spec, geometry.tp_rank, geometry.pp_rank, geometry.num_pages,
-                                group_pages=tuple((g.group.name, g.slots) for g in self.state_groups))
-        regions = {(layer, qualified_kind(g.group.name, "state")): views[entry]
-                   for g in self.state_groups for layer, entry in enumerate(g.entries)}
-        return geometry, regions
+        return {(layer, qualified_kind(g.group.name, "state")): views[entry]
+                for g in self.state_groups for layer, entry in enumerate(g.entries)}
 
-    def state_groups_of(self, state_indices: Any) -> dict[str, list[int]] | None:
-        """kvxferd ``groups`` of a request from SGLang's ``state_indices`` (aligned with state_types)."""
-        if not self.state_groups:
-            return None
-        if state_indices is None or len(state_indices) != len(self.state_kinds):
-            got = None if state_indices is None else len(state_indices)
-            raise RegistrationError(f"state_indices has {got} entries, state_types {self.state_kinds}",
-                                    field="state_indices", fix="pass one state payload per state type")
-        slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
-        return {g.group.name: [slot] for g in self.state_groups}
+    def request_groups(self, pages: list[int], state_indices: Any, *, with_state: bool) -> dict[str, Any]:
+        """kvxferd ``groups`` of a request or chunk: the draft group's pages are the target's
+        (``pages``); every state group gets the slot of SGLang's ``state_indices`` (aligned with
+        ``state_types``) when ``with_state``."""
+        out: dict[str, Any] = {}
+        if self.draft is not None:
+            out[DRAFT_GROUP] = list(pages)
+        if self.state_groups and with_state:
+            if state_indices is None or len(state_indices) != len(self.state_kinds):
+                got = None if state_indices is None else len(state_indices)
+                raise RegistrationError(f"state_indices has {got} entries, state_types {self.state_kinds}",
+                                        field="state_indices", fix="pass one state payload per state type")
+            slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
+            out.update({g.group.name: [slot] for g in self.state_groups})
+        return out
 
     @staticmethod
     def _check_pointers(args: KVArgs, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
@@ -443,7 +471,7 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
                 raise RegistrationError(f"{self.pages_sent + len(pages)} pages sent, init announced {self.num_pages}",
                                         field="kv_indices", fix="send each page of the request once")
             aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
-            groups = self.kv_mgr.state_groups_of(state_indices) if last else None
+            groups = self.kv_mgr.request_groups(pages, state_indices, with_state=last)
             self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux,
                              **({"groups": groups} if groups else {}))
         except KvxferError as exc:
@@ -511,7 +539,7 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         start = int(decode_prefix_len or 0)
         try:
             pages = expect_pages(kv_indices, start, self.kv_mgr.facts.page_size)
-            groups = self.kv_mgr.state_groups_of(state_indices)
+            groups = self.kv_mgr.request_groups(pages, state_indices, with_state=True)
             self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
                              source_address=self.route.daemon_address, pages=pages, start=start or None,
                              **({"groups": groups} if groups else {}))

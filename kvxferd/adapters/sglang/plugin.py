@@ -71,18 +71,24 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
     _, buffers = pool_buffers(pool)
     # a hybrid pool's Mamba state moves too: its base tensors, so every per-layer view follows
     tensors = [t for ts in buffers.values() for t in ts] + state_base_tensors(pool)
+    draft = getattr(queue, "draft_token_to_kv_pool", None)  # speculative decoding's draft KV moves too
+    if draft is not None:
+        tensors += [t for ts in pool_buffers(draft)[1].values() for t in ts]
     shared = None
     if tensors and tensors[0].device.type == "cpu":
         role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
         shared = share_in_place(tensors, name=f"sglang-{role}-tp{queue.tp_rank}-pp{queue.pp_rank}")
         _rebind_pool_pointers(full_pool(pool))
+        if draft is not None:
+            _rebind_pool_pointers(draft)
     model_config = queue.scheduler.model_config
     try:
         total = int(model_config.get_total_num_kv_heads())
     except (AttributeError, TypeError, ValueError):
         total = None
     ctx = PoolContext(pool=pool, metadata_buffers=queue.metadata_buffers, model_total_kv_heads=total,
-                      num_hidden_layers=int(model_config.num_hidden_layers), shared=shared)
+                      num_hidden_layers=int(model_config.num_hidden_layers), shared=shared,
+                      draft_pool=draft)
     token = CURRENT_POOL.set(ctx)
     try:
         return original(queue)

@@ -30,6 +30,7 @@ class PoolContext:
     model_total_kv_heads: int | None
     num_hidden_layers: int
     shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
+    draft_pool: Any = None  # the speculative draft model's token pool (draft_token_to_kv_pool), if any
 
 
 CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",

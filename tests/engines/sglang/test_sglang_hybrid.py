@@ -26,12 +26,12 @@ from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, get_kv_class
 from sglang.srt.mem_cache.common import kv_to_page_indices
-from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool
+from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
 from sglang.srt.runtime_context import get_parallel
 
 from harness import (BACKEND, KVPoll, Model, Rank, Request, assert_bytes_equal, bootstrap_server, close_all,
-                     expected_decode, free_port, published, set_metadata_row, sglang_wait, slots_of, socket_of,
-                     wait_poll)
+                     expected_decode, free_port, new_senders, published, run_decode_until_metadata, run_prefill,
+                     set_metadata_row, sglang_wait, slots_of, socket_of, wait_poll)
 from kvxferd.adapters.sglang.state import mamba_groups
 from kvxferd.errors import RegistrationError
 
@@ -61,21 +61,38 @@ def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size
     pool = HybridLinearKVPool(size=(num_pages - 1) * page_size, dtype=MODEL.dtype, page_size=page_size,
                               head_num=MODEL.total_kv_heads // tp_size, head_dim=MODEL.head_dim,
                               full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mp)
-    gen = torch.Generator().manual_seed(seed)
-    full = pool.full_kv_pool
-    for t in [*full.k_buffer, *full.v_buffer, *mp.mamba_cache.conv, mp.mamba_cache.temporal]:
-        raw = t.view(torch.uint8)
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
-    metadata = MetadataBuffers(16, hidden_size=MODEL.hidden_size, hidden_states_dtype=torch.float32,
-                               max_sampling_mask_tokens=4)
     model_config = MODEL.model_config()
     model_config.hf_text_config = types.SimpleNamespace(full_attention_layer_ids=FULL_LAYERS)
+    fill([*mp.mamba_cache.conv, mp.mamba_cache.temporal], seed + 1)
+    rank = queue_rank(role, daemon, pool, pool.full_kv_pool, model_config=model_config, tp_rank=tp_rank,
+                      tp_size=tp_size, port=port, bootstrap_port=bootstrap_port, page_size=page_size,
+                      num_pages=num_pages, seed=seed)
+    rank.mamba = mp  # type: ignore[attr-defined]
+    return rank
+
+
+def fill(tensors: list[torch.Tensor], seed: int) -> None:
+    """What a model computed (prefill) or what the memory held before (decode): random bytes."""
+    gen = torch.Generator().manual_seed(seed)
+    for t in tensors:
+        raw = t.view(torch.uint8)
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+
+
+def queue_rank(role: str, daemon, pool, full, *, model_config, tp_rank: int, tp_size: int, port: int,
+               bootstrap_port: int, page_size: int, num_pages: int, seed: int, draft=None) -> Rank:
+    """The manager SGLang's queue builds for ``pool`` (and a draft pool), KVArgs by its real ``_init_kv_manager``."""
+    fill([*full.k_buffer, *full.v_buffer], seed)
+    if draft is not None:
+        fill([*draft.k_buffer, *draft.v_buffer], seed + 2)
+    metadata = MetadataBuffers(16, hidden_size=MODEL.hidden_size, hidden_states_dtype=torch.float32,
+                               max_sampling_mask_tokens=4)
     scheduler = types.SimpleNamespace(
         rust_server=None, enable_hisparse=False, model_config=model_config,
         tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="auto")))
     queue_cls = PrefillBootstrapQueue if role == "prefill" else DecodePreallocQueue
     queue = object.__new__(queue_cls)
-    queue.__dict__.update(token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=False,
+    queue.__dict__.update(token_to_kv_pool=pool, draft_token_to_kv_pool=draft, is_mla_backend=False,
                           metadata_buffers=metadata, tp_rank=tp_rank, pp_rank=0, scheduler=scheduler,
                           transfer_backend=BACKEND, enable_staging=False)
     with published(tp_size=tp_size, pp_size=1, disaggregation_mode=role, disaggregation_transfer_backend="kvxferd",
@@ -83,9 +100,7 @@ def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size
         scheduler.server_args = sa
         with get_parallel().override(tp_rank=tp_rank, pp_rank=0, dp_rank=0), socket_of(daemon):
             manager = queue._init_kv_manager()
-    rank = Rank(role, tp_rank, 0, full, metadata, manager, page_size, list(range(1, num_pages)))
-    rank.mamba = mp  # type: ignore[attr-defined]
-    return rank
+    return Rank(role, tp_rank, 0, full, metadata, manager, page_size, list(range(1, num_pages)))
 
 
 def states(rank: Rank) -> list[torch.Tensor]:
@@ -202,3 +217,82 @@ def test_state_fields_that_cannot_map_are_refused_naming_the_field():
     assert err.value.field == "state_data_lens"
     [t] = mamba_groups(**base, shard_groups=[[64, 8, 8]], tp_size=2)
     assert (t.group.shape, t.group.split_dim, t.group.split_parts, t.slots) == ((80, 3), 0, (64, 8, 8), 7)
+
+
+# -- speculative decoding: a draft model's KV beside the target's ------------------------------
+
+TARGET = Model(num_layers=3, total_kv_heads=2, head_dim=16)
+DRAFT = Model(num_layers=1, total_kv_heads=4, head_dim=32, dtype=torch.bfloat16)  # EAGLE-like: one layer
+
+
+def draft_rank(role: str, daemon, *, tp_rank: int, tp_size: int, port: int, bootstrap_port: int,
+               seed: int) -> tuple[Rank, Rank]:
+    """(target rank, the same rank seen through its draft pool) with SGLang's own pools."""
+    page_size, num_pages = 4, 16
+    size = (num_pages - 1) * page_size
+    target = MHATokenToKVPool(size=size, page_size=page_size, dtype=TARGET.dtype, head_num=TARGET.total_kv_heads // tp_size,
+                              head_dim=TARGET.head_dim, layer_num=TARGET.num_layers, device="cpu",
+                              enable_memory_saver=False, start_layer=0, end_layer=TARGET.num_layers - 1)
+    draft = MHATokenToKVPool(size=size, page_size=page_size, dtype=DRAFT.dtype, head_num=DRAFT.total_kv_heads // tp_size,
+                             head_dim=DRAFT.head_dim, layer_num=1, device="cpu", enable_memory_saver=False)
+    rank = queue_rank(role, daemon, target, target, model_config=TARGET.model_config(), tp_rank=tp_rank,
+                      tp_size=tp_size, port=port, bootstrap_port=bootstrap_port, page_size=page_size,
+                      num_pages=num_pages, seed=seed, draft=draft)
+    return rank, Rank(role, tp_rank, 0, draft, rank.metadata, rank.manager, page_size)
+
+
+@pytest.mark.parametrize("tp_p,tp_d,prefix", [(2, 1, 8), (1, 2, 0)], ids=["tp2to1_prefix", "tp1to2"])
+def test_draft_model_kv_moves_with_the_target(cluster, gloo, tp_p, tp_d, prefix):
+    """KVArgs lists the draft pool's buffers after the target's (num_draft_entries): both
+    move over the target's pages, the draft by its own heads and head_dim, byte-exact; with
+    a decode prefix only the suffix of either lands."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    pairs_p = [draft_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
+                          bootstrap_port=bport, seed=800 + t) for t in range(tp_p)]
+    dport = free_port()
+    pairs_d = [draft_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport,
+                          bootstrap_port=bport, seed=850 + t) for t in range(tp_d)]
+    prefill, pdraft = [p for p, _ in pairs_p], [d for _, d in pairs_p]
+    decode, ddraft = [p for p, _ in pairs_d], [d for _, d in pairs_d]
+    try:
+        assert prefill[0].manager.kv_args.num_draft_entries == 2
+        [group] = prefill[0].manager.geometry.spec.groups
+        assert (group.kind, group.num_layers, group.total_kv_heads, group.head_dim) == ("draft", 1, 4, 32)
+        req = Request(room=9300 + 10 * tp_p + tp_d, n_tokens=26, prefix=prefix)
+        rng = random.Random(tp_p + 7 * tp_d)
+        before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
+        dbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in ddraft]
+        senders = new_senders(prefill, addr, req)
+        receivers = run_decode_until_metadata(decode, addr, req, rng)
+        pslots = run_prefill(prefill, senders, req, rng, chunk_ends=[13])
+        assert sglang_wait(senders, gloo) == [KVPoll.Success] * len(senders), [s.failure for s in senders]
+        for (recv, dslots), d, dd, old, dold in zip(receivers, decode, ddraft, before, dbefore):
+            assert sglang_wait([recv], gloo, decode_metadata=d.metadata) == [KVPoll.Success], recv.failure
+            assert_bytes_equal(d.buffers(), expected_decode(d, old, dslots, prefill, pslots, req, TARGET, tp_p, tp_d))
+            want = expected_decode(dd, dold, dslots, pdraft, pslots, req, DRAFT, tp_p, tp_d)
+            assert any(not torch.equal(want[k], dold[k]) for k in want), "the oracle expects no change"
+            assert_bytes_equal(dd.buffers(), want)
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_draft_pool_whose_heads_cannot_be_told_is_refused(cluster):
+    """One draft KV head per rank over TP 2 may be a replicated head: refused at start, naming the field."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    try:
+        size = 15 * 4
+        target = MHATokenToKVPool(size=size, page_size=4, dtype=TARGET.dtype, head_num=1, head_dim=16, layer_num=2,
+                                  device="cpu", enable_memory_saver=False, start_layer=0, end_layer=1)
+        draft = MHATokenToKVPool(size=size, page_size=4, dtype=TARGET.dtype, head_num=1, head_dim=16, layer_num=1,
+                                 device="cpu", enable_memory_saver=False)
+        with pytest.raises(RegistrationError) as err:
+            queue_rank("prefill", cluster.daemons["pd"], target, target, model_config=Model(
+                num_layers=2, total_kv_heads=2).model_config(), tp_rank=0, tp_size=2, port=free_port(),
+                bootstrap_port=bport, page_size=4, num_pages=16, seed=1, draft=draft)
+        assert err.value.field == "draft_token_to_kv_pool.head_num"
+    finally:
+        server.close()
