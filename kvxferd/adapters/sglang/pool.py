@@ -44,8 +44,12 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 
 
 def full_pool(pool: Any) -> Any:
-    """The full-attention token pool: a hybrid (Mamba) pool's ``full_kv_pool``, else the pool itself."""
-    return pool.full_kv_pool if mamba_pool(pool) is not None else pool
+    """The full-attention token pool: a composite pool's ``full_kv_pool`` (hybrid Mamba, SWA), else the pool.
+
+    An SWA pool gets this far only to be refused by name (``state_types``) when the manager starts.
+    """
+    inner = getattr(pool, "full_kv_pool", None)
+    return inner if inner is not None else pool
 
 
 def mamba_pool(pool: Any) -> Any:

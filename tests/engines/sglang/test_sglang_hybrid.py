@@ -33,6 +33,7 @@ from harness import (BACKEND, KVPoll, Model, Rank, Request, assert_bytes_equal, 
                      expected_decode, free_port, new_senders, published, run_decode_until_metadata, run_prefill,
                      set_metadata_row, sglang_wait, slots_of, socket_of, wait_poll)
 from kvxferd.adapters.sglang.state import mamba_groups
+from kvxferd.client import EngineClient
 from kvxferd.errors import RegistrationError
 
 FULL_LAYERS = [1, 3]  # Qwen3-Next-like: full attention every other layer, linear attention between
@@ -294,5 +295,29 @@ def test_draft_pool_whose_heads_cannot_be_told_is_refused(cluster):
                 num_layers=2, total_kv_heads=2).model_config(), tp_rank=0, tp_size=2, port=free_port(),
                 bootstrap_port=bport, page_size=4, num_pages=16, seed=1, draft=draft)
         assert err.value.field == "draft_token_to_kv_pool.head_num"
+    finally:
+        server.close()
+
+
+def test_sliding_window_state_is_refused_naming_state_types(cluster):
+    """gpt-oss-like SWA layers (SGLang's SWAKVPool): KVArgs carries StateType.SWA, which the
+    backend does not map (see the README); refused when the manager starts, naming the field,
+    and no rank stays registered."""
+    from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    bport = free_port()
+    server = bootstrap_server(bport)
+    try:
+        pool = SWAKVPool(size=60, size_swa=32, page_size=4, dtype=torch.float16, head_num=2, head_dim=16,
+                         swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu",
+                         enable_memory_saver=False)
+        with pytest.raises(RegistrationError) as err:
+            queue_rank("prefill", cluster.daemons["pd"], pool, pool.full_kv_pool, model_config=Model(
+                num_layers=4, total_kv_heads=2).model_config(), tp_rank=0, tp_size=1, port=free_port(),
+                bootstrap_port=bport, page_size=4, num_pages=16, seed=1)
+        assert err.value.field == "state_types" and "swa" in str(err.value)
+        with EngineClient(cluster.daemons["pd"].socket_path) as client:
+            ranks = client.status()["ranks"]
+        assert not [r for r in ranks if r["instance"].endswith(f"-{bport}")], ranks
     finally:
         server.close()
