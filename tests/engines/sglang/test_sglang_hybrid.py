@@ -1,7 +1,8 @@
 """A hybrid (Mamba / Gated DeltaNet + full attention) model through the SGLang backend.
 
 Every object that touches KV transfer is SGLang's own: a CPU ``MambaPool`` (conv and
-temporal state, GDN-style conv shard groups q|k|v) inside a ``HybridLinearKVPool`` whose
+temporal state; GDN conv shard groups q|k|v, and Kimi Linear's ``[K - 1, channels]`` conv split on its
+second axis) inside a ``HybridLinearKVPool`` whose
 full-attention layers are an ``MHATokenToKVPool``; KVArgs filled by the real
 ``_init_kv_manager`` of both queues (so ``state_types``, ``state_dim_per_tensor``,
 ``state_conv_shard_groups``, ... come from SGLang's ``setup_state_kv_args``); the state
@@ -16,12 +17,14 @@ from __future__ import annotations
 
 import random
 import types
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 
-from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
+from sglang.srt.configs.mamba_utils import (KimiLinearCacheParams, KimiLinearStateShape, Mamba2CacheParams,
+                                            Mamba2StateDType, Mamba2StateShape)
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
 from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, get_kv_class
@@ -39,26 +42,46 @@ from kvxferd.errors import RegistrationError
 FULL_LAYERS = [1, 3]  # Qwen3-Next-like: full attention every other layer, linear attention between
 MAMBA_LAYERS = [0, 2, 4]
 MODEL = Model(num_layers=5, total_kv_heads=2, head_dim=16)
-# GDN: conv channels are cat(q, k, v), each split by attention TP on its own
-SHARD_GROUPS = [16, 16, 32]
 HEADS, HEAD_DIM, STATE = 4, 8, 8
 MAMBA_SLOTS = 6  # MambaPool(size=6): 7 slots, slot 0 included
 
 
-def mamba_pool(tp: int) -> MambaPool:
-    shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=32, n_groups=2, num_heads=HEADS,
-                                    head_dim=HEAD_DIM, state_size=STATE, conv_kernel=4, conv_shard_groups=SHARD_GROUPS)
-    assert shape.conv_dim == sum(SHARD_GROUPS)
-    params = Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS,
-                               dtype=Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32))
-    return MambaPool(size=MAMBA_SLOTS, spec_state_size=MAMBA_SLOTS, cache_params=params,
+@dataclass(frozen=True)
+class Variant:
+    """A linear-attention family as SGLang's own state-shape factory builds it."""
+
+    name: str
+    conv_axis: int  # the per-slot axis TP splits in the conv state
+    shard_groups: tuple[int, ...]  # the full q|k|v (or x|B|C) parts of that axis
+
+    def cache_params(self, tp: int):
+        dtype = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+        if self.name == "gdn":  # Qwen3-Next-like Gated DeltaNet: conv [channels, K - 1]
+            shape = Mamba2StateShape.create(tp_world_size=tp, intermediate_size=32, n_groups=2, num_heads=HEADS,
+                                            head_dim=HEAD_DIM, state_size=STATE, conv_kernel=4,
+                                            conv_shard_groups=list(self.shard_groups))
+            assert shape.conv_dim == sum(self.shard_groups)
+            return Mamba2CacheParams(shape=shape, layers=MAMBA_LAYERS, dtype=dtype)
+        # Kimi Linear: conv [K - 1, channels], split on its second axis
+        shape = KimiLinearStateShape.create(tp_world_size=tp, num_heads=HEADS, head_dim=HEAD_DIM, num_k_heads=2,
+                                            head_k_dim=HEAD_DIM, conv_kernel_size=4)
+        assert tuple(shape.conv_shard_groups) == self.shard_groups and shape.conv_slice_axis == self.conv_axis
+        return KimiLinearCacheParams(shape=shape, layers=MAMBA_LAYERS, dtype=dtype)
+
+
+GDN = Variant("gdn", 0, (16, 16, 32))
+KIMI = Variant("kimi", 1, (HEADS * HEAD_DIM, 2 * HEAD_DIM, 2 * HEAD_DIM))
+
+
+def mamba_pool(tp: int, variant: Variant = GDN) -> MambaPool:
+    return MambaPool(size=MAMBA_SLOTS, spec_state_size=MAMBA_SLOTS, cache_params=variant.cache_params(tp),
                      mamba_layer_ids=MAMBA_LAYERS, device="cpu")
 
 
 def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size: int, num_pages: int, port: int,
-                     bootstrap_port: int, seed: int) -> Rank:
+                     bootstrap_port: int, seed: int, variant: Variant = GDN) -> Rank:
     """A scheduler rank of the hybrid model: the pools SGLang builds for it, and the manager its queue builds."""
-    mp = mamba_pool(tp_size)
+    mp = mamba_pool(tp_size, variant)
     pool = HybridLinearKVPool(size=(num_pages - 1) * page_size, dtype=MODEL.dtype, page_size=page_size,
                               head_num=MODEL.total_kv_heads // tp_size, head_dim=MODEL.head_dim,
                               full_attention_layer_ids=FULL_LAYERS, device="cpu", mamba_pool=mp)
@@ -109,31 +132,35 @@ def states(rank: Rank) -> list[torch.Tensor]:
     return [t for _, t, _, _ in rank.mamba._iter_transfer_state_entries()]
 
 
-def full_state(prefill: list[Rank], entry: int, slot: int) -> torch.Tensor:
+def conv_entry(entry: int) -> bool:
+    """KVArgs' state entries are tensor-major: the conv tensor over the Mamba layers, then the temporal one."""
+    return entry < len(MAMBA_LAYERS)
+
+
+def full_state(prefill: list[Rank], entry: int, slot: int, variant: Variant) -> torch.Tensor:
     """One slot of one state entry as the unsplit model holds it, rebuilt from the TP ranks' slices."""
     tp = len(prefill)
     pieces = [states(p)[entry][slot] for p in sorted(prefill, key=lambda r: r.tp_rank)]
-    dim = pieces[0].shape[0]
-    if dim * tp == sum(SHARD_GROUPS):  # conv: q|k|v, each part split by TP on its own
-        out, off = [], 0
-        for part in SHARD_GROUPS:
-            n = part // tp
-            out += [piece[off:off + n] for piece in pieces]
-            off += n
-        return torch.cat(out)
-    return torch.cat(pieces)  # temporal: heads
+    if not conv_entry(entry):
+        return torch.cat(pieces)  # temporal: heads
+    axis, out, off = variant.conv_axis, [], 0
+    for part in variant.shard_groups:  # conv: each part split by TP on its own
+        n = part // tp
+        out += [piece.narrow(axis, off, n) for piece in pieces]
+        off += n
+    return torch.cat(out, dim=axis)
 
 
-def local_state(full: torch.Tensor, tp_rank: int, tp: int) -> torch.Tensor:
-    if full.shape[0] == sum(SHARD_GROUPS):
-        out, off = [], 0
-        for part in SHARD_GROUPS:
-            n = part // tp
-            out.append(full[off + tp_rank * n:off + (tp_rank + 1) * n])
-            off += part
-        return torch.cat(out)
-    n = full.shape[0] // tp
-    return full[tp_rank * n:(tp_rank + 1) * n]
+def local_state(full: torch.Tensor, entry: int, tp_rank: int, tp: int, variant: Variant) -> torch.Tensor:
+    if not conv_entry(entry):
+        n = full.shape[0] // tp
+        return full[tp_rank * n:(tp_rank + 1) * n]
+    axis, out, off = variant.conv_axis, [], 0
+    for part in variant.shard_groups:
+        n = part // tp
+        out.append(full.narrow(axis, off + tp_rank * n, n))
+        off += part
+    return torch.cat(out, dim=axis)
 
 
 def mamba_payload(slot: int) -> list:
@@ -141,22 +168,26 @@ def mamba_payload(slot: int) -> list:
     return [[torch.tensor(slot).cpu().numpy()]]
 
 
-@pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2), (1, 1)], ids=["tp2to1", "tp1to2", "tp1to1"])
-def test_hybrid_mamba_state_and_full_attention(cluster, gloo, tp_p, tp_d):
+@pytest.mark.parametrize("variant,tp_p,tp_d", [(GDN, 2, 1), (GDN, 1, 2), (GDN, 1, 1), (KIMI, 2, 1)],
+                         ids=["gdn_tp2to1", "gdn_tp1to2", "gdn_tp1to1", "kimi_tp2to1"])
+def test_hybrid_mamba_state_and_full_attention(cluster, gloo, variant, tp_p, tp_d):
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
     prefill = [make_hybrid_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, page_size=4, num_pages=16,
-                                port=free_port(), bootstrap_port=bport, seed=700 + t) for t in range(tp_p)]
+                                port=free_port(), bootstrap_port=bport, seed=700 + t, variant=variant)
+               for t in range(tp_p)]
     dport = free_port()
     decode = [make_hybrid_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, page_size=4, num_pages=16,
-                               port=dport, bootstrap_port=bport, seed=750 + t) for t in range(tp_d)]
+                               port=dport, bootstrap_port=bport, seed=750 + t, variant=variant) for t in range(tp_d)]
     try:
         spec = prefill[0].manager.geometry.spec
         assert [g.name for g in spec.groups] == ["mamba_0", "mamba_1"]
-        assert spec.groups[0].split_parts == tuple(SHARD_GROUPS) and spec.groups[0].num_layers == len(MAMBA_LAYERS)
+        conv = spec.groups[0]
+        assert conv.split_parts == variant.shard_groups and conv.num_layers == len(MAMBA_LAYERS)
+        assert conv.split_dim == variant.conv_axis  # Kimi: (K - 1 rows, channels, 1)
         assert spec.num_layers == len(FULL_LAYERS)
-        req = Request(room=9100 + 10 * tp_p + tp_d, n_tokens=23)
+        req = Request(room=9100 + 100 * (variant is KIMI) + 10 * tp_p + tp_d, n_tokens=23)
         rng = random.Random(tp_p * 10 + tp_d)
         p_slot, d_slot = 3, 5
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
@@ -195,7 +226,8 @@ def test_hybrid_mamba_state_and_full_attention(cluster, gloo, tp_p, tp_d):
             assert int(d.metadata.output_ids[3, 0]) == req.first_token
             for entry, (got, was) in enumerate(zip(states(d), old_state)):
                 expect = was.clone()
-                expect[d_slot] = local_state(full_state(prefill, entry, p_slot), d.tp_rank, tp_d)
+                expect[d_slot] = local_state(full_state(prefill, entry, p_slot, variant), entry, d.tp_rank, tp_d,
+                                             variant)
                 assert not torch.equal(expect.view(torch.uint8), was.view(torch.uint8)), "the oracle expects no change"
                 assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"state entry {entry} differs"
     finally:
