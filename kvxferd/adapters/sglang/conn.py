@@ -52,11 +52,14 @@ from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
 from .draft import DRAFT_GROUP, draft_group
-from .pool import (CURRENT_POOL, PoolContext, dtype_name, mamba_pool, pool_buffers, pool_facts,
-                   pool_region_tensors, state_tensors)
+from .pool import (CURRENT_POOL, PoolContext, dtype_name, full_pool, pool_buffers, pool_facts,
+                   pool_region_tensors, state_tensors, swa_pool)
 from .state import StateTensor, mamba_groups, state_slot
+from .window import WINDOW_GROUP, window_group, window_table
 
 log = logging.getLogger("kvxferd.sglang")
+
+MAPPED_STATES = ("mamba", "swa")  # SGLang state components the backend maps onto cache groups
 
 SOCKET_ENV = "KVXFERD_ENGINE_SOCKET_PATH"  # the same variable `kvxferd serve` reads
 CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang on a dead local daemon
@@ -119,9 +122,12 @@ class KvxferdKVManager(BaseKVManager):
         # Mamba/linear-attention state: one kvxferd state group per state tensor (see .state)
         self.state_kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
         self.state_groups: list[StateTensor] = []
-        if self.state_kinds:
+        if "mamba" in self.state_kinds:
             tensors.update(self._state_regions(args, ctx, rank_facts))
-        if self.draft is not None or self.state_groups:
+        self.window: Group | None = None
+        if "swa" in self.state_kinds:
+            tensors.update(self._window_regions(args, ctx, rank_facts))
+        if self.draft is not None or self.state_groups or self.window is not None:
             self.geometry = self._with_groups(self.geometry)
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
@@ -149,14 +155,15 @@ class KvxferdKVManager(BaseKVManager):
     @staticmethod
     def _refuse_unsupported(args: KVArgs, ctx: PoolContext) -> None:
         kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
-        other = [k for k in kinds if k != "mamba"]
+        other = [k for k in kinds if k not in MAPPED_STATES]
         if other:
             raise RegistrationError(f"state transfer of {other} (state_types {kinds}) is not supported by the kvxferd "
-                                    "backend; of SGLang's state components it maps Mamba/linear-attention state only",
+                                    f"backend; of SGLang's state components it maps {list(MAPPED_STATES)} only",
                                     field="state_types",
-                                    fix="serve models without SWA/DSA/other state, or use another backend")
-        if kinds.count("mamba") > 1:
-            raise RegistrationError(f"state_types {kinds} lists Mamba state twice", field="state_types",
+                                    fix="serve models without DSA/QSA/MiniMax/block-scale state, or use another backend")
+        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        if twice:
+            raise RegistrationError(f"state_types {kinds} lists {twice} twice", field="state_types",
                                     fix="fill KVArgs with SGLang's setup_state_kv_args")
         if getattr(args, "num_draft_entries", 0) and ctx.draft_pool is None:
             raise RegistrationError("KVArgs lists draft-model KV but no draft pool reached the kvxferd manager",
@@ -196,10 +203,10 @@ class KvxferdKVManager(BaseKVManager):
             if width > 1:
                 raise RegistrationError(f"{name} is {width}; the kvxferd backend serves one attention group "
                                         "per instance", field=name, fix=f"run with {name} 1")
-        if mamba_pool(ctx.pool) is not None:
+        if full_pool(ctx.pool) is not ctx.pool:
             if pp_size != 1:
-                raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba) model's "
-                                        "state with one PP stage only", field="pp_size", fix="run with pp_size 1")
+                raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba or SWA) "
+                                        "model with one PP stage only", field="pp_size", fix="run with pp_size 1")
             # a hybrid pool's KV lists only its full-attention layers, in their own numbering
             splits: tuple[tuple[int, int], ...] = ((0, self.facts.num_layers),)
         else:
@@ -218,6 +225,9 @@ class KvxferdKVManager(BaseKVManager):
         groups = ([self.draft] if self.draft is not None else []) + [g.group for g in self.state_groups]
         pages = ([(DRAFT_GROUP, geometry.num_pages)] if self.draft is not None else []) + [
             (g.group.name, g.slots) for g in self.state_groups]
+        if self.window is not None:
+            groups.append(self.window)
+            pages.append((WINDOW_GROUP, self.window_pages))
         spec = dataclasses.replace(geometry.spec, groups=tuple(groups))
         return RankGeometry(spec, geometry.tp_rank, geometry.pp_rank, geometry.num_pages, group_pages=tuple(pages))
 
@@ -233,6 +243,25 @@ class KvxferdKVManager(BaseKVManager):
         self.draft = draft_group(facts, self.facts, rank.tp_size, count)
         _, buffers = pool_buffers(ctx.draft_pool)
         return {(i, qualified_kind(DRAFT_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+    def _window_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """An SWA pool's sliding-window layers (KVArgs' ``StateType.SWA`` component) as the ``swa`` window group."""
+        idx = self.state_kinds.index("swa")
+        inner = swa_pool(ctx.pool)
+        if inner is None:
+            raise RegistrationError(f"KVArgs lists SWA state but the KV pool {type(ctx.pool).__name__} has no "
+                                    "swa_kv_pool", field="state_types", fix="serve SWA models with SGLang's SWAKVPool")
+        facts = pool_facts(inner)
+        _, buffers = pool_buffers(inner)
+        ours = [t.data_ptr() for ts in buffers.values() for t in ts]
+        if sorted(ours) != sorted(int(p) for p in args.state_data_ptrs[idx]):
+            raise RegistrationError(f"KVArgs.state_data_ptrs of the SWA component ({len(args.state_data_ptrs[idx])} "
+                                    f"pointers) are not the SWA pool's buffers ({len(ours)})", field="state_data_ptrs",
+                                    fix="fill KVArgs after the pool was placed in shared memory (the plugin's hook)")
+        self.window = window_group(facts, self.facts, rank.tp_size, self.geometry.spec.total_kv_heads,
+                                   ctx.sliding_window)
+        self.window_pages = facts.rows // facts.page_size
+        return {(i, qualified_kind(WINDOW_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
 
     def _state_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
         """The pool's Mamba state regions, and :attr:`state_groups`."""
@@ -268,18 +297,22 @@ class KvxferdKVManager(BaseKVManager):
 
     def request_groups(self, pages: list[int], state_indices: Any, *, with_state: bool) -> dict[str, Any]:
         """kvxferd ``groups`` of a request or chunk: the draft group's pages are the target's
-        (``pages``); every state group gets the slot of SGLang's ``state_indices`` (aligned with
-        ``state_types``) when ``with_state``."""
+        (``pages``); with ``with_state``, every state group gets the slot of SGLang's
+        ``state_indices`` (aligned with ``state_types``) and the window group SGLang's SWA pages
+        at the end of a table as long as ``pages`` (see :func:`.window.window_table`)."""
         out: dict[str, Any] = {}
         if self.draft is not None:
             out[DRAFT_GROUP] = list(pages)
-        if self.state_groups and with_state:
+        if (self.state_groups or self.window is not None) and with_state:
             if state_indices is None or len(state_indices) != len(self.state_kinds):
                 got = None if state_indices is None else len(state_indices)
                 raise RegistrationError(f"state_indices has {got} entries, state_types {self.state_kinds}",
                                         field="state_indices", fix="pass one state payload per state type")
-            slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
-            out.update({g.group.name: [slot] for g in self.state_groups})
+            if self.state_groups:
+                slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
+                out.update({g.group.name: [slot] for g in self.state_groups})
+            if self.window is not None:
+                out[WINDOW_GROUP] = window_table(state_indices[self.state_kinds.index("swa")], len(pages))
         return out
 
     @staticmethod
@@ -449,6 +482,9 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         self.cursor = 0
         self.pages_sent = 0
         self.sent = False
+        # an instance with sliding-window layers sends the whole request with its last chunk:
+        # SGLang names the window's SWA pages only then, and the window may reach into earlier chunks
+        self.held: list[int] = []
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
@@ -465,11 +501,19 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         # sglang 0.5.23 passes state_indices (a list, empty without state) on the last send only
         last = state_indices is not None
         pages = [int(p) for p in kv_indices]
+        chunk_pages = len(pages)
         try:
             start, end = chunk_window(self.cursor, num_kv_tokens, len(pages), self.kv_mgr.facts.page_size)
             if self.num_pages is not None and self.pages_sent + len(pages) > self.num_pages:
                 raise RegistrationError(f"{self.pages_sent + len(pages)} pages sent, init announced {self.num_pages}",
                                         field="kv_indices", fix="send each page of the request once")
+            if self.kv_mgr.window is not None:
+                if not last:  # held back: nothing is read from these pages before the last chunk
+                    self.held += pages
+                    self.cursor = end
+                    self.pages_sent += chunk_pages
+                    return
+                pages, start = self.held + pages, 0
             aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
             groups = self.kv_mgr.request_groups(pages, state_indices, with_state=last)
             self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux,
@@ -478,7 +522,7 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
             self._fail_local(exc.code, str(exc))
             return
         self.cursor = end
-        self.pages_sent += len(pages)
+        self.pages_sent += chunk_pages
         self.sent = True
 
     def poll(self) -> int:
@@ -515,6 +559,7 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         self.abort_notified = False
         self.bootstrap_infos: list = []
         self.init_time: float | None = None
+        self.prompt_len: int | None = None  # set by the plugin's hook before send_metadata
 
     def init(self, prefill_dp_rank: int) -> None:
         mgr = self.kv_mgr
@@ -540,9 +585,16 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         try:
             pages = expect_pages(kv_indices, start, self.kv_mgr.facts.page_size)
             groups = self.kv_mgr.request_groups(pages, state_indices, with_state=True)
+            extra: dict[str, Any] = {"groups": groups} if groups else {}
+            if self.kv_mgr.window is not None:
+                if self.prompt_len is None:
+                    raise RegistrationError(
+                        "the prompt's length did not reach the receiver; a sliding-window group needs it",
+                        field="num_tokens", fix="load the kvxferd plugin (its hook on "
+                                                "DecodePreallocQueue._send_kv_metadata hands it over)")
+                extra["num_tokens"] = self.prompt_len
             self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
-                             source_address=self.route.daemon_address, pages=pages, start=start or None,
-                             **({"groups": groups} if groups else {}))
+                             source_address=self.route.daemon_address, pages=pages, start=start or None, **extra)
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return

@@ -31,6 +31,7 @@ class PoolContext:
     num_hidden_layers: int
     shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
     draft_pool: Any = None  # the speculative draft model's token pool (draft_token_to_kv_pool), if any
+    sliding_window: int | None = None  # the scheduler's sliding_window_size (tokens), for an SWA pool
 
 
 CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
@@ -46,7 +47,6 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
 def full_pool(pool: Any) -> Any:
     """The full-attention token pool: a composite pool's ``full_kv_pool`` (hybrid Mamba, SWA), else the pool.
 
-    An SWA pool gets this far only to be refused by name (``state_types``) when the manager starts.
     """
     inner = getattr(pool, "full_kv_pool", None)
     return inner if inner is not None else pool
@@ -58,6 +58,11 @@ def mamba_pool(pool: Any) -> Any:
     if inner is None or getattr(pool, "full_kv_pool", None) is None:
         return None
     return inner
+
+
+def swa_pool(pool: Any) -> Any:
+    """The sliding-window layers' token pool of an SWA pool (SWAKVPool.swa_kv_pool), else None."""
+    return getattr(pool, "swa_kv_pool", None)
 
 
 def state_tensors(pool: Any) -> list[torch.Tensor]:

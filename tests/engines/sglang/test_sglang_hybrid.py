@@ -104,7 +104,8 @@ def fill(tensors: list[torch.Tensor], seed: int) -> None:
 
 
 def queue_rank(role: str, daemon, pool, full, *, model_config, tp_rank: int, tp_size: int, port: int,
-               bootstrap_port: int, page_size: int, num_pages: int, seed: int, draft=None) -> Rank:
+               bootstrap_port: int, page_size: int, num_pages: int, seed: int, draft=None,
+               sliding_window: int | None = None) -> Rank:
     """The manager SGLang's queue builds for ``pool`` (and a draft pool), KVArgs by its real ``_init_kv_manager``."""
     fill([*full.k_buffer, *full.v_buffer], seed)
     if draft is not None:
@@ -112,7 +113,7 @@ def queue_rank(role: str, daemon, pool, full, *, model_config, tp_rank: int, tp_
     metadata = MetadataBuffers(16, hidden_size=MODEL.hidden_size, hidden_states_dtype=torch.float32,
                                max_sampling_mask_tokens=4)
     scheduler = types.SimpleNamespace(
-        rust_server=None, enable_hisparse=False, model_config=model_config,
+        rust_server=None, enable_hisparse=False, model_config=model_config, sliding_window_size=sliding_window,
         tp_worker=types.SimpleNamespace(model_runner=types.SimpleNamespace(kv_cache_dtype_str="auto")))
     queue_cls = PrefillBootstrapQueue if role == "prefill" else DecodePreallocQueue
     queue = object.__new__(queue_cls)
@@ -124,7 +125,9 @@ def queue_rank(role: str, daemon, pool, full, *, model_config, tp_rank: int, tp_
         scheduler.server_args = sa
         with get_parallel().override(tp_rank=tp_rank, pp_rank=0, dp_rank=0), socket_of(daemon):
             manager = queue._init_kv_manager()
-    return Rank(role, tp_rank, 0, full, metadata, manager, page_size, list(range(1, num_pages)))
+    rank = Rank(role, tp_rank, 0, full, metadata, manager, page_size, list(range(1, num_pages)))
+    rank.queue = queue  # type: ignore[attr-defined]
+    return rank
 
 
 def states(rank: Rank) -> list[torch.Tensor]:
@@ -331,23 +334,120 @@ def test_draft_pool_whose_heads_cannot_be_told_is_refused(cluster):
         server.close()
 
 
-def test_sliding_window_state_is_refused_naming_state_types(cluster):
-    """gpt-oss-like SWA layers (SGLang's SWAKVPool): KVArgs carries StateType.SWA, which the
-    backend does not map (see the README); refused when the manager starts, naming the field,
-    and no rank stays registered."""
+W = 8  # the sliding window, in tokens
+SWA_MODEL = Model(num_layers=4, total_kv_heads=2, head_dim=16)
+
+
+def swa_rank(role: str, daemon, *, tp_rank: int, tp_size: int, port: int, bootstrap_port: int, seed: int,
+             window: int | None = W) -> tuple[Rank, Rank]:
+    """(full-attention view, sliding-window view) of a gpt-oss-like rank: SGLang's SWAKVPool, SWA and full
+    layers alternating."""
     from sglang.srt.mem_cache.swa_memory_pool import SWAKVPool
+
+    pool = SWAKVPool(size=60, size_swa=60, page_size=4, dtype=SWA_MODEL.dtype,
+                     head_num=SWA_MODEL.total_kv_heads // tp_size, head_dim=SWA_MODEL.head_dim,
+                     swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu",
+                     enable_memory_saver=False)
+    fill([*pool.swa_kv_pool.k_buffer, *pool.swa_kv_pool.v_buffer], seed + 3)
+    rank = queue_rank(role, daemon, pool, pool.full_kv_pool, model_config=SWA_MODEL.model_config(), tp_rank=tp_rank,
+                      tp_size=tp_size, port=port, bootstrap_port=bootstrap_port, page_size=4, num_pages=16, seed=seed,
+                      sliding_window=window)
+    swa = Rank(role, tp_rank, 0, pool.swa_kv_pool, rank.metadata, rank.manager, 4, list(range(1, 16)))
+    return rank, swa
+
+
+def window_start(n: int, prefix: int, page_size: int) -> int:
+    """SGLang's _swa_payload: max(prefix, n - window), rounded down to a page."""
+    return max(prefix, n - W) // page_size * page_size
+
+
+@pytest.mark.parametrize("tp_p,tp_d,prefix", [(2, 1, 0), (1, 2, 16)], ids=["tp2to1", "tp1to2_prefix"])
+def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, prefix):
+    """A prompt of 23 tokens, window 8, chunked at 12: the full layers move [prefix, 23), the
+    SWA layers only [max(prefix, 15), 23) into the SWA pages SGLang names for the window;
+    every other byte of both pools (the window's first page before its first token included)
+    stays as it was. The decode side goes through SGLang's real _send_kv_metadata (the
+    plugin's hook hands the receiver the prompt's length)."""
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
 
     bport = free_port()
     server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    pairs_p = [swa_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
+                        bootstrap_port=bport, seed=900 + t) for t in range(tp_p)]
+    dport = free_port()
+    pairs_d = [swa_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport, bootstrap_port=bport,
+                        seed=950 + t) for t in range(tp_d)]
+    prefill, pswa = [a for a, _ in pairs_p], [b for _, b in pairs_p]
+    decode, dswa = [a for a, _ in pairs_d], [b for _, b in pairs_d]
     try:
-        pool = SWAKVPool(size=60, size_swa=32, page_size=4, dtype=torch.float16, head_num=2, head_dim=16,
-                         swa_attention_layer_ids=[0, 2], full_attention_layer_ids=[1, 3], device="cpu",
-                         enable_memory_saver=False)
+        group = prefill[0].manager.geometry.spec.group("swa")
+        assert (group.kind, group.window, group.num_layers, group.total_kv_heads) == ("window", W, 2, 2)
+        n, ps = 23, 4
+        req = Request(room=9500 + 10 * tp_p + tp_d, n_tokens=n, prefix=prefix)
+        rng = random.Random(tp_p * 3 + tp_d)
+        ws = window_start(n, prefix, ps)
+        num_pages = -(-n // ps)
+        before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
+        sbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in dswa]
+        senders = new_senders(prefill, addr, req)
+        receivers = []
+        for d, sw in zip(decode, dswa):
+            recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
+                                                              bootstrap_room=req.room)
+            recv.init(0)
+            dslots = slots_of(d.take_pages(num_pages, rng), n, ps)
+            swa_table = [0] * (ws // ps) + sw.take_pages(num_pages - ws // ps, rng)
+            queue = d.queue
+            queue.__dict__.update(req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(16),
+                                  transfer_queue=types.SimpleNamespace(enable_staging=False),
+                                  _num_published_destinations=0)
+            decode_req = types.SimpleNamespace(
+                kv_receiver=recv, is_rebootstrap=False, metadata_buffer_index=None,
+                req=types.SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=req.room,
+                                          time_stats=types.SimpleNamespace(
+                                              set_decode_transfer_queue_entry_time=lambda: None)))
+            swa_payload = kv_to_page_indices(slots_of(swa_table, n, ps)[ws:], ps)
+            queue._send_kv_metadata(decode_req, dslots[prefix:], ps, [swa_payload], decode_prefix_len=prefix)
+            assert recv.prompt_len == n and recv.failure is None, recv.failure
+            receivers.append((recv, dslots, slots_of(swa_table, n, ps), decode_req.metadata_buffer_index))
+        pslots, pswa_slots = [], []
+        for p, sw, s in zip(prefill, pswa, senders):
+            assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+            slots = slots_of(p.take_pages(num_pages, rng), n, ps)
+            swa_table = [0] * (ws // ps) + sw.take_pages(num_pages - ws // ps, rng)
+            s.init(num_pages, 5)
+            s.send(kv_to_page_indices(slots[:12], ps), None, num_kv_tokens=12)
+            set_metadata_row(p, 5, req)
+            s.send(kv_to_page_indices(slots[12:], ps), [kv_to_page_indices(slots_of(swa_table, n, ps)[ws:], ps)],
+                   num_kv_tokens=n - 12)
+            assert s.failure is None, s.failure
+            pslots.append(slots)
+            pswa_slots.append(slots_of(swa_table, n, ps))
+        assert sglang_wait(senders, gloo) == [KVPoll.Success] * len(senders), [s.failure for s in senders]
+        in_window = Request(room=req.room, n_tokens=n, prefix=max(prefix, n - W))
+        for (recv, dslots, dswa_slots, aux), d, sw, old, sold in zip(receivers, decode, dswa, before, sbefore):
+            assert sglang_wait([recv], gloo, decode_metadata=d.metadata, aux_index=aux) == [KVPoll.Success], \
+                recv.failure
+            assert_bytes_equal(d.buffers(), expected_decode(d, old, dslots, prefill, pslots, req, SWA_MODEL, tp_p, tp_d))
+            want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, tp_p, tp_d)
+            assert any(not torch.equal(want[k], sold[k]) for k in want), "the oracle expects no change"
+            assert_bytes_equal(sw.buffers(), want)
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_sliding_window_without_its_size_is_refused_naming_the_field(cluster):
+    """An SWA pool whose scheduler gives no sliding_window_size: which pages move cannot be
+    told; refused when the manager starts, naming the field, and no rank stays registered."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    try:
         with pytest.raises(RegistrationError) as err:
-            queue_rank("prefill", cluster.daemons["pd"], pool, pool.full_kv_pool, model_config=Model(
-                num_layers=4, total_kv_heads=2).model_config(), tp_rank=0, tp_size=1, port=free_port(),
-                bootstrap_port=bport, page_size=4, num_pages=16, seed=1)
-        assert err.value.field == "state_types" and "swa" in str(err.value)
+            swa_rank("prefill", cluster.daemons["pd"], tp_rank=0, tp_size=1, port=free_port(), bootstrap_port=bport,
+                     seed=1, window=None)
+        assert err.value.field == "sliding_window_size"
         with EngineClient(cluster.daemons["pd"].socket_path) as client:
             ranks = client.status()["ranks"]
         assert not [r for r in ranks if r["instance"].endswith(f"-{bport}")], ranks
