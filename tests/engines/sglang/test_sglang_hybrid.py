@@ -1,16 +1,20 @@
-"""A hybrid (Mamba / Gated DeltaNet + full attention) model through the SGLang backend.
+"""Models whose cache is more than uniform KV, through the SGLang backend, against real daemons.
 
-Every object that touches KV transfer is SGLang's own: a CPU ``MambaPool`` (conv and
-temporal state; GDN conv shard groups q|k|v, and Kimi Linear's ``[K - 1, channels]`` conv split on its
-second axis) inside a ``HybridLinearKVPool`` whose
-full-attention layers are an ``MHATokenToKVPool``; KVArgs filled by the real
-``_init_kv_manager`` of both queues (so ``state_types``, ``state_dim_per_tensor``,
-``state_conv_shard_groups``, ... come from SGLang's ``setup_state_kv_args``); the state
-payload passed to ``send`` / ``send_metadata`` is what SGLang's ``_mamba_payload`` builds
-(``[array(slot)]`` aligned with ``state_types``). Real daemons move it; the full-attention
-KV is checked against the head-by-head oracle of ``harness.expected_decode`` and every
-state slot against the state rebuilt from the prefill ranks' slices, byte for byte, with
-every other slot untouched.
+- hybrid linear attention: SGLang's CPU ``MambaPool`` (conv and temporal state; GDN conv
+  shard groups q|k|v, and Kimi Linear's ``[K - 1, channels]`` conv split on its second
+  axis) inside a ``HybridLinearKVPool`` whose full-attention layers are an
+  ``MHATokenToKVPool``; the state payload is what SGLang's ``_mamba_payload`` builds
+  (``[array(slot)]`` aligned with ``state_types``);
+- speculative decoding: a target ``MHATokenToKVPool`` with a draft pool beside it;
+- sliding-window layers: SGLang's ``SWAKVPool``, the decode side through its real
+  ``_send_kv_metadata`` (the plugin's hook hands the receiver the prompt's length).
+
+KVArgs are filled by the real ``_init_kv_manager`` of both queues (``state_types``,
+``state_dim_per_tensor``, ``state_conv_shard_groups``, ``num_draft_entries``, ... from
+SGLang's own code). Every KV region is checked against the head-by-head oracle of
+``harness.expected_decode`` (for SWA layers over the window's tokens only), every state
+slot against the state rebuilt from the prefill ranks' slices, byte for byte, with every
+other row and slot untouched.
 """
 
 from __future__ import annotations
