@@ -160,7 +160,8 @@ class KvxferdKVManager(BaseKVManager):
             raise RegistrationError(f"state transfer of {other} (state_types {kinds}) is not supported by the kvxferd "
                                     f"backend; of SGLang's state components it maps {list(MAPPED_STATES)} only",
                                     field="state_types",
-                                    fix="serve models without DSA/QSA/MiniMax/block-scale state, or use another backend")
+                                    fix="serve models without DSA/QSA/MiniMax/block-scale state, or use another "
+                                        "backend")
         twice = sorted({k for k in kinds if kinds.count(k) > 1})
         if twice:
             raise RegistrationError(f"state_types {kinds} lists {twice} twice", field="state_types",
@@ -287,7 +288,8 @@ class KvxferdKVManager(BaseKVManager):
             return lists[idx] if idx < len(lists) else None
 
         self.state_groups = mamba_groups(
-            item_lens=[int(n) for n in args.state_item_lens[idx]], data_lens=[int(n) for n in args.state_data_lens[idx]],
+            item_lens=[int(n) for n in args.state_item_lens[idx]],
+            data_lens=[int(n) for n in args.state_data_lens[idx]],
             dims=field("state_dim_per_tensor"), outer_counts=field("state_slice_outer_counts"),
             shard_groups=field("state_conv_shard_groups"), layer_ids=field("state_layer_ids"),
             itemsizes=[t.element_size() for t in views],

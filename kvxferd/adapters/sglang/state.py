@@ -89,8 +89,8 @@ def mamba_groups(*, item_lens: Sequence[int], data_lens: Sequence[int], dims: Se
         dim = int(dim or 0)
         outer = int(outer or 1)
         if item % size:
-            raise RegistrationError(f"state slot of {item} bytes is not whole {dtype} elements", field="state_item_lens",
-                                    fix="register the pool's state buffers as they are")
+            raise RegistrationError(f"state slot of {item} bytes is not whole {dtype} elements",
+                                    field="state_item_lens", fix="register the pool's state buffers as they are")
         elems = item // size
         if dim == 0:
             if parts:

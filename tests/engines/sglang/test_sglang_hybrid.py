@@ -199,8 +199,7 @@ def test_hybrid_mamba_state_and_full_attention(cluster, gloo, variant, tp_p, tp_
         p_slot, d_slot = 3, 5
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         state_before = [[t.clone() for t in states(d)] for d in decode]
-        senders = [get_kv_class(BACKEND, KVClassType.SENDER)(mgr=p.manager, bootstrap_addr=addr, bootstrap_room=req.room,
-                                                             req_has_disagg_prefill_dp_rank=False) for p in prefill]
+        senders = new_senders(prefill, addr, req)
         receivers = []
         for d in decode:
             recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
@@ -270,11 +269,13 @@ def draft_rank(role: str, daemon, *, tp_rank: int, tp_size: int, port: int, boot
     """(target rank, the same rank seen through its draft pool) with SGLang's own pools."""
     page_size, num_pages = 4, 16
     size = (num_pages - 1) * page_size
-    target = MHATokenToKVPool(size=size, page_size=page_size, dtype=TARGET.dtype, head_num=TARGET.total_kv_heads // tp_size,
-                              head_dim=TARGET.head_dim, layer_num=TARGET.num_layers, device="cpu",
-                              enable_memory_saver=False, start_layer=0, end_layer=TARGET.num_layers - 1)
-    draft = MHATokenToKVPool(size=size, page_size=page_size, dtype=DRAFT.dtype, head_num=DRAFT.total_kv_heads // tp_size,
-                             head_dim=DRAFT.head_dim, layer_num=1, device="cpu", enable_memory_saver=False)
+    target = MHATokenToKVPool(size=size, page_size=page_size, dtype=TARGET.dtype,
+                              head_num=TARGET.total_kv_heads // tp_size, head_dim=TARGET.head_dim,
+                              layer_num=TARGET.num_layers, device="cpu", enable_memory_saver=False, start_layer=0,
+                              end_layer=TARGET.num_layers - 1)
+    draft = MHATokenToKVPool(size=size, page_size=page_size, dtype=DRAFT.dtype,
+                             head_num=DRAFT.total_kv_heads // tp_size, head_dim=DRAFT.head_dim, layer_num=1,
+                             device="cpu", enable_memory_saver=False)
     rank = queue_rank(role, daemon, target, target, model_config=TARGET.model_config(), tp_rank=tp_rank,
                       tp_size=tp_size, port=port, bootstrap_port=bootstrap_port, page_size=page_size,
                       num_pages=num_pages, seed=seed, draft=draft)
@@ -433,7 +434,8 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
         for (recv, dslots, dswa_slots, aux), d, sw, old, sold in zip(receivers, decode, dswa, before, sbefore):
             assert sglang_wait([recv], gloo, decode_metadata=d.metadata, aux_index=aux) == [KVPoll.Success], \
                 recv.failure
-            assert_bytes_equal(d.buffers(), expected_decode(d, old, dslots, prefill, pslots, req, SWA_MODEL, tp_p, tp_d))
+            want = expected_decode(d, old, dslots, prefill, pslots, req, SWA_MODEL, tp_p, tp_d)
+            assert_bytes_equal(d.buffers(), want)
             want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, tp_p, tp_d)
             assert any(not torch.equal(want[k], sold[k]) for k in want), "the oracle expects no change"
             assert_bytes_equal(sw.buffers(), want)
