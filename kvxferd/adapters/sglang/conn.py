@@ -591,7 +591,8 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
             if self.kv_mgr.window is not None:
                 if self.prompt_len is None:
                     raise RegistrationError(
-                        "the prompt's length did not reach the receiver; a sliding-window group needs it",
+                        "num_tokens (the prompt's length) did not reach the receiver; a sliding-window group "
+                        "needs it to find its window",
                         field="num_tokens", fix="load the kvxferd plugin (its hook on "
                                                 "DecodePreallocQueue._send_kv_metadata hands it over)")
                 extra["num_tokens"] = self.prompt_len

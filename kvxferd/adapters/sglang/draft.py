@@ -26,7 +26,8 @@ def draft_group(draft: PoolFacts, target: PoolFacts, tp_size: int, num_draft_ent
                                 f"buffers ({draft.num_layers} layers)", field="num_draft_entries",
                                 fix="fill KVArgs from the registered draft pool")
     if draft.page_size != target.page_size or draft.rows != target.rows:
-        raise RegistrationError(f"the draft pool has {draft.rows} rows of page size {draft.page_size}, the target "
+        raise RegistrationError(f"the draft pool (draft_token_to_kv_pool) has {draft.rows} rows of page_size "
+                                f"{draft.page_size}, the target "
                                 f"pool {target.rows} of {target.page_size}; the draft shares the target's token slots",
                                 field="draft_token_to_kv_pool.page_size",
                                 fix="build the draft pool with the target pool's size and page size")
@@ -34,7 +35,8 @@ def draft_group(draft: PoolFacts, target: PoolFacts, tp_size: int, num_draft_ent
     if draft.attention == "mha":
         if draft.local_heads == 1 and tp_size > 1:
             raise RegistrationError(
-                f"the draft pool holds 1 KV head per rank over attention TP {tp_size}: the draft model's total "
+                f"the draft pool holds 1 KV head per rank (draft_token_to_kv_pool.head_num) over attention TP "
+                f"{tp_size}: the draft model's total "
                 "head count cannot be told from the pool (a replicated head or one head per rank)",
                 field="draft_token_to_kv_pool.head_num",
                 fix="serve a draft model with more KV heads than attention TP ranks, or with attention TP 1")

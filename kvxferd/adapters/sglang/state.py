@@ -58,7 +58,7 @@ def mamba_groups(*, item_lens: Sequence[int], data_lens: Sequence[int], dims: Se
     """The state groups of one ``StateType.MAMBA`` component; every refusal names its KVArgs field."""
     n = len(item_lens)
     if n == 0:
-        raise RegistrationError("the Mamba state component lists no buffers", field="state_data_ptrs",
+        raise RegistrationError("the Mamba state component lists no buffers (state_data_ptrs)", field="state_data_ptrs",
                                 fix="serve a model whose KV pool has Mamba state, or none")
     if len(data_lens) != n or len(itemsizes) != n or len(dtypes) != n:
         raise RegistrationError(f"KVArgs.state_data_lens has {len(data_lens)} entries and the pool {len(itemsizes)} "
@@ -79,29 +79,32 @@ def mamba_groups(*, item_lens: Sequence[int], data_lens: Sequence[int], dims: Se
         keys = {(int(item_lens[i]), dims_l[i], outer_l[i], tuple(groups_l[i] or ()), dtypes[i], int(itemsizes[i]),
                  int(data_lens[i])) for i in idx}
         if len(keys) != 1:
-            raise RegistrationError(f"Mamba state tensor {t} differs between its layers: {sorted(map(str, keys))}",
+            raise RegistrationError(f"Mamba state tensor {t} differs between its layers (state_item_lens, dims, "
+                                    f"dtypes): {sorted(map(str, keys))}",
                                     field="state_item_lens", fix="use one state shape per tensor over all Mamba layers")
         item, dim, outer, parts, dtype, size, data = next(iter(keys))
         if item <= 0 or data % item:
-            raise RegistrationError(f"state buffer of {data} bytes is not whole slots of {item} bytes",
+            raise RegistrationError(f"state buffer of {data} bytes (state_data_lens) is not whole slots of {item} "
+                                    "bytes",
                                     field="state_data_lens", fix="register the pool's state buffers whole")
         name = f"{GROUP_PREFIX}{t}"
         dim = int(dim or 0)
         outer = int(outer or 1)
         if item % size:
-            raise RegistrationError(f"state slot of {item} bytes is not whole {dtype} elements",
+            raise RegistrationError(f"state slot of {item} bytes (state_item_lens) is not whole {dtype} elements",
                                     field="state_item_lens", fix="register the pool's state buffers as they are")
         elems = item // size
         if dim == 0:
             if parts:
-                raise RegistrationError(f"replicated state tensor {t} has conv shard groups {list(parts)}",
+                raise RegistrationError(f"replicated state tensor {t} has state_conv_shard_groups {list(parts)}",
                                         field="state_conv_shard_groups", fix="fill KVArgs with SGLang's own pool")
             group = Group(name, "state", per, shape=(elems,), split_dim=None, dtype=dtype)
         else:
             if outer <= 0 or elems % (outer * dim):
                 raise RegistrationError(
-                    f"state tensor {t}: {elems} elements per slot are not {outer} rows x {dim} split channels x an "
-                    f"integer inner size", field="state_dim_per_tensor",
+                    f"state tensor {t}: {elems} elements per slot are not {outer} rows (state_slice_outer_counts) x "
+                    f"{dim} split channels (state_dim_per_tensor) x an integer inner size",
+                    field="state_dim_per_tensor",
                     fix="fill KVArgs with SGLang's setup_state_kv_args for this pool")
             inner = elems // (outer * dim)
             full = dim * tp_size

@@ -35,7 +35,7 @@ def window_group(swa: PoolFacts, full: PoolFacts, tp_size: int, total_kv_heads: 
                                 fix="serve the SWA model with SGLang's hybrid SWA memory (its scheduler sets "
                                     "sliding_window_size)")
     if swa.page_size != full.page_size:
-        raise RegistrationError(f"the SWA pool's page size {swa.page_size} differs from the full pool's "
+        raise RegistrationError(f"the SWA pool's page_size {swa.page_size} differs from the full pool's "
                                 f"{full.page_size}", field="page_size", fix="build both pools with one page size")
     heads: int | None = None
     if swa.attention == "mha":
@@ -45,8 +45,8 @@ def window_group(swa: PoolFacts, full: PoolFacts, tp_size: int, total_kv_heads: 
             heads = swa.local_heads * tp_size
         else:
             raise RegistrationError(
-                f"the SWA pool holds 1 KV head per rank over attention TP {tp_size}, the full pool "
-                f"{full.local_heads}: the SWA layers' total head count cannot be told",
+                f"the SWA pool holds 1 KV head per rank (swa_kv_pool.head_num) over attention TP {tp_size}, the "
+                f"full pool {full.local_heads}: the SWA layers' total head count cannot be told",
                 field="swa_kv_pool.head_num", fix="serve with attention TP 1 or a model whose SWA layers have as "
                                                   "many KV heads as its full layers")
     return Group(WINDOW_GROUP, "window", swa.num_layers, dtype=swa.dtype, attention=swa.attention,

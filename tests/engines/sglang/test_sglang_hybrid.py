@@ -459,3 +459,27 @@ def test_sliding_window_without_its_size_is_refused_naming_the_field(cluster):
         assert not [r for r in ranks if r["instance"].endswith(f"-{bport}")], ranks
     finally:
         server.close()
+
+
+def test_window_receiver_without_the_prompt_length_fails_naming_it(cluster):
+    """send_metadata called without the plugin's _send_kv_metadata hook: the receiver of an
+    SWA instance cannot tell the window, so the request fails at once naming num_tokens
+    (no expect with a guessed length reaches the daemon)."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    prefill, _ = swa_rank("prefill", cluster.daemons["pd"], tp_rank=0, tp_size=1, port=free_port(),
+                          bootstrap_port=bport, seed=3)
+    decode, _ = swa_rank("decode", cluster.daemons["dd"], tp_rank=0, tp_size=1, port=free_port(),
+                         bootstrap_port=bport, seed=4)
+    try:
+        recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=decode.manager, bootstrap_addr=addr, bootstrap_room=9601)
+        recv.init(0)
+        recv.send_metadata(np.array([1, 2, 3], dtype=np.int32), 3, [np.array([4, 5], dtype=np.int32)],
+                           decode_prefix_len=0)
+        assert recv.poll() == KVPoll.Failed
+        assert recv.failure[0] == "registration" and "num_tokens" in recv.failure[1], recv.failure
+        assert decode.manager.state(recv.request_id) is None  # the daemon never heard of it
+    finally:
+        close_all(prefill, decode)
+        server.close()
