@@ -83,7 +83,7 @@ def mamba_pool(tp: int, variant: Variant = GDN) -> MambaPool:
 
 
 def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size: int, num_pages: int, port: int,
-                     bootstrap_port: int, seed: int, variant: Variant = GDN) -> Rank:
+                     bootstrap_port: int, seed: int, variant: Variant = GDN, draft=None) -> Rank:
     """A scheduler rank of the hybrid model: the pools SGLang builds for it, and the manager its queue builds."""
     mp = mamba_pool(tp_size, variant)
     pool = HybridLinearKVPool(size=(num_pages - 1) * page_size, dtype=MODEL.dtype, page_size=page_size,
@@ -94,7 +94,7 @@ def make_hybrid_rank(role: str, daemon, *, tp_rank: int, tp_size: int, page_size
     fill([*mp.mamba_cache.conv, mp.mamba_cache.temporal], seed + 1)
     rank = queue_rank(role, daemon, pool, pool.full_kv_pool, model_config=model_config, tp_rank=tp_rank,
                       tp_size=tp_size, port=port, bootstrap_port=bootstrap_port, page_size=page_size,
-                      num_pages=num_pages, seed=seed)
+                      num_pages=num_pages, seed=seed, draft=draft)
     rank.mamba = mp  # type: ignore[attr-defined]
     return rank
 
@@ -482,4 +482,64 @@ def test_window_receiver_without_the_prompt_length_fails_naming_it(cluster):
         assert decode.manager.state(recv.request_id) is None  # the daemon never heard of it
     finally:
         close_all(prefill, decode)
+        server.close()
+
+
+def test_hybrid_model_with_a_draft_model(cluster, gloo):
+    """Qwen3-Next with MTP-like: Mamba state, full attention and a draft model's KV in one
+    instance, TP 2->1; all three byte-exact."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    size = 15 * 4
+
+    def draft_pool(tp: int) -> MHATokenToKVPool:
+        return MHATokenToKVPool(size=size, page_size=4, dtype=DRAFT.dtype, head_num=DRAFT.total_kv_heads // tp,
+                                head_dim=DRAFT.head_dim, layer_num=1, device="cpu", enable_memory_saver=False)
+
+    prefill = [make_hybrid_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=2, page_size=4, num_pages=16,
+                                port=free_port(), bootstrap_port=bport, seed=1100 + t, draft=draft_pool(2))
+               for t in range(2)]
+    decode = [make_hybrid_rank("decode", cluster.daemons["dd"], tp_rank=0, tp_size=1, page_size=4, num_pages=16,
+                               port=free_port(), bootstrap_port=bport, seed=1150, draft=draft_pool(1))]
+    pdraft = [Rank("prefill", p.tp_rank, 0, p.queue.draft_token_to_kv_pool, p.metadata, p.manager, 4) for p in prefill]
+    ddraft = [Rank("decode", 0, 0, decode[0].queue.draft_token_to_kv_pool, decode[0].metadata, decode[0].manager, 4)]
+    try:
+        assert [g.name for g in prefill[0].manager.geometry.spec.groups] == ["draft", "mamba_0", "mamba_1"]
+        req = Request(room=9700, n_tokens=21)
+        rng = random.Random(11)
+        p_slot, d_slot = 2, 4
+        d = decode[0]
+        before = {k: v.clone() for k, v in d.buffers().items()}
+        dbefore = {k: v.clone() for k, v in ddraft[0].buffers().items()}
+        state_before = [t.clone() for t in states(d)]
+        senders = new_senders(prefill, addr, req)
+        recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr, bootstrap_room=req.room)
+        recv.init(0)
+        dslots = slots_of(d.take_pages(-(-req.n_tokens // 4), rng), req.n_tokens, 4)
+        d.metadata.clear_slot(3)
+        recv.send_metadata(kv_to_page_indices(dslots, 4).astype(np.int32), 3, mamba_payload(d_slot),
+                           decode_prefix_len=0)
+        pslots = []
+        for p, s in zip(prefill, senders):
+            assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
+            slots = slots_of(p.take_pages(-(-req.n_tokens // 4), rng), req.n_tokens, 4)
+            s.init(-(-req.n_tokens // 4), 5)
+            s.send(kv_to_page_indices(slots[:8], 4), None, num_kv_tokens=8)
+            set_metadata_row(p, 5, req)
+            s.send(kv_to_page_indices(slots[8:], 4), mamba_payload(p_slot), num_kv_tokens=req.n_tokens - 8)
+            assert s.failure is None, s.failure
+            pslots.append(slots)
+        assert sglang_wait(senders, gloo) == [KVPoll.Success] * 2, [s.failure for s in senders]
+        assert sglang_wait([recv], gloo, decode_metadata=d.metadata) == [KVPoll.Success], recv.failure
+        assert_bytes_equal(d.buffers(), expected_decode(d, before, dslots, prefill, pslots, req, MODEL, 2, 1))
+        want = expected_decode(ddraft[0], dbefore, dslots, pdraft, pslots, req, DRAFT, 2, 1)
+        assert any(not torch.equal(want[k], dbefore[k]) for k in want), "the oracle expects no change"
+        assert_bytes_equal(ddraft[0].buffers(), want)
+        for entry, (got, was) in enumerate(zip(states(d), state_before)):
+            expect = was.clone()
+            expect[d_slot] = local_state(full_state(prefill, entry, p_slot, GDN), entry, 0, 1, GDN)
+            assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"state entry {entry} differs"
+    finally:
+        close_all(*prefill, *decode)
         server.close()
