@@ -265,6 +265,10 @@ class _Rank:
         class spec:  # noqa: N801
             region_kinds = ("k", "v")
 
+        @staticmethod
+        def kinds_of(group: str = "") -> tuple[str, ...]:
+            return ("k", "v")  # no cache groups: the main KV's kinds
+
     def region(self, layer, kind):
         return (layer, kind)
 
@@ -275,6 +279,7 @@ class _Entry:
 
 class _Writer:
     src = (0, 0)
+    group = ""
     layers = (0, 2)
     slice_bytes = 64
 

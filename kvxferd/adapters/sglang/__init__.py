@@ -6,6 +6,8 @@ Tested against sglang 0.5.23; the backend interfaces change between releases.
 
 - :mod:`.layout`: KVArgs and pool shapes -> kvxferd geometry, page and token arithmetic (pure)
 - :mod:`.polling`: kvxferd request states -> SGLang's ``KVPoll`` (pure)
+- :mod:`.state`, :mod:`.window`, :mod:`.draft`: Mamba state, sliding-window layers and
+  draft-model KV -> kvxferd cache groups (pure)
 - :mod:`.bootstrap`: the prefill side's bootstrap server (instance and daemon address)
 - :mod:`.conn`: the manager, sender, receiver and bootstrap server classes SGLang builds
 - :mod:`.plugin`: the hooks that add the backend to SGLang

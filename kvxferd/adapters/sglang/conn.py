@@ -45,13 +45,21 @@ from sglang.srt.disaggregation.common.conn import KVTransferError
 from ...client import DaemonError, EngineClient
 from ...config import default_socket_path
 from ...errors import KvxferError, RegistrationError
+from ...geometry import RankGeometry
+from ...groups import Group, qualified_kind
 from ...memory import describe_tensors
 from . import polling
 from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
-from .pool import CURRENT_POOL, PoolContext, pool_facts, pool_region_tensors
+from .draft import DRAFT_GROUP, draft_group
+from .pool import (CURRENT_POOL, PoolContext, dtype_name, full_pool, pool_buffers, pool_facts,
+                   pool_region_tensors, state_tensors, swa_pool)
+from .state import StateTensor, mamba_groups, state_slot
+from .window import WINDOW_GROUP, window_group, window_table
 
 log = logging.getLogger("kvxferd.sglang")
+
+MAPPED_STATES = ("mamba", "swa")  # SGLang state components the backend maps onto cache groups
 
 SOCKET_ENV = "KVXFERD_ENGINE_SOCKET_PATH"  # the same variable `kvxferd serve` reads
 CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang on a dead local daemon
@@ -103,9 +111,24 @@ class KvxferdKVManager(BaseKVManager):
         if self.facts.page_size != int(args.page_size):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
                                     field="page_size", fix="build KVArgs from the registered pool")
-        self.geometry = build_geometry(self.facts, self._rank_facts(args, ctx))
+        rank_facts = self._rank_facts(args, ctx)
+        self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
-        self._check_pointers(args, tensors)
+        # draft-model KV (speculative decoding): a draft group over the target's page table (see .draft)
+        self.draft: Group | None = None
+        draft_regions = self._draft_regions(args, ctx, rank_facts)
+        self._check_pointers(args, {**tensors, **draft_regions})
+        tensors.update(draft_regions)
+        # Mamba/linear-attention state: one kvxferd state group per state tensor (see .state)
+        self.state_kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
+        self.state_groups: list[StateTensor] = []
+        if "mamba" in self.state_kinds:
+            tensors.update(self._state_regions(args, ctx, rank_facts))
+        self.window: Group | None = None
+        if "swa" in self.state_kinds:
+            tensors.update(self._window_regions(args, ctx, rank_facts))
+        if self.draft is not None or self.state_groups or self.window is not None:
+            self.geometry = self._with_groups(self.geometry)
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
         self.aux_row_bytes = sum(self.aux_item_lens)
@@ -131,13 +154,23 @@ class KvxferdKVManager(BaseKVManager):
     # -- start-up checks -----------------------------------------------------------------
     @staticmethod
     def _refuse_unsupported(args: KVArgs, ctx: PoolContext) -> None:
-        if getattr(args, "state_types", None):
-            raise RegistrationError(f"state transfer ({[getattr(s, 'value', s) for s in args.state_types]}) "
-                                    "is not supported by the kvxferd backend", field="state_types",
-                                    fix="serve models without mamba/SWA/DSA state, or use another backend")
-        if getattr(args, "num_draft_entries", 0):
-            raise RegistrationError("draft-model KV (speculative decoding) is not supported by the kvxferd backend",
-                                    field="num_draft_entries", fix="serve without a draft model")
+        kinds = [getattr(s, "value", s) for s in getattr(args, "state_types", None) or []]
+        other = [k for k in kinds if k not in MAPPED_STATES]
+        if other:
+            raise RegistrationError(f"state transfer of {other} (state_types {kinds}) is not supported by the kvxferd "
+                                    f"backend; of SGLang's state components it maps {list(MAPPED_STATES)} only",
+                                    field="state_types",
+                                    fix="serve models without DSA/QSA/MiniMax/block-scale state, or use another "
+                                        "backend")
+        twice = sorted({k for k in kinds if kinds.count(k) > 1})
+        if twice:
+            raise RegistrationError(f"state_types {kinds} lists {twice} twice", field="state_types",
+                                    fix="fill KVArgs with SGLang's setup_state_kv_args")
+        if getattr(args, "num_draft_entries", 0) and ctx.draft_pool is None:
+            raise RegistrationError("KVArgs lists draft-model KV but no draft pool reached the kvxferd manager",
+                                    field="num_draft_entries",
+                                    fix="load the plugin with sglang.srt.plugins.load_plugins() before the scheduler "
+                                        "starts")
         aux = getattr(ctx.metadata_buffers, "output_ids", None)
         if aux is None or aux.device.type != "cpu":
             raise RegistrationError("MetadataBuffers are not in CPU memory; the kvxferd backend copies the first "
@@ -171,13 +204,118 @@ class KvxferdKVManager(BaseKVManager):
             if width > 1:
                 raise RegistrationError(f"{name} is {width}; the kvxferd backend serves one attention group "
                                         "per instance", field=name, fix=f"run with {name} 1")
-        splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
-                       for r in range(pp_size))
+        if full_pool(ctx.pool) is not ctx.pool:
+            if pp_size != 1:
+                raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba or SWA) "
+                                        "model with one PP stage only", field="pp_size", fix="run with pp_size 1")
+            # a hybrid pool's KV lists only its full-attention layers, in their own numbering
+            splits: tuple[tuple[int, int], ...] = ((0, self.facts.num_layers),)
+        else:
+            splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
+                           for r in range(pp_size))
         return RankFacts(tp_rank=int(args.engine_rank) % attn_tp, tp_size=attn_tp, pp_rank=int(args.pp_rank),
                          pp_size=pp_size, layer_splits=splits,
                          kv_head_num=getattr(args, "kv_head_num", None),
                          total_kv_head_num=getattr(args, "total_kv_head_num", None),
                          model_total_kv_heads=ctx.model_total_kv_heads)
+
+    def _with_groups(self, geometry: RankGeometry) -> RankGeometry:
+        """The rank's geometry with its cache groups (draft KV, Mamba state)."""
+        import dataclasses
+
+        groups = ([self.draft] if self.draft is not None else []) + [g.group for g in self.state_groups]
+        pages = ([(DRAFT_GROUP, geometry.num_pages)] if self.draft is not None else []) + [
+            (g.group.name, g.slots) for g in self.state_groups]
+        if self.window is not None:
+            groups.append(self.window)
+            pages.append((WINDOW_GROUP, self.window_pages))
+        spec = dataclasses.replace(geometry.spec, groups=tuple(groups))
+        return RankGeometry(spec, geometry.tp_rank, geometry.pp_rank, geometry.num_pages, group_pages=tuple(pages))
+
+    def _draft_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """The draft pool's regions (``(layer, "draft.k")``...), and :attr:`draft`; none without a draft model."""
+        count = int(getattr(args, "num_draft_entries", 0) or 0)
+        if not count:
+            return {}
+        if rank.pp_size != 1:
+            raise RegistrationError(f"pp_size is {rank.pp_size}; the kvxferd backend moves draft-model KV with one "
+                                    "PP stage only", field="pp_size", fix="run with pp_size 1")
+        facts = pool_facts(ctx.draft_pool)
+        self.draft = draft_group(facts, self.facts, rank.tp_size, count)
+        _, buffers = pool_buffers(ctx.draft_pool)
+        return {(i, qualified_kind(DRAFT_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+    def _window_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """An SWA pool's sliding-window layers (KVArgs' ``StateType.SWA`` component) as the ``swa`` window group."""
+        idx = self.state_kinds.index("swa")
+        inner = swa_pool(ctx.pool)
+        if inner is None:
+            raise RegistrationError(f"KVArgs lists SWA state but the KV pool {type(ctx.pool).__name__} has no "
+                                    "swa_kv_pool", field="state_types", fix="serve SWA models with SGLang's SWAKVPool")
+        facts = pool_facts(inner)
+        _, buffers = pool_buffers(inner)
+        ours = [t.data_ptr() for ts in buffers.values() for t in ts]
+        if sorted(ours) != sorted(int(p) for p in args.state_data_ptrs[idx]):
+            raise RegistrationError(f"KVArgs.state_data_ptrs of the SWA component ({len(args.state_data_ptrs[idx])} "
+                                    f"pointers) are not the SWA pool's buffers ({len(ours)})", field="state_data_ptrs",
+                                    fix="fill KVArgs after the pool was placed in shared memory (the plugin's hook)")
+        self.window = window_group(facts, self.facts, rank.tp_size, self.geometry.spec.total_kv_heads,
+                                   ctx.sliding_window)
+        self.window_pages = facts.rows // facts.page_size
+        return {(i, qualified_kind(WINDOW_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+    def _state_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
+        """The pool's Mamba state regions, and :attr:`state_groups`."""
+        idx = self.state_kinds.index("mamba")
+        views = state_tensors(ctx.pool)
+        ptrs = [int(p) for p in args.state_data_ptrs[idx]]
+        if not views:
+            raise RegistrationError(f"KVArgs lists Mamba state but the KV pool {type(ctx.pool).__name__} holds none",
+                                    field="state_types", fix="serve a hybrid model with SGLang's HybridLinearKVPool")
+        if [t.data_ptr() for t in views] != ptrs:
+            raise RegistrationError(
+                f"KVArgs.state_data_ptrs ({len(ptrs)} pointers) are not the Mamba pool's state buffers ({len(views)})",
+                field="state_data_ptrs", fix="fill KVArgs after the pool was placed in shared memory (the plugin's "
+                                             "hook does this)")
+        for i, t in enumerate(views):
+            if not t.is_contiguous():
+                raise RegistrationError(f"Mamba state entry {i} of shape {list(t.shape)} is not contiguous per slot",
+                                        field="state_data_ptrs", fix="use SGLang's standard (non-AMX, non-envelope) "
+                                                                     "Mamba state layout")
+
+        def field(name: str) -> Any:
+            lists = getattr(args, name, None) or []
+            return lists[idx] if idx < len(lists) else None
+
+        self.state_groups = mamba_groups(
+            item_lens=[int(n) for n in args.state_item_lens[idx]],
+            data_lens=[int(n) for n in args.state_data_lens[idx]],
+            dims=field("state_dim_per_tensor"), outer_counts=field("state_slice_outer_counts"),
+            shard_groups=field("state_conv_shard_groups"), layer_ids=field("state_layer_ids"),
+            itemsizes=[t.element_size() for t in views],
+            dtypes=[dtype_name(t, "state_data_ptrs") for t in views], tp_size=rank.tp_size)
+        return {(layer, qualified_kind(g.group.name, "state")): views[entry]
+                for g in self.state_groups for layer, entry in enumerate(g.entries)}
+
+    def request_groups(self, pages: list[int], state_indices: Any, *, with_state: bool) -> dict[str, Any]:
+        """kvxferd ``groups`` of a request or chunk: the draft group's pages are the target's
+        (``pages``); with ``with_state``, every state group gets the slot of SGLang's
+        ``state_indices`` (aligned with ``state_types``) and the window group SGLang's SWA pages
+        at the end of a table as long as ``pages`` (see :func:`.window.window_table`)."""
+        out: dict[str, Any] = {}
+        if self.draft is not None:
+            out[DRAFT_GROUP] = list(pages)
+        if (self.state_groups or self.window is not None) and with_state:
+            if state_indices is None or len(state_indices) != len(self.state_kinds):
+                got = None if state_indices is None else len(state_indices)
+                raise RegistrationError(f"state_indices has {got} entries, state_types {self.state_kinds}",
+                                        field="state_indices", fix="pass one state payload per state type")
+            if self.state_groups:
+                slot = state_slot(state_indices[self.state_kinds.index("mamba")], "mamba")
+                out.update({g.group.name: [slot] for g in self.state_groups})
+            if self.window is not None:
+                out[WINDOW_GROUP] = window_table(state_indices[self.state_kinds.index("swa")], len(pages))
+        return out
 
     @staticmethod
     def _check_pointers(args: KVArgs, tensors: dict[tuple[int, str], torch.Tensor]) -> None:
@@ -346,6 +484,9 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         self.cursor = 0
         self.pages_sent = 0
         self.sent = False
+        # an instance with sliding-window layers sends the whole request with its last chunk:
+        # SGLang names the window's SWA pages only then, and the window may reach into earlier chunks
+        self.held: list[int] = []
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
@@ -362,18 +503,28 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         # sglang 0.5.23 passes state_indices (a list, empty without state) on the last send only
         last = state_indices is not None
         pages = [int(p) for p in kv_indices]
+        chunk_pages = len(pages)
         try:
             start, end = chunk_window(self.cursor, num_kv_tokens, len(pages), self.kv_mgr.facts.page_size)
             if self.num_pages is not None and self.pages_sent + len(pages) > self.num_pages:
                 raise RegistrationError(f"{self.pages_sent + len(pages)} pages sent, init announced {self.num_pages}",
                                         field="kv_indices", fix="send each page of the request once")
+            if self.kv_mgr.window is not None:
+                if not last:  # held back: nothing is read from these pages before the last chunk
+                    self.held += pages
+                    self.cursor = end
+                    self.pages_sent += chunk_pages
+                    return
+                pages, start = self.held + pages, 0
             aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
-            self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux)
+            groups = self.kv_mgr.request_groups(pages, state_indices, with_state=last)
+            self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux,
+                             **({"groups": groups} if groups else {}))
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return
         self.cursor = end
-        self.pages_sent += len(pages)
+        self.pages_sent += chunk_pages
         self.sent = True
 
     def poll(self) -> int:
@@ -410,6 +561,7 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         self.abort_notified = False
         self.bootstrap_infos: list = []
         self.init_time: float | None = None
+        self.prompt_len: int | None = None  # set by the plugin's hook before send_metadata
 
     def init(self, prefill_dp_rank: int) -> None:
         mgr = self.kv_mgr
@@ -434,8 +586,18 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
         start = int(decode_prefix_len or 0)
         try:
             pages = expect_pages(kv_indices, start, self.kv_mgr.facts.page_size)
+            groups = self.kv_mgr.request_groups(pages, state_indices, with_state=True)
+            extra: dict[str, Any] = {"groups": groups} if groups else {}
+            if self.kv_mgr.window is not None:
+                if self.prompt_len is None:
+                    raise RegistrationError(
+                        "num_tokens (the prompt's length) did not reach the receiver; a sliding-window group "
+                        "needs it to find its window",
+                        field="num_tokens", fix="load the kvxferd plugin (its hook on "
+                                                "DecodePreallocQueue._send_kv_metadata hands it over)")
+                extra["num_tokens"] = self.prompt_len
             self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
-                             source_address=self.route.daemon_address, pages=pages, start=start or None)
+                             source_address=self.route.daemon_address, pages=pages, start=start or None, **extra)
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return

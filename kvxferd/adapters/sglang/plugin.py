@@ -8,9 +8,11 @@ then applies the hooks:
   ``KVXFERD = "kvxferd"`` (SGLang's hook registry re-points every module that imported it);
 - AROUND ``get_kv_class``: the kvxferd classes for ``KVXFERD``, SGLang's own otherwise;
 - AROUND ``PrefillBootstrapQueue._init_kv_manager`` and
-  ``DecodePreallocQueue._init_kv_manager``: for kvxferd only, move a CPU KV pool into
-  kvxferd shared memory first (so KVArgs' pointers are computed after the move) and hand
-  the pool to the manager built inside;
+  ``DecodePreallocQueue._init_kv_manager``: for kvxferd only, move a CPU KV pool (with its
+  Mamba state, SWA layers and draft pool) into kvxferd shared memory first (so KVArgs'
+  pointers are computed after the move) and hand the pools to the manager built inside;
+- AROUND ``DecodePreallocQueue._send_kv_metadata``: the prompt's length for the receiver
+  (a sliding-window group's window is its last tokens; ``send_metadata`` has pages only);
 - the CLI choice: ``--disaggregation-transfer-backend kvxferd``.
 """
 
@@ -65,23 +67,34 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
     if getattr(queue.transfer_backend, "value", None) != BACKEND:
         return original(queue)
     from ...memory import share_in_place
-    from .pool import CURRENT_POOL, PoolContext, pool_buffers
+    from .pool import CURRENT_POOL, PoolContext, full_pool, pool_buffers, state_base_tensors, swa_pool
 
     pool = queue.token_to_kv_pool
     _, buffers = pool_buffers(pool)
-    tensors = [t for ts in buffers.values() for t in ts]
+    # a hybrid pool's Mamba state moves too: its base tensors, so every per-layer view follows
+    tensors = [t for ts in buffers.values() for t in ts] + state_base_tensors(pool)
+    draft = getattr(queue, "draft_token_to_kv_pool", None)  # speculative decoding's draft KV moves too
+    if draft is not None:
+        tensors += [t for ts in pool_buffers(draft)[1].values() for t in ts]
+    swa = swa_pool(pool)  # an SWA pool's sliding-window layers
+    if swa is not None:
+        tensors += [t for ts in pool_buffers(swa)[1].values() for t in ts]
     shared = None
     if tensors and tensors[0].device.type == "cpu":
         role = "prefill" if type(queue).__name__.startswith("Prefill") else "decode"
         shared = share_in_place(tensors, name=f"sglang-{role}-tp{queue.tp_rank}-pp{queue.pp_rank}")
-        _rebind_pool_pointers(pool)
+        _rebind_pool_pointers(full_pool(pool))
+        for inner in (draft, swa):
+            if inner is not None:
+                _rebind_pool_pointers(inner)
     model_config = queue.scheduler.model_config
     try:
         total = int(model_config.get_total_num_kv_heads())
     except (AttributeError, TypeError, ValueError):
         total = None
     ctx = PoolContext(pool=pool, metadata_buffers=queue.metadata_buffers, model_total_kv_heads=total,
-                      num_hidden_layers=int(model_config.num_hidden_layers), shared=shared)
+                      num_hidden_layers=int(model_config.num_hidden_layers), shared=shared,
+                      draft_pool=draft, sliding_window=_window(queue.scheduler))
     token = CURRENT_POOL.set(ctx)
     try:
         return original(queue)
@@ -95,6 +108,29 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
             shared.close()  # a named file: the daemon mapped it, the name must not outlive start-up
         # a memfd stays open: it has no name to leak, and re-registering after a daemon
         # restart hands the daemon this descriptor again
+
+
+def _window(scheduler: Any) -> int | None:
+    try:
+        value = int(getattr(scheduler, "sliding_window_size", None) or 0)
+    except (TypeError, ValueError):
+        return None
+    return value or None
+
+
+def _send_kv_metadata(original: Any, queue: Any, decode_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hand the decode receiver the prompt's length before SGLang calls its ``send_metadata``.
+
+    ``send_metadata`` carries pages only; a sliding-window group needs the exact length
+    (the window is its last tokens). SGLang's own ``_rebootstrap_prefill_len`` gives it,
+    the length its ``_swa_payload`` computes the window from.
+    """
+    if getattr(queue.transfer_backend, "value", None) == BACKEND:
+        try:
+            decode_req.kv_receiver.prompt_len = int(type(queue)._rebootstrap_prefill_len(decode_req.req))
+        except (AttributeError, TypeError, ValueError):
+            pass  # the receiver refuses a window group without it, naming what is missing
+    return original(queue, decode_req, *args, **kwargs)
 
 
 def register() -> None:
@@ -113,4 +149,6 @@ def register() -> None:
                           _init_kv_manager, HookType.AROUND)
     HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._init_kv_manager",
                           _init_kv_manager, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
+                          _send_kv_metadata, HookType.AROUND)
     log.info("event=sglang_plugin_registered backend=%s", BACKEND)

@@ -30,6 +30,8 @@ class PoolContext:
     model_total_kv_heads: int | None
     num_hidden_layers: int
     shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
+    draft_pool: Any = None  # the speculative draft model's token pool (draft_token_to_kv_pool), if any
+    sliding_window: int | None = None  # the scheduler's sliding_window_size (tokens), for an SWA pool
 
 
 CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
@@ -42,8 +44,51 @@ for _name in ("float8_e4m3fn", "float8_e5m2"):
         _DTYPES[getattr(torch, _name)] = _name
 
 
+def full_pool(pool: Any) -> Any:
+    """The full-attention token pool: a composite pool's ``full_kv_pool`` (hybrid Mamba, SWA), else the pool.
+
+    """
+    inner = getattr(pool, "full_kv_pool", None)
+    return inner if inner is not None else pool
+
+
+def mamba_pool(pool: Any) -> Any:
+    """The MambaPool of a hybrid linear-attention KV pool (HybridLinearKVPool), else None."""
+    inner = getattr(pool, "mamba_pool", None)
+    if inner is None or getattr(pool, "full_kv_pool", None) is None:
+        return None
+    return inner
+
+
+def swa_pool(pool: Any) -> Any:
+    """The sliding-window layers' token pool of an SWA pool (SWAKVPool.swa_kv_pool), else None."""
+    return getattr(pool, "swa_kv_pool", None)
+
+
+def state_tensors(pool: Any) -> list[torch.Tensor]:
+    """Per (state tensor, Mamba layer) ``[slots, ...]`` views, in the order KVArgs' state entries list them.
+
+    SGLang's own ``MambaPool._iter_transfer_state_entries`` yields them; it is what
+    ``get_contiguous_buf_infos`` (and so KVArgs) is built from.
+    """
+    inner = mamba_pool(pool)
+    if inner is None:
+        return []
+    return [t for _, t, _, _ in inner._iter_transfer_state_entries()]
+
+
+def state_base_tensors(pool: Any) -> list[torch.Tensor]:
+    """The Mamba pool's base state tensors (what moves into shared memory; entries are views of them)."""
+    inner = mamba_pool(pool)
+    if inner is None:
+        return []
+    cache = inner.mamba_cache
+    return [*cache.conv, cache.temporal]
+
+
 def pool_buffers(pool: Any) -> tuple[str, dict[str, list[torch.Tensor]]]:
     """(attention kind, {region kind: per-layer tensors}) of an MHA or MLA token pool."""
+    pool = full_pool(pool)
     if getattr(pool, "kv_buffer", None) is not None:
         return "mla", {"latent": list(pool.kv_buffer)}
     if getattr(pool, "k_buffer", None) is not None and getattr(pool, "v_buffer", None) is not None:
@@ -55,6 +100,7 @@ def pool_buffers(pool: Any) -> tuple[str, dict[str, list[torch.Tensor]]]:
 
 def pool_facts(pool: Any) -> PoolFacts:
     attention, buffers = pool_buffers(pool)
+    pool = full_pool(pool)
     if getattr(pool, "use_hnd", False):
         raise RegistrationError("the KV pool is laid out HND; kvxferd registers NHD buffers in place",
                                 field="kv_cache_layout", fix="start SGLang without an HND kv cache layout")
@@ -80,3 +126,12 @@ def pool_facts(pool: Any) -> PoolFacts:
 def pool_region_tensors(pool: Any, facts: PoolFacts) -> dict[tuple[int, str], torch.Tensor]:
     _, buffers = pool_buffers(pool)
     return {(facts.start_layer + i, kind): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+
+
+def dtype_name(t: torch.Tensor, field: str) -> str:
+    """kvxferd's name of a tensor's dtype; refused naming ``field`` when kvxferd does not move it."""
+    name = _DTYPES.get(t.dtype)
+    if name is None:
+        raise RegistrationError(f"{field} dtype {t.dtype} is not one kvxferd moves", field=field,
+                                fix=f"use one of {sorted(_DTYPES.values())}")
+    return name
