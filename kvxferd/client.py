@@ -80,6 +80,7 @@ class _Base:
     def _outcomes(replies: list[dict[str, Any]], key: str) -> list[Any]:
         return [r[key] if r.get("ok") else DaemonError(r.get("error") or {}) for r in replies]
 
+    # one place that turns an expect or a send into wire fields, for single and batched calls
     @staticmethod
     def _expect_call(rank_id: str, request: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
         return "expect", {"rank_id": rank_id, "request_id": request["request_id"],
@@ -220,17 +221,19 @@ class EngineClient(_Base):
         ``groups``: the instance's cache groups, a page table (from token 0) per KV group and
         the state slot per state group.
         """
-        return self.call("expect", rank_id=rank_id, request_id=request_id, source_instance=source_instance,
-                         source_address=source_address, pages=_pages(pages), num_tokens=num_tokens,
-                         start=start or None, source_dp_rank=source_dp_rank, groups=_groups(groups))["state"]
+        op, fields = self._expect_call(rank_id, dict(
+            request_id=request_id, source_instance=source_instance, pages=pages, source_address=source_address,
+            num_tokens=num_tokens, start=start, source_dp_rank=source_dp_rank, groups=groups))
+        return self.call(op, **fields)["state"]
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
              last: bool = True, aux: bytes | None = None,
              groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
         """``groups``: the chunk's pages per KV group (as ``pages``), each state group's slot with
         the last chunk."""
-        return self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages), start=start,
-                         end=end, last=last, aux=aux, groups=_groups(groups))["state"]
+        op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
+                                                   last=last, aux=aux, groups=groups))
+        return self.call(op, **fields)["state"]
 
     def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))
@@ -359,16 +362,17 @@ class AsyncEngineClient(_Base):
                      source_address: str | None = None, num_tokens: int | None = None,
                      start: int | None = None, source_dp_rank: int | None = None,
                      groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
-        return (await self.call("expect", rank_id=rank_id, request_id=request_id,
-                                source_instance=source_instance, source_address=source_address,
-                                pages=_pages(pages), num_tokens=num_tokens, start=start or None,
-                                source_dp_rank=source_dp_rank, groups=_groups(groups)))["state"]
+        op, fields = self._expect_call(rank_id, dict(
+            request_id=request_id, source_instance=source_instance, pages=pages, source_address=source_address,
+            num_tokens=num_tokens, start=start, source_dp_rank=source_dp_rank, groups=groups))
+        return (await self.call(op, **fields))["state"]
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
                    last: bool = True, aux: bytes | None = None,
                    groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
-        return (await self.call("send", rank_id=rank_id, request_id=request_id, pages=_pages(pages),
-                                start=start, end=end, last=last, aux=aux, groups=_groups(groups)))["state"]
+        op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
+                                                   last=last, aux=aux, groups=groups))
+        return (await self.call(op, **fields))["state"]
 
     async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
         event = self.events.get((rank_id, request_id))

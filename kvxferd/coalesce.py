@@ -45,7 +45,3 @@ class Coalescer:
         for identity, frames in queued.items():
             for i in range(0, len(frames), self._max_parts):
                 self._send([identity, *frames[i:i + self._max_parts]])
-
-    @property
-    def pending(self) -> int:
-        return sum(len(frames) for frames in self._queued.values())

@@ -80,6 +80,23 @@ def transfer(prefill: list[Worker], decode: list[Worker], request_id: str, n_tok
     return ([finished(w, request_id) for w in decode], [finished(w, request_id) for w in prefill])
 
 
+def both_orders_byte_exact(prefill: list[Worker], decode: list[Worker], tag: str, n_tokens: int,
+                           src_page_size: int, dst_pages: int, source_address: str, rng: random.Random) -> None:
+    """Two requests, expect first (one chunk) then send first (two chunks), byte-exact on fresh
+    destination pages; the decode pages no request used still hold the canary afterwards."""
+    used: set[int] = set()
+    for i, (order, chunks) in enumerate([("expect_first", None), ("send_first", [[0, 12], [12, n_tokens]])]):
+        src = pages_for(rng, NUM_PAGES, n_tokens, src_page_size)
+        dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], dst_pages)
+        used.update(dst)
+        dec, pre = transfer(prefill, decode, f"{tag}-r{i}", n_tokens, src_pages=src, dst_pages=dst,
+                            source_address=source_address, chunks=chunks, order=order)
+        assert_verified(dec, pre)
+    never = [p for p in range(NUM_PAGES) if p not in used]
+    for w in decode:
+        assert untouched_bytes(w, never) == 0
+
+
 def assert_verified(decode_events: list[dict[str, Any]], prefill_events: list[dict[str, Any]]) -> None:
     for ev in decode_events:
         assert ev["event"] == "finished" and ev["state"] == "done", ev

@@ -9,13 +9,12 @@ import time
 
 import pytest
 
-from e2e_util import (Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for, spec,
-                      start_nodes, transfer, untouched_bytes, wait_in_flight)
+from e2e_util import (NUM_PAGES, Node, assert_verified, both_orders_byte_exact, close, cluster_run, finished,
+                      module_cluster, spec, start_nodes, transfer, wait_in_flight)
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.tools.sim import Worker
 
-NUM_PAGES = 64
 
 
 @pytest.fixture(scope="module")
@@ -36,17 +35,7 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
     a, b, d, prefill, decode, pspec, dspec = _instances(cluster, f"m{d_tp}", d_tp)
     rng = random.Random(d_tp)
     try:
-        used: set[int] = set()
-        for i, (order, chunks) in enumerate([("expect_first", None), ("send_first", [[0, 12], [12, 40]])]):
-            src = pages_for(rng, NUM_PAGES, 40, pspec.page_size)
-            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], 10)
-            used.update(dst)
-            dec, pre = transfer(prefill, decode, f"m{d_tp}-r{i}", 40, src_pages=src, dst_pages=dst,
-                                source_address=a.address, chunks=chunks, order=order)
-            assert_verified(dec, pre)
-        never = [p for p in range(NUM_PAGES) if p not in used]
-        for w in decode:
-            assert untouched_bytes(w, never) == 0
+        both_orders_byte_exact(prefill, decode, f"m{d_tp}", 40, pspec.page_size, 10, a.address, rng)
         # the rendezvous knows B's ranks; the decode daemon handshook with both source daemons
         assert _status(a)["rendezvous"]["remote_ranks"][f"m{d_tp}p/prefill"] == {"2.0": b.address, "3.0": b.address}
         assert _status(b)["rendezvous"]["announcing"] == {f"m{d_tp}p/prefill": a.address}

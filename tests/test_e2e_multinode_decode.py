@@ -9,11 +9,10 @@ import signal
 
 import pytest
 
-from e2e_util import (Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for, spec,
-                      start_nodes, transfer, untouched_bytes, wait_in_flight)
+from e2e_util import (NUM_PAGES, Node, assert_verified, both_orders_byte_exact, close, cluster_run, finished,
+                      module_cluster, spec, start_nodes, transfer, wait_in_flight)
 from kvxferd.client import EngineClient
 
-NUM_PAGES = 64
 NODES = ("node-a", "node-b", "node-d1", "node-d2")
 
 
@@ -48,17 +47,7 @@ def test_decode_tp2_over_two_daemons_byte_exact(cluster, spread_source, attentio
     decode = cluster.spread_instance([d1, d2], f"{tag}d", "decode", dspec, NUM_PAGES)
     rng = random.Random(7)
     try:
-        used: set[int] = set()
-        for i, (order, chunks) in enumerate([("expect_first", None), ("send_first", [[0, 12], [12, 37]])]):
-            src = pages_for(rng, NUM_PAGES, 37, pspec.page_size)
-            dst = rng.sample([p for p in range(NUM_PAGES) if p not in used], 5)
-            used.update(dst)
-            dec, pre = transfer(prefill, decode, f"{tag}-r{i}", 37, src_pages=src, dst_pages=dst,
-                                source_address=a.address, chunks=chunks, order=order)
-            assert_verified(dec, pre)
-        never = [p for p in range(NUM_PAGES) if p not in used]
-        for w in decode:
-            assert untouched_bytes(w, never) == 0
+        both_orders_byte_exact(prefill, decode, tag, 37, pspec.page_size, 5, a.address, rng)
         # every source daemon served both decode daemons
         for source in (a, b) if spread_source else (a,):
             assert {d1.address, d2.address} <= _decode_peers(source)
