@@ -161,6 +161,7 @@ class TimeoutsSection:
     drain_grace_s: float = 30.0
     fence_s: float = 5.0  # a failed NIXL request waits this long for its source to confirm no WRITE is left
     handshake_retry_s: float = 0.5
+    cut_reason_s: float = 2.0  # a source the decode daemon hung up on waits this long for its reason
 
 
 @dataclass

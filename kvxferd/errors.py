@@ -85,6 +85,13 @@ class TransferError(KvxferError):
     code = "transfer"
 
 
+class PeerHungUp(TransferError):
+    """The receiving daemon ended a chunk on purpose or died: it hung up mid-chunk, or refused
+    the chunk as no longer expected. A daemon that fails a request says why on the control
+    plane, which races the data connection; the source waits ``timeouts.cut_reason_s`` for
+    that reason before it reports this error instead."""
+
+
 class ConfigError(KvxferError, ValueError):
     code = "config"
 

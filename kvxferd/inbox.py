@@ -185,7 +185,8 @@ class Inbox:
             entry = self._entries.get((header["request_id"], dest_rank))
             if entry is None or entry.closed:
                 raise RequestError(f"request {header['request_id']!r} is not expected at rank {dest_rank}",
-                                   field="request_id", fix="send only requests the decode side expects")
+                                   field="request_id", code="not_expected",
+                                   fix="send only requests the decode side expects")
             if entry.plan is None:
                 raise RequestError("destination is not bound to a plan yet", field="request_id",
                                    fix="wait for the expect message before sending")

@@ -98,6 +98,8 @@ class SrcEntry:
     inflight: int = 0
     closed: bool = False
     failure: tuple[str, str] | None = None
+    #: the decode daemon hung up on a chunk: until then its reason, if it sends one, replaces ``failure``
+    reason_due: float | None = None
     bytes_sent: int = 0
 
     def add_chunk(self, chunk: Chunk) -> None:

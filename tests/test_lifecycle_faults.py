@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd.errors import RequestError
+from kvxferd.errors import PeerHungUp, RequestError
 from kvxferd.lifecycle import events
 
 from lifecycle_util import Cluster, pages, spec
@@ -201,6 +201,43 @@ def test_failed_chunk_fails_the_source_and_the_destination():
     c.hold_jobs = False
     c.run()
     assert pn.outcome("r", p).code == "transfer" and dn.outcome("r", d).code == "transfer"
+
+
+def _hung_up_before_the_reason():
+    """The decode engine aborts while a chunk is on the wire: the decode daemon cuts the data
+    connection and sends its reason upstream; the sender's socket error reaches the source first."""
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.hold_jobs = True
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    job = pn.jobs.pop(0)
+    _abort(dn, d, "r", "user went away")  # its reason to the source is queued, not delivered yet
+    pn.handle(events.JobFinished(job.entry, job.target, job.index, job.kind,
+                                 error=PeerHungUp("data connection failed: [Errno 32] Broken pipe", field="transport")))
+    return c, pn, dn, p, d
+
+
+def test_a_source_hung_up_on_reports_the_decode_sides_reason():
+    c, pn, dn, p, d = _hung_up_before_the_reason()
+    assert pn.outcome("r", p) is None  # the engine is not told the socket error while the reason may come
+    with pytest.raises(RequestError) as info:  # a later chunk is refused, pointing at the finished event
+        pn.send(p, "r", pages(3, 1), 4, 16, True)
+    assert info.value.code == "request_finished" and "hung up" in str(info.value)
+    c.run()
+    told = pn.outcome("r", p)
+    assert (told.state, told.code, told.reason) == ("failed", "aborted", "user went away")
+    assert dn.outcome("r", d).code == "aborted"
+
+
+def test_a_source_hung_up_on_without_a_reason_reports_the_socket_error_after_cut_reason_s():
+    c, pn, dn, p, d = _hung_up_before_the_reason()
+    c.queue.clear()  # the decode daemon died: its reason never comes
+    c.tick(pn.cfg.timeouts.cut_reason_s / 2)
+    assert pn.outcome("r", p) is None
+    c.tick(pn.cfg.timeouts.cut_reason_s)
+    told = pn.outcome("r", p)
+    assert (told.state, told.code) == ("failed", "transfer") and "Broken pipe" in told.reason
 
 
 def test_rank_gone_fails_its_requests_and_a_reused_id_is_refused():

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from ..errors import KvxferError, RequestError, TransferError
+from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
 from ..logutil import q
 from ..messages import Event, Fenced, PeerAbort
 from ..outbox import Binding, Chunk, Route, SrcEntry, Target
@@ -65,6 +65,8 @@ class PrefillSide:
         elif entry.closed:
             # failed but still draining its chunks in flight: say why, as for a request already ended
             why = f"failed ({entry.failure[0]}: {entry.failure[1]})" if entry.failure else entry.state
+            if entry.reason_due is not None:
+                why = "failing: the decode daemon hung up on a chunk; the finished event gives its reason"
             raise RequestError(f"request {ev.request_id!r} is {why}", field="request_id",
                                code="request_finished", fix="start a new request")
         entry.add_chunk(ev.chunk)
@@ -133,6 +135,10 @@ class PrefillSide:
         told: set[int] = set()
         for entry in entries:
             first = entry.failure is None
+            if entry.reason_due is not None:  # the reason for the hang-up: it replaces the socket error
+                entry.reason_due = None
+                entry.failure = (code, message)
+                self._check_src(entry)
             self._fail(entry, code, message, propagate=False)
             if first and entry.binding is not None and id(entry.binding) not in told:
                 told.add(id(entry.binding))
@@ -269,13 +275,15 @@ class PrefillSide:
             chunk = entry.chunks[ev.index]
             log.warning("event=chunk_failed request=%s rank=%s dst=%s code=%s msg=%s", q(entry.request_id),
                         entry.rank_id, list(target.dst), code, q(str(exc)[:300]))
+            if isinstance(exc, PeerHungUp):
+                entry.reason_due = self.now + self.timeouts.cut_reason_s
             self._fail(entry, code, f"chunk [{chunk.start}, {chunk.end}) to {list(target.dst)} failed: {exc}")
         self._check_src(entry)
 
     # -- ends ----------------------------------------------------------------------------------
     def _check_src(self: "Lifecycle", entry: SrcEntry) -> None:
         if entry.failure is not None:
-            if entry.inflight == 0 and entry.state != states.FAILED:
+            if entry.inflight == 0 and entry.state != states.FAILED and entry.reason_due is None:
                 self._finalize_src(entry, states.FAILED)
             return
         if entry.state not in states.TERMINAL and entry.complete():
@@ -317,6 +325,10 @@ class PrefillSide:
     def _tick_sources(self: "Lifecycle") -> None:
         limits = self.phase_limits()
         for entry in list(self.sources.values()):
+            if entry.reason_due is not None and self.now >= entry.reason_due:
+                entry.reason_due = None  # no reason came: the socket error it is
+                self._check_src(entry)
+                continue
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
                 self._fail(entry, states.timeout_code(entry.state), f"request spent more than {limit}s in state {entry.state}")

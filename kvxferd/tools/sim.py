@@ -21,6 +21,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,9 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
 
     threading.Thread(target=read_stdin, daemon=True).start()
     pending: dict[str, dict[str, Any]] = {}
+    #: request -> its daemon event and whether it was reported: the daemon may tell an outcome (the
+    #: decode side aborted) before this engine's send for it, which then meets request_finished
+    ended: OrderedDict[str, tuple[dict[str, Any], bool]] = OrderedDict()
     running = True
     while running or pending:
         try:
@@ -103,12 +107,16 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
                         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
                     continue
-                _worker_command(client, rid, cache, geometry, cmd, pending, emit)
+                _worker_command(client, rid, cache, geometry, cmd, pending, ended, emit)
         except queue.Empty:
             pass
         if not running and not pending:
             break
         event = client.wait_any(0.02)
+        if event is not None:
+            ended[event.get("request_id")] = (event, event.get("request_id") in pending)
+            while len(ended) > 4096:
+                ended.popitem(last=False)
         if event is not None and event.get("request_id") in pending:
             info = pending.pop(event["request_id"])
             result = {"event": "finished", "request_id": event["request_id"], "state": event["state"],
@@ -131,7 +139,8 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
 
 
 def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, cmd: dict[str, Any],
-                    pending: dict[str, dict[str, Any]], emit: Any) -> None:
+                    pending: dict[str, dict[str, Any]], ended: OrderedDict[str, tuple[dict[str, Any], bool]],
+                    emit: Any) -> None:
     op = cmd["cmd"]
     try:
         if op == "expect":
@@ -196,9 +205,18 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
         elif op == "status":
             emit({"event": "status", "status": client.status()})
     except Exception as exc:  # noqa: BLE001 - the orchestrator asserts on it
-        pending.pop(cmd.get("request_id", ""), None)
+        request_id = cmd.get("request_id", "")
+        ending = op == "send" and getattr(exc, "code", "") == "request_finished"
+        if not ending or request_id in ended:
+            pending.pop(request_id, None)
+        # else the request is ending at the daemon: its finished event is still to come
         emit({"event": "error", "cmd": op, "request_id": cmd.get("request_id"), "error": str(exc),
               "code": getattr(exc, "code", ""), "field": getattr(exc, "field", None)})
+        if ending and request_id in ended and not ended[request_id][1]:  # told before this send: report it now
+            event = ended[request_id][0]
+            ended[request_id] = (event, True)
+            emit({"event": "finished", "request_id": request_id, "state": event["state"],
+                  "code": event.get("code"), "reason": event.get("reason"), "t": time.time()})
 
 
 def chunk_groups(geometry: RankGeometry, tables: dict[str, list[int]] | None, start: int, end: int,

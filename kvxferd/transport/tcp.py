@@ -21,7 +21,7 @@ import torch
 
 from .. import protocol
 from ..copier import gather, scatter, settle
-from ..errors import KvxferError, ProtocolError, RequestError, TransferError
+from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
 from ..segments import Runs, side_runs
@@ -321,9 +321,12 @@ class TcpTransport:
             sock.close()
             if refusal is not None:
                 raise refusal from None
-            raise TransferError(f"data connection to {job.data_address[0]}:{job.data_address[1]} "
-                                f"failed: {exc}", field="transport",
-                                fix="check the peer daemon; the request can be retried") from None
+            # a timeout is a stalled peer; a reset or an end of stream is the receiver hanging up
+            # (it failed the request and says why on the control link, or it died)
+            error = PeerHungUp if isinstance(exc, ConnectionError) else TransferError
+            raise error(f"data connection to {job.data_address[0]}:{job.data_address[1]} "
+                        f"failed: {exc}", field="transport",
+                        fix="check the peer daemon; the request can be retried") from None
         except BaseException:
             sock.close()
             raise
@@ -334,10 +337,12 @@ class TcpTransport:
         return moved
 
     @staticmethod
-    def _refused(reply: dict[str, Any]) -> RequestError:
+    def _refused(reply: dict[str, Any]) -> KvxferError:
         err = reply.get("error") or {}
-        return RequestError(f"destination refused chunk: {err.get('message', 'no reason given')}",
-                            field=str(err.get("field") or "chunk"), code="peer_refused")
+        # a request the receiver no longer expects ended there: its reason comes on the control link
+        error = PeerHungUp if err.get("code") == "not_expected" else RequestError
+        return error(f"destination refused chunk: {err.get('message', 'no reason given')}",
+                     field=str(err.get("field") or "chunk"), code="peer_refused")
 
     def _refusal(self, sock: socket.socket) -> RequestError | None:
         """After a failed send, the receiver may have said why before closing: read it."""
