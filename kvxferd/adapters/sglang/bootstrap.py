@@ -4,8 +4,15 @@ serve a prefill deployment.
 SGLang starts one bootstrap server per prefill deployment (``--disaggregation-bootstrap-port``)
 and a decode rank knows only ``bootstrap_host:bootstrap_port`` and the request's
 ``bootstrap_room``. Prefill ranks PUT their kvxferd instance name and their daemon's peer
-address here; decode GETs it once per prefill deployment. ``bootstrap_room`` is the kvxferd
-request id on both sides. Everything else (geometry, plan, pages) travels between the daemons.
+address here (the instance's rendezvous daemon when its ranks span several daemons), with the
+deployment's DP size and whether a request's DP rank follows its room; decode GETs it once per
+prefill deployment. ``bootstrap_room`` is the kvxferd request id on both sides. Everything else
+(geometry, plan, pages) travels between the daemons.
+
+With DP ranks that do not follow the room (``--load-balance-method`` other than
+``follow_bootstrap_room``) each prefill request's DP rank is posted here and decode queries it:
+``/register_dp_rank`` and ``/query_dp_ranks``, the paths and bodies SGLang's own decode code
+(``CommonKVReceiver.query_prefill_dp_ranks``) uses.
 """
 
 from __future__ import annotations
@@ -18,7 +25,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 PATH = "/kvxferd/prefill"
+REGISTER_DP_PATH = "/register_dp_rank"
+QUERY_DP_PATH = "/query_dp_ranks"
 MAX_BODY = 64 * 1024
+MAX_ROOMS = 1 << 16  # rooms whose DP rank is kept (oldest forgotten first): a bound, not a lease
+MAX_QUERY = 4096
 WILDCARD_HOSTS = ("0.0.0.0", "::", "*", "")
 
 
@@ -60,16 +71,54 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._answer(200, info)
 
-    def do_PUT(self) -> None:  # noqa: N802
+    def _body(self, path: str) -> Any:
         length = int(self.headers.get("Content-Length") or 0)
-        if self.path != PATH or not 0 < length <= MAX_BODY:
-            self._answer(400, {"error": "PUT a JSON body to " + PATH})
+        if self.path != path or not 0 < length <= MAX_BODY:
+            self._answer(400 if self.path == path else 404, {"error": f"send a JSON body to {path}"})
+            return None
+        try:
+            return json.loads(self.rfile.read(length))
+        except ValueError as exc:
+            self._answer(400, {"error": f"bad JSON: {exc}"})
+            return None
+
+    def do_POST(self) -> None:  # noqa: N802
+        """SGLang's per-request DP rank registry (a DP deployment not routed by room)."""
+        path = self.path if self.path in (REGISTER_DP_PATH, QUERY_DP_PATH) else REGISTER_DP_PATH
+        body = self._body(path)
+        if body is None:
             return
         try:
-            body = json.loads(self.rfile.read(length))
-            info = {"instance": str(body["instance"]), "daemon_address": str(body["daemon_address"])}
+            if path == REGISTER_DP_PATH:
+                room, rank = int(body["bootstrap_room"]), int(body["dp_rank"])
+                with self.server.lock:
+                    rooms = self.server.dp_rooms
+                    rooms.pop(room, None)
+                    rooms[room] = rank
+                    while len(rooms) > MAX_ROOMS:
+                        del rooms[next(iter(rooms))]
+                self._answer(200, {"ok": True})
+                return
+            wanted = [int(r) for r in body["bootstrap_rooms"]][:MAX_QUERY]
+        except (KeyError, TypeError, ValueError) as exc:
+            self._answer(400, {"error": f"bad DP rank message: {exc}"})
+            return
+        with self.server.lock:
+            found = {str(r): self.server.dp_rooms[r] for r in wanted if r in self.server.dp_rooms}
+        self._answer(200, found)
+
+    def do_PUT(self) -> None:  # noqa: N802
+        body = self._body(PATH)
+        if body is None:
+            return
+        try:
+            info = {"instance": str(body["instance"]), "daemon_address": str(body["daemon_address"]),
+                    "dp_size": int(body.get("dp_size", 1)),
+                    "follow_bootstrap_room": bool(body.get("follow_bootstrap_room", True))}
             split_host_port(info["daemon_address"])
-        except (ValueError, KeyError, TypeError) as exc:
+            if info["dp_size"] < 1:
+                raise ValueError(f"dp_size {info['dp_size']} is below 1")
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
             self._answer(400, {"error": f"bad registration: {exc}"})
             return
         with self.server.lock:
@@ -88,7 +137,8 @@ class _Server(ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int]) -> None:
         super().__init__(address, _Handler)
         self.lock = threading.Lock()
-        self.info: dict[str, str] | None = None
+        self.info: dict[str, Any] | None = None
+        self.dp_rooms: dict[int, int] = {}  # bootstrap_room -> prefill DP rank, insertion-ordered
 
 
 class BootstrapHTTPServer:
@@ -107,10 +157,22 @@ class BootstrapHTTPServer:
         self._thread.join(5)
 
 
-def put_route(bootstrap_addr: str, instance: str, daemon_address: str, timeout: float = 5.0) -> dict[str, Any]:
-    body = json.dumps({"instance": instance, "daemon_address": daemon_address}).encode()
-    req = urllib.request.Request(f"http://{bootstrap_addr}{PATH}", data=body, method="PUT",
-                                 headers={"Content-Type": "application/json"})
+def put_route(bootstrap_addr: str, instance: str, daemon_address: str, timeout: float = 5.0, *, dp_size: int = 1,
+              follow_bootstrap_room: bool = True) -> dict[str, Any]:
+    return _send("PUT", f"http://{bootstrap_addr}{PATH}", {
+        "instance": instance, "daemon_address": daemon_address, "dp_size": int(dp_size),
+        "follow_bootstrap_room": bool(follow_bootstrap_room)}, timeout)
+
+
+def post_dp_rank(bootstrap_addr: str, bootstrap_room: int, dp_rank: int, timeout: float = 5.0) -> dict[str, Any]:
+    """File a request's prefill DP rank with the bootstrap server (SGLang's ``/register_dp_rank``)."""
+    return _send("POST", f"http://{bootstrap_addr}{REGISTER_DP_PATH}",
+                 {"bootstrap_room": int(bootstrap_room), "dp_rank": int(dp_rank)}, timeout)
+
+
+def _send(method: str, url: str, payload: dict[str, Any], timeout: float) -> dict[str, Any]:
+    body = json.dumps(payload).encode()
+    req = urllib.request.Request(url, data=body, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return json.loads(resp.read())

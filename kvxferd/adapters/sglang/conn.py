@@ -13,6 +13,9 @@ moved into shared memory on CPU, CUDA tensors go by IPC handle). A request's
   daemon address from the prefill bootstrap server, turns ``send_metadata`` into
   ``expect`` (``decode_prefix_len`` becomes ``start``: only the suffix moves), and answers
   ``Success`` only after the aux row was written into its own MetadataBuffers.
+- DP attention: each DP rank's ranks register as that DP rank of the instance, and a
+  decode ``expect`` names SGLang's ``prefill_dp_rank`` as ``source_dp_rank`` (see
+  :mod:`.topology`); ranks on several nodes name the instance's rendezvous daemon.
 
 Failures carry kvxferd's code and reason into SGLang's ``KVTransferError``.
 """
@@ -49,7 +52,8 @@ from ...geometry import RankGeometry
 from ...groups import Group, qualified_kind
 from ...memory import describe_tensors
 from . import polling
-from .bootstrap import BootstrapHTTPServer, get_route, put_route, reachable_address, split_host_port
+from . import topology
+from .bootstrap import BootstrapHTTPServer, get_route, post_dp_rank, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry, chunk_window, expect_pages
 from .draft import DRAFT_GROUP, draft_group
 from .pool import (CURRENT_POOL, PoolContext, dtype_name, full_pool, pool_buffers, pool_facts,
@@ -66,10 +70,8 @@ CALL_TIMEOUT_ENV = "KVXFERD_SGLANG_CALL_TIMEOUT_S"  # a scheduler must not hang 
 INSTANCE_ENV = "KVXFERD_SGLANG_INSTANCE"
 BOOTSTRAP_HOST_ENV = "KVXFERD_SGLANG_BOOTSTRAP_HOST"
 BOOTSTRAP_WAIT_ENV = "KVXFERD_SGLANG_BOOTSTRAP_WAIT_S"
-
-
-def _host(host: str | None) -> str:
-    return "127.0.0.1" if not host or host in ("0.0.0.0", "::") else host
+RENDEZVOUS_ENV = "KVXFERD_SGLANG_RENDEZVOUS"
+FOLLOW_ROOM = "follow_bootstrap_room"
 
 
 @dataclass(frozen=True)
@@ -112,6 +114,8 @@ class KvxferdKVManager(BaseKVManager):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
                                     field="page_size", fix="build KVArgs from the registered pool")
         rank_facts = self._rank_facts(args, ctx)
+        self.dp = self._dp_group(args)
+        self.follow_bootstrap_room = self._parallel("load_balance_method", FOLLOW_ROOM) in (None, FOLLOW_ROOM)
         self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
         # draft-model KV (speculative decoding): a draft group over the target's page table (see .draft)
@@ -137,14 +141,21 @@ class KvxferdKVManager(BaseKVManager):
         self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
         self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
         try:
-            self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors))
+            self.own_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
+            self.rendezvous = topology.rendezvous(
+                os.environ.get(RENDEZVOUS_ENV), nnodes=self._parallel("nnodes", 1),
+                node_rank=self._parallel("node_rank", 0), dist_init_addr=self._parallel("dist_init_addr", None),
+                own_address=self.own_address)
+            self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors),
+                                                rendezvous=self.rendezvous, dp=self.dp)
         except BaseException:
             self.client.close()
             raise
         try:
-            self.daemon_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
-            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s", self.instance,
-                     self.mode, self.rank_id, self.daemon_address)
+            # what decode names as the source address: the rendezvous, where the instance's ranks are known
+            self.daemon_address = self.rendezvous or self.own_address
+            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s rendezvous=%s dp=%s",
+                     self.instance, self.mode, self.rank_id, self.own_address, self.rendezvous, self.dp)
             if self.mode == "prefill":
                 self.register_to_bootstrap()
         except BaseException:
@@ -196,14 +207,12 @@ class KvxferdKVManager(BaseKVManager):
         parallel = get_parallel()
         attn_tp = int(parallel.attn_tp_size)
         pp_size = int(parallel.pp_size)
-        for name in ("attn_dp_size", "attn_cp_size"):
-            try:
-                width = int(getattr(parallel, name))
-            except (AttributeError, RuntimeError, ValueError):
-                width = 1
-            if width > 1:
-                raise RegistrationError(f"{name} is {width}; the kvxferd backend serves one attention group "
-                                        "per instance", field=name, fix=f"run with {name} 1")
+        cp = int(self._parallel("attn_cp_size", 1))
+        if cp > 1:  # context parallel splits a request's tokens over ranks: no page table names them
+            raise RegistrationError(f"attn_cp_size is {cp}; the kvxferd backend moves a request's KV from one "
+                                    "attention TP x PP group, and context parallel splits its tokens over "
+                                    f"{cp} of them", field="attn_cp_size",
+                                    fix="run with attn_cp_size 1 (no --attn-cp-size / context parallel)")
         if full_pool(ctx.pool) is not ctx.pool:
             if pp_size != 1:
                 raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba or SWA) "
@@ -218,6 +227,22 @@ class KvxferdKVManager(BaseKVManager):
                          kv_head_num=getattr(args, "kv_head_num", None),
                          total_kv_head_num=getattr(args, "total_kv_head_num", None),
                          model_total_kv_heads=ctx.model_total_kv_heads)
+
+    @staticmethod
+    def _parallel(name: str, default: Any) -> Any:
+        """A field of SGLang's parallel context; ``default`` where this process has none."""
+        from sglang.srt.runtime_context import get_parallel
+
+        try:
+            value = getattr(get_parallel(), name)
+        except (AttributeError, RuntimeError, ValueError):
+            return default
+        return default if value is None else value
+
+    def _dp_group(self, args: KVArgs) -> tuple[int, int] | None:
+        """This rank's ``(dp_rank, dp_size)`` as SGLang's bootstrap server counts DP ranks (see .topology)."""
+        return topology.dp_group(int(self._parallel("attn_dp_rank", 0)), int(self._parallel("attn_dp_size", 1)),
+                                 getattr(args, "system_dp_rank", None), int(self._parallel("dp_size", 1)))
 
     def _with_groups(self, geometry: RankGeometry) -> RankGeometry:
         """The rank's geometry with its cache groups (draft KV, Mamba state)."""
@@ -345,8 +370,10 @@ class KvxferdKVManager(BaseKVManager):
 
     # -- bootstrap -----------------------------------------------------------------------
     def bootstrap_address(self) -> str:
-        host = os.environ.get(BOOTSTRAP_HOST_ENV) or _host(self._setting("serving", "host"))
-        return f"{host}:{self.bootstrap_port}"
+        host = topology.bootstrap_host(os.environ.get(BOOTSTRAP_HOST_ENV), nnodes=self._parallel("nnodes", 1),
+                                       dist_init_addr=self._parallel("dist_init_addr", None),
+                                       serving_host=self._setting("serving", "host"))
+        return f"[{host}]:{self.bootstrap_port}" if ":" in host else f"{host}:{self.bootstrap_port}"
 
     def register_to_bootstrap(self) -> None:
         """Tell the prefill deployment's bootstrap server this instance and daemon (retries while it starts)."""
@@ -354,7 +381,8 @@ class KvxferdKVManager(BaseKVManager):
         deadline = time.monotonic() + float(os.environ.get(BOOTSTRAP_WAIT_ENV, "60"))
         while True:
             try:
-                answer = put_route(addr, self.instance, self.daemon_address)
+                answer = put_route(addr, self.instance, self.daemon_address, dp_size=self.dp[1] if self.dp else 1,
+                                   follow_bootstrap_room=self.follow_bootstrap_room)
             except OSError as exc:
                 answer = {"error": str(exc)}
             if "error" not in answer:
@@ -365,7 +393,8 @@ class KvxferdKVManager(BaseKVManager):
                         f"bootstrap server {addr} already serves another kvxferd instance or daemon; instance "
                         f"{self.instance!r} at daemon {self.daemon_address} refused: {answer['error']}",
                         field="bootstrap", fix="give every prefill deployment its own bootstrap port, and every "
-                                               "rank of one deployment the same kvxferd daemon and instance name")
+                                               "rank of one deployment the same instance name and, over several "
+                                               f"nodes, the same rendezvous ({RENDEZVOUS_ENV} or --dist-init-addr)")
                 raise RegistrationError(
                     f"could not register instance {self.instance!r} with bootstrap server {addr}: {answer['error']}",
                     field="disaggregation_bootstrap_port",
@@ -382,7 +411,8 @@ class KvxferdKVManager(BaseKVManager):
             return False
         host, _ = split_host_port(bootstrap_addr)
         self.prefill_info_table[bootstrap_addr] = PrefillInfo(
-            instance=info["instance"], daemon_address=reachable_address(info["daemon_address"], host))
+            instance=info["instance"], daemon_address=reachable_address(info["daemon_address"], host),
+            dp_size=int(info.get("dp_size", 1)), follow_bootstrap_room=bool(info.get("follow_bootstrap_room", True)))
         return True
 
     # -- daemon calls (one client per rank; SGLang may poll from a helper thread) ---------
@@ -480,6 +510,7 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
+        self._file_dp_rank(req_has_disagg_prefill_dp_rank)
         self.num_pages: int | None = None
         self.cursor = 0
         self.pages_sent = 0
@@ -487,6 +518,31 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         # an instance with sliding-window layers sends the whole request with its last chunk:
         # SGLang names the window's SWA pages only then, and the window may reach into earlier chunks
         self.held: list[int] = []
+
+    def _file_dp_rank(self, routed: bool) -> None:
+        """Let decode find this request's DP rank, as SGLang's own senders do: with the room as the
+        rule (``follow_bootstrap_room``) a request on another DP rank is refused at once (decode
+        would expect it there); otherwise its DP rank is posted to the bootstrap server. A request
+        routed to a DP rank by the router (``disagg_prefill_dp_rank``) tells decode itself."""
+        mgr = self.kv_mgr
+        if mgr.dp is None or routed:
+            return
+        dp_rank, dp_size = mgr.dp
+        if mgr.follow_bootstrap_room:
+            implied = int(self.bootstrap_room) % dp_size
+            if implied != dp_rank:
+                self._fail_local("dp_rank", f"bootstrap_room {self.bootstrap_room} implies prefill DP rank {implied} "
+                                            f"(room % dp_size {dp_size}), but it runs on DP rank {dp_rank}; set "
+                                            "SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK=1 or another "
+                                            "--load-balance-method to route by query")
+            return
+        try:
+            answer = post_dp_rank(mgr.bootstrap_address(), int(self.bootstrap_room), dp_rank)
+        except OSError as exc:
+            answer = {"error": str(exc)}
+        if "error" in answer:
+            self._fail_local("bootstrap", f"could not file prefill DP rank {dp_rank} of bootstrap_room "
+                                          f"{self.bootstrap_room} with {mgr.bootstrap_address()}: {answer['error']}")
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self.num_pages = int(num_kv_indices)
@@ -554,6 +610,7 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
     def __init__(self, mgr: KvxferdKVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None) -> None:
         super().__init__(mgr, bootstrap_addr, bootstrap_room)
         self.route: PrefillInfo | None = None
+        self.prefill_dp_rank: int | None = None
         self.metadata_sent = False
         self.aux_landed = False
         # members SGLang's decode scheduler reads outside the base class
@@ -569,6 +626,8 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
             self._fail_local("bootstrap", f"no kvxferd route at bootstrap server {self.bootstrap_addr}")
             return
         self.route = mgr.prefill_info_table[self.bootstrap_addr]
+        # SGLang resolved it (router, room or bootstrap query); a deployment without DP ranks has only 0
+        self.prefill_dp_rank = int(prefill_dp_rank) if self.route.dp_size > 1 else None
         self.init_time = time.monotonic()
 
     def send_metadata(self, kv_indices: Any, aux_index: Optional[int] = None, state_indices: Optional[list] = None,
@@ -597,7 +656,8 @@ class KvxferdKVReceiver(_Conclusion, BaseKVReceiver):
                                                 "DecodePreallocQueue._send_kv_metadata hands it over)")
                 extra["num_tokens"] = self.prompt_len
             self.kv_mgr.call("expect", self.request_id, source_instance=self.route.instance,
-                             source_address=self.route.daemon_address, pages=pages, start=start or None, **extra)
+                             source_address=self.route.daemon_address, pages=pages, start=start or None,
+                             source_dp_rank=self.prefill_dp_rank, **extra)
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return
