@@ -137,6 +137,7 @@ class KvxferdKVManager(BaseKVManager):
         self.aux_item_lens = [int(n) for n in args.aux_item_lens]
         self.aux_row_bytes = sum(self.aux_item_lens)
         self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
+        self.own_bootstrap_addr = self._bootstrap_address()  # the prefill deployment's own server
         self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
         self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
         self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
@@ -370,6 +371,9 @@ class KvxferdKVManager(BaseKVManager):
 
     # -- bootstrap -----------------------------------------------------------------------
     def bootstrap_address(self) -> str:
+        return self.own_bootstrap_addr
+
+    def _bootstrap_address(self) -> str:
         host = topology.bootstrap_host(os.environ.get(BOOTSTRAP_HOST_ENV), nnodes=self._parallel("nnodes", 1),
                                        dist_init_addr=self._parallel("dist_init_addr", None),
                                        serving_host=self._setting("serving", "host"))

@@ -115,10 +115,16 @@ def layer_range(model: Model, pp_rank: int, pp_size: int) -> tuple[int, int]:
 
 def make_rank(role: str, daemon: DaemonProc, model: Model, *, tp_rank: int, tp_size: int, pp_rank: int = 0,
               pp_size: int = 1, page_size: int, num_pages: int, port: int, bootstrap_port: int,
-              give_heads: bool = True, seed: int = 0, **server_args: Any) -> Rank:
-    """One scheduler rank: its pool, metadata buffers and the manager SGLang's queue builds."""
+              give_heads: bool = True, seed: int = 0, attn_dp: tuple[int, int] | None = None,
+              **server_args: Any) -> Rank:
+    """One scheduler rank: its pool, metadata buffers and the manager SGLang's queue builds.
+
+    ``attn_dp=(k, n)``: the rank is in attention-DP group ``k`` of ``n`` (SGLang's
+    ``attn_dp_size``; ``tp_size`` counts all of the deployment's TP ranks, each DP group has
+    ``tp_size // n`` of them); ``Rank.tp_rank`` is then its attention TP rank."""
     start, end = layer_range(model, pp_rank, pp_size)
-    heads = max(1, model.total_kv_heads // tp_size)
+    attn_tp = tp_size // attn_dp[1] if attn_dp else tp_size
+    heads = max(1, model.total_kv_heads // attn_tp)
     size = (num_pages - 1) * page_size  # SGLang allocates size + page_size rows (page 0 padding)
     if model.mla:
         pool = MLATokenToKVPool(size=size, page_size=page_size, dtype=model.dtype, kv_lora_rank=model.kv_lora_rank,
@@ -143,13 +149,17 @@ def make_rank(role: str, daemon: DaemonProc, model: Model, *, tp_rank: int, tp_s
     queue.__dict__.update(token_to_kv_pool=pool, draft_token_to_kv_pool=None, is_mla_backend=model.mla,
                           metadata_buffers=metadata, tp_rank=tp_rank, pp_rank=pp_rank, scheduler=scheduler,
                           transfer_backend=BACKEND, enable_staging=False)
+    placement: dict[str, Any] = {}
+    if attn_dp:  # SGLang's layout: tp_rank = attn_dp_rank * attn_tp_size + attn_tp_rank
+        server_args["attn_dp_size"] = attn_dp[1]
+        placement = dict(attn_dp_rank=attn_dp[0], attn_tp_rank=tp_rank % attn_tp, attn_cp_rank=0)
     with published(tp_size=tp_size, pp_size=pp_size, disaggregation_mode=role,
                    disaggregation_transfer_backend="kvxferd", host="127.0.0.1", port=port,
                    disaggregation_bootstrap_port=bootstrap_port, **server_args) as sa:
         scheduler.server_args = sa
-        with get_parallel().override(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=0), socket_of(daemon):
+        with get_parallel().override(tp_rank=tp_rank, pp_rank=pp_rank, dp_rank=0, **placement), socket_of(daemon):
             manager = queue._init_kv_manager()
-    return Rank(role, tp_rank, pp_rank, pool, metadata, manager, page_size, list(range(1, num_pages)))
+    return Rank(role, tp_rank % attn_tp, pp_rank, pool, metadata, manager, page_size, list(range(1, num_pages)))
 
 
 def bootstrap_server(port: int) -> Any:
