@@ -41,6 +41,7 @@ from .logic import (
     StepPlan,
     TransferParams,
     WorkerBook,
+    dp_of,
     load_error_blocks,
     next_chunk,
     pages_for,
@@ -67,8 +68,11 @@ class KvxferdMetadata(KVConnectorMetadata):
 
 def _settings(vllm_config: "VllmConfig") -> ConnectorSettings:
     cfg = vllm_config.kv_transfer_config
+    parallel = vllm_config.parallel_config
+    index = getattr(parallel, "data_parallel_index", None)  # the DP rank, kept where vLLM resets the rank
+    dp = dp_of(parallel.data_parallel_rank if index is None else index, parallel.data_parallel_size)
     return ConnectorSettings.from_config(cfg.kv_connector_extra_config, kv_role=cfg.kv_role,
-                                         engine_id=cfg.engine_id)
+                                         engine_id=cfg.engine_id, dp=dp)
 
 
 def _describe(exc: KvxferError) -> str:
@@ -250,7 +254,8 @@ class _Worker:
                                     for layer, t in sorted(by_layer.items())})
         self.client = EngineClient(self.settings.socket_path, timeout=self.settings.call_timeout_s)
         for role in self.settings.roles:
-            self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions)
+            self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions,
+                                                    rendezvous=self.settings.rendezvous, dp=self.settings.dp)
         log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s vllm_layout=%s backend=%s "
                  "pages=%d page_size=%d page_stride=%d", self.settings.instance, ",".join(self.settings.roles),
                  geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size, layout.layout,
@@ -309,7 +314,7 @@ class _Worker:
                 pages = pages_for(load.block_ids, 0, p.num_tokens, self.page_size)
                 self.client.expect(self.ranks["decode"], p.transfer_id, source_instance=p.source_instance,
                                    source_address=p.source_address, pages=pages, num_tokens=p.num_tokens,
-                                   start=load.start)
+                                   start=load.start, source_dp_rank=p.source_dp_rank)
             except KvxferError as exc:
                 log.warning("event=vllm_load_failed request=%s transfer=%s %s", load.req_id, p.transfer_id,
                             _describe(exc))

@@ -25,7 +25,7 @@ ROLES_BY_KV_ROLE: dict[str, tuple[str, ...]] = {
     "kv_consumer": ("decode",),
     "kv_both": ("prefill", "decode"),
 }
-EXTRA_KEYS = ("socket_path", "instance", "address", "call_timeout_s", "preempt_wait_s")
+EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s")
 
 
 # -- settings ------------------------------------------------------------------------------
@@ -40,10 +40,14 @@ class ConnectorSettings:
     address: str | None = None
     call_timeout_s: float = 30.0
     preempt_wait_s: float = 60.0
+    #: host:port of the instance's rendezvous daemon (ranks over several daemons); decode's source address
+    rendezvous: str | None = None
+    #: (dp_rank, dp_size) of a data-parallel rank (see :func:`dp_of`)
+    dp: tuple[int, int] | None = None
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any] | None, *, kv_role: str | None,
-                    engine_id: str | None) -> "ConnectorSettings":
+                    engine_id: str | None, dp: tuple[int, int] | None = None) -> "ConnectorSettings":
         extra = dict(extra or {})
         unknown = sorted(set(extra) - set(EXTRA_KEYS))
         if unknown:
@@ -54,7 +58,7 @@ class ConnectorSettings:
             raise ConfigError(f"kv_role {kv_role!r} is not one kvxferd serves", field="kv_role",
                               fix=f"set kv_role to one of {sorted(ROLES_BY_KV_ROLE)}")
         instance = extra.get("instance") or (f"vllm-{engine_id}" if engine_id else None)
-        for key in ("instance", "socket_path", "address"):
+        for key in ("instance", "socket_path", "address", "rendezvous"):
             value = instance if key == "instance" else extra.get(key)
             if value is not None and (not isinstance(value, str) or not value):
                 raise ConfigError(f"kv_connector_extra_config.{key} must be a non-empty string, got {value!r}",
@@ -63,13 +67,16 @@ class ConnectorSettings:
             raise ConfigError("no instance name: kv_connector_extra_config.instance is unset and vLLM gave no "
                               "engine_id", field="kv_connector_extra_config.instance",
                               fix="set instance to a name shared by every rank of this vLLM instance")
-        address = extra.get("address")
-        if address is not None:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit():
-                raise ConfigError(f"kv_connector_extra_config.address must be host:port, got {address!r}",
-                                  field="kv_connector_extra_config.address",
-                                  fix="give the control address other daemons reach this node's daemon at")
+        address, rendezvous = extra.get("address"), extra.get("rendezvous")
+        for key, value, fix in (("address", address, "give the control address other daemons reach this node's "
+                                                     "daemon at"),
+                                ("rendezvous", rendezvous, "give host:control_port of the daemon of the instance's "
+                                                           "first rank, the same on every rank")):
+            if value is not None:
+                host, _, port = value.rpartition(":")
+                if not host or not port.isdigit():
+                    raise ConfigError(f"kv_connector_extra_config.{key} must be host:port, got {value!r}",
+                                      field=f"kv_connector_extra_config.{key}", fix=fix)
         timeouts = {}
         for key in ("call_timeout_s", "preempt_wait_s"):
             if key in extra:
@@ -79,13 +86,20 @@ class ConnectorSettings:
                                       field=f"kv_connector_extra_config.{key}", fix=f"set {key} in seconds")
                 timeouts[key] = float(value)
         roles = ROLES_BY_KV_ROLE[kv_role]
-        if "prefill" in roles and address is None:
+        if "prefill" in roles and address is None and rendezvous is None:
             raise ConfigError(f"kv_role {kv_role} produces KV, so decode engines must be told where this node's "
                               "daemon is, and kv_connector_extra_config.address is unset",
                               field="kv_connector_extra_config.address",
                               fix="set address to host:control_port of this node's kvxferd daemon")
         return cls(instance=instance, roles=roles, socket_path=extra.get("socket_path"), address=address,
-                   **timeouts)
+                   rendezvous=rendezvous, dp=dp, **timeouts)
+
+    @property
+    def source_address(self) -> str:
+        """What decode names as this instance's address: the rendezvous, else this node's daemon."""
+        address = self.rendezvous or self.address
+        assert address is not None  # checked in from_config for a producer
+        return address
 
     def instance_for(self, role: str) -> str:
         """The daemon keeps one role per instance name, so a kv_both engine registers two."""
@@ -100,6 +114,24 @@ class ConnectorSettings:
         return "decode" in self.roles
 
 
+def dp_of(data_parallel_index: int | None, data_parallel_size: int | None) -> tuple[int, int] | None:
+    """``(dp_rank, dp_size)`` a worker registers with, from vLLM's parallel config.
+
+    vLLM keeps ``data_parallel_size`` for MoE models, whose DP ranks are DP ranks of one engine
+    (one KV cache each): those register as DP ranks of the instance. A dense model's DP ranks
+    are independent engines (vLLM resets their size to 1 and suffixes each one's
+    ``engine_id`` with ``_dp<k>``): None, each is an instance of its own.
+    """
+    size = int(data_parallel_size or 1)
+    if size <= 1:
+        return None
+    rank = int(data_parallel_index or 0)
+    if not 0 <= rank < size:
+        raise ConfigError(f"data_parallel_rank {rank} is not below data_parallel_size {size}",
+                          field="parallel_config.data_parallel_rank", fix="start vLLM's DP ranks with its launcher")
+    return rank, size
+
+
 # -- kv_transfer_params --------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -110,12 +142,15 @@ class TransferParams:
     source_instance: str
     source_address: str
     num_tokens: int
+    source_dp_rank: int | None = None  # the prefill DP rank that holds the request (MoE DP engines)
 
     def to_json(self) -> dict[str, Any]:
         """JSON-serialisable; ``do_remote_prefill`` is the flag vLLM's proxies and decode look for."""
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                PARAMS_KEY: {"transfer_id": self.transfer_id, "source_instance": self.source_instance,
-                             "source_address": self.source_address, "num_tokens": self.num_tokens}}
+        body: dict[str, Any] = {"transfer_id": self.transfer_id, "source_instance": self.source_instance,
+                                "source_address": self.source_address, "num_tokens": self.num_tokens}
+        if self.source_dp_rank is not None:
+            body["source_dp_rank"] = self.source_dp_rank
+        return {"do_remote_prefill": True, "do_remote_decode": False, PARAMS_KEY: body}
 
     @classmethod
     def from_request(cls, params: Mapping[str, Any] | None) -> "TransferParams | None":
@@ -140,7 +175,12 @@ class TransferParams:
             raise ConfigError(f"kv_transfer_params.{PARAMS_KEY}.num_tokens must be a positive integer, "
                               f"got {num_tokens!r}", field=f"kv_transfer_params.{PARAMS_KEY}.num_tokens",
                               fix="pass decode the kv_transfer_params the prefill engine returned, unchanged")
-        return cls(num_tokens=num_tokens, **out)
+        dp_rank = body.get("source_dp_rank")
+        if dp_rank is not None and (isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or dp_rank < 0):
+            raise ConfigError(f"kv_transfer_params.{PARAMS_KEY}.source_dp_rank must be a non-negative integer, "
+                              f"got {dp_rank!r}", field=f"kv_transfer_params.{PARAMS_KEY}.source_dp_rank",
+                              fix="pass decode the kv_transfer_params the prefill engine returned, unchanged")
+        return cls(num_tokens=num_tokens, source_dp_rank=dp_rank, **out)
 
 
 def wants_remote_decode(params: Mapping[str, Any] | None) -> bool:
@@ -301,9 +341,9 @@ class SchedulerBook:
                 return False, None
             self._aborts.append((req_id, send.transfer_id, "prefill"))
             return True, None
-        assert self.settings.address is not None  # checked in ConnectorSettings.from_config
-        params = TransferParams(send.transfer_id, self.settings.instance_for("prefill"), self.settings.address,
-                                send.num_tokens)
+        dp = self.settings.dp
+        params = TransferParams(send.transfer_id, self.settings.instance_for("prefill"), self.settings.source_address,
+                                send.num_tokens, source_dp_rank=dp[0] if dp else None)
         return True, params.to_json()
 
 

@@ -8,8 +8,10 @@ import pytest
 
 from kvxferd.adapters.vllm.logic import (
     ConnectorSettings,
+    SchedulerBook,
     TransferParams,
     WorkerBook,
+    dp_of,
     load_error_blocks,
     next_chunk,
     pages_for,
@@ -93,3 +95,54 @@ def test_worker_failed_loads_name_their_blocks_and_are_reported_as_received():
     assert book.take_finished(set()) == (set(), {"d1", "d2"})
     assert book.take_load_errors() == {4, 5}
     assert book.take_load_errors() == set()
+
+
+def test_dp_of_follows_what_vllm_keeps():
+    assert dp_of(0, 1) is None  # no DP, or a dense model's independent DP engine (vLLM resets the size)
+    assert dp_of(3, 1) is None
+    assert dp_of(2, 4) == (2, 4)  # MoE DP: DP ranks of one engine, one KV cache each
+    assert dp_of(None, 2) == (0, 2)
+    with pytest.raises(ConfigError) as err:
+        dp_of(4, 4)
+    assert err.value.field == "parallel_config.data_parallel_rank" and "4 is not below" in str(err.value)
+
+
+def test_transfer_params_carry_the_source_dp_rank():
+    p = TransferParams("t1", "pre.prefill", "10.0.0.1:5557", 40, source_dp_rank=3)
+    wire = json.loads(json.dumps(p.to_json()))
+    assert wire["kvxferd"]["source_dp_rank"] == 3
+    assert TransferParams.from_request(wire) == p
+    assert "source_dp_rank" not in TransferParams("t1", "p", "h:1", 4).to_json()["kvxferd"]
+    for value in (-1, "3", True):
+        bad = json.loads(json.dumps(p.to_json()))
+        bad["kvxferd"]["source_dp_rank"] = value
+        with pytest.raises(ConfigError) as err:
+            TransferParams.from_request(bad)
+        assert err.value.field == "kv_transfer_params.kvxferd.source_dp_rank", value
+
+
+def test_settings_rendezvous_is_the_source_address_and_is_checked():
+    s = ConnectorSettings.from_config({"address": "h:1", "rendezvous": "r:2"}, kv_role="kv_producer",
+                                      engine_id="e")
+    assert (s.rendezvous, s.source_address) == ("r:2", "r:2")
+    assert ConnectorSettings.from_config({"address": "h:1"}, kv_role="kv_producer",
+                                         engine_id="e").source_address == "h:1"
+    # a rendezvous alone tells decode where the instance is
+    assert ConnectorSettings.from_config({"rendezvous": "r:2"}, kv_role="kv_producer",
+                                         engine_id="e").source_address == "r:2"
+    with pytest.raises(ConfigError) as err:
+        ConnectorSettings.from_config({"rendezvous": "r"}, kv_role="kv_consumer", engine_id="e")
+    assert err.value.field == "kv_connector_extra_config.rendezvous" and "'r'" in str(err.value)
+
+
+def test_prefill_params_name_the_dp_rank_and_the_rendezvous():
+    settings = ConnectorSettings.from_config({"instance": "moe", "address": "h:1", "rendezvous": "r:2"},
+                                             kv_role="kv_producer", engine_id="e", dp=(1, 2))
+    book = SchedulerBook(settings)
+    book.after_alloc("req", {"do_remote_decode": True}, [5, 6], prompt_len=40, num_external=0)
+    book.plan([("req", [5, 6], 40)])
+    keep, params = book.finished("req", computed=40, aborted=False)
+    got = TransferParams.from_request(params)
+    assert keep and got is not None
+    assert (got.source_instance, got.source_address, got.source_dp_rank, got.num_tokens) == (
+        "moe.prefill", "r:2", 1, 40)
