@@ -101,12 +101,49 @@ def test_bootstrap_server_serves_one_deployment():
     addr = f"127.0.0.1:{server.port}"
     try:
         assert get_route(addr) is None  # no prefill rank registered yet: decode retries
-        assert put_route(addr, "prefill-a", "0.0.0.0:5557") == {"instance": "prefill-a",
-                                                               "daemon_address": "0.0.0.0:5557"}
+        route = {"instance": "prefill-a", "daemon_address": "0.0.0.0:5557", "dp_size": 1,
+                 "follow_bootstrap_room": True}
+        assert put_route(addr, "prefill-a", "0.0.0.0:5557") == route
         assert put_route(addr, "prefill-a", "0.0.0.0:5557")["instance"] == "prefill-a"  # every rank, same answer
         clash = put_route(addr, "prefill-b", "10.0.0.2:5557")
         assert clash["status"] == 409 and "prefill-a" in clash["error"]
-        assert get_route(addr) == {"instance": "prefill-a", "daemon_address": "0.0.0.0:5557"}
+        other_dp = put_route(addr, "prefill-a", "0.0.0.0:5557", dp_size=2)  # a rank with another DP size
+        assert other_dp["status"] == 409 and "'dp_size': 1" in other_dp["error"]
+        assert get_route(addr) == route
     finally:
         server.close()
     assert get_route(addr, timeout=0.5) is None  # gone: decode sees "not yet", not an exception
+
+
+def test_bootstrap_server_keeps_dp_ranks_of_rooms_as_sglang_asks_for_them():
+    """SGLang's decode asks ``/query_dp_ranks`` (CommonKVReceiver.query_prefill_dp_ranks) for the
+    DP rank each prefill sender filed at ``/register_dp_rank``; a bad body is refused, the
+    table is bounded (oldest room forgotten first)."""
+    import urllib.error
+    import urllib.request
+
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    from kvxferd.adapters.sglang import bootstrap
+    from kvxferd.adapters.sglang.bootstrap import BootstrapHTTPServer, post_dp_rank
+
+    server = BootstrapHTTPServer("127.0.0.1", 0)
+    addr = f"127.0.0.1:{server.port}"
+    try:
+        assert post_dp_rank(addr, 11, 1) == {"ok": True}
+        assert post_dp_rank(addr, 12, 0) == {"ok": True}
+        assert CommonKVReceiver.query_prefill_dp_ranks(addr, [11, 12, 13]) == {"11": 1, "12": 0}
+        req = urllib.request.Request(f"http://{addr}/register_dp_rank", data=b'{"bootstrap_room": "x"}',
+                                     method="POST")
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=5)
+        assert err.value.code == 400
+        old = bootstrap.MAX_ROOMS
+        bootstrap.MAX_ROOMS = 2
+        try:
+            assert post_dp_rank(addr, 14, 1) == {"ok": True}
+        finally:
+            bootstrap.MAX_ROOMS = old
+        assert CommonKVReceiver.query_prefill_dp_ranks(addr, [11, 12, 14]) == {"12": 0, "14": 1}
+    finally:
+        server.close()
