@@ -146,3 +146,23 @@ def test_prefill_params_name_the_dp_rank_and_the_rendezvous():
     assert keep and got is not None
     assert (got.source_instance, got.source_address, got.source_dp_rank, got.num_tokens) == (
         "moe.prefill", "r:2", 1, 40)
+
+
+def test_connector_reads_the_dp_rank_from_vllm_parallel_config():
+    """vLLM's own ParallelConfig: an MoE DP rank keeps rank and size (a DP rank of the
+    instance); a dense DP rank after vLLM's reconfigure_for_independent_dp_rank is an engine
+    of its own (its engine_id already carries ``_dp<k>``)."""
+    import types
+
+    from vllm.config import KVTransferConfig, ParallelConfig
+
+    from kvxferd.adapters.vllm.connector import _settings
+
+    kv = KVTransferConfig(kv_connector="KvxferdConnector", kv_role="kv_producer",
+                          kv_connector_extra_config={"instance": "moe", "address": "h:1"})
+    moe = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    assert _settings(types.SimpleNamespace(kv_transfer_config=kv, parallel_config=moe)).dp == (1, 2)
+    dense = ParallelConfig(data_parallel_size=2, data_parallel_rank=1)
+    dense.reconfigure_for_independent_dp_rank()
+    assert _settings(types.SimpleNamespace(kv_transfer_config=kv, parallel_config=dense)).dp is None
+    assert _settings(types.SimpleNamespace(kv_transfer_config=kv, parallel_config=ParallelConfig())).dp is None
