@@ -82,6 +82,13 @@ def main() -> int:
         kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC, [block])
         for t in kv_caches.values():
             kv_oracle.fill_canary(t)
+        if cfg.get("dp"):
+            # a DP rank as vLLM's engine core marks it on the config its workers get (rank, size,
+            # index); vLLM's DP process groups are not built here: the connector does not use them
+            dp_rank, dp_size = cfg["dp"]
+            config.parallel_config.data_parallel_size = dp_size
+            config.parallel_config.data_parallel_rank = dp_rank
+            config.parallel_config.data_parallel_index = dp_rank
         connector = KvxferdConnector(config, KVConnectorRole.WORKER, kv_cache_config)
         try:
             connector.register_kv_caches(kv_caches)
