@@ -7,7 +7,8 @@ answers into daemon calls.
 Identity: request ids differ between the prefill and the decode engine (offline
 ``LLM.generate`` numbers its own), so a transfer is named by a ``transfer_id`` the prefill
 scheduler draws, and that id travels to the decode engine inside ``kv_transfer_params``
-together with the prefill instance and its daemon's address.
+together with the prefill instance, its daemon's address (its rendezvous's, for an instance
+over several daemons) and, for a data-parallel instance, the DP rank that holds the request.
 """
 
 from __future__ import annotations
