@@ -115,7 +115,7 @@ class KvxferdKVManager(BaseKVManager):
                                     field="page_size", fix="build KVArgs from the registered pool")
         rank_facts = self._rank_facts(args, ctx)
         self.dp = self._dp_group(args)
-        self.follow_bootstrap_room = self._parallel("load_balance_method", FOLLOW_ROOM) in (None, FOLLOW_ROOM)
+        self.follow_bootstrap_room = self._follows_room()
         self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
         # draft-model KV (speculative decoding): a draft group over the target's page table (see .draft)
@@ -239,6 +239,15 @@ class KvxferdKVManager(BaseKVManager):
         except (AttributeError, RuntimeError, ValueError):
             return default
         return default if value is None else value
+
+    def _follows_room(self) -> bool:
+        """Whether a request's prefill DP rank is ``room % dp_size`` (SGLang's rule, and its switch to
+        querying the bootstrap server instead)."""
+        from sglang.srt.environ import envs
+
+        if envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get():
+            return False
+        return self._parallel("load_balance_method", FOLLOW_ROOM) == FOLLOW_ROOM
 
     def _dp_group(self, args: KVArgs) -> tuple[int, int] | None:
         """This rank's ``(dp_rank, dp_size)`` as SGLang's bootstrap server counts DP ranks (see .topology)."""

@@ -179,3 +179,23 @@ def test_attention_context_parallel_refused(cluster):
     assert "attn_cp_size 1" in info.value.fix
     with EngineClient(cluster.daemons["pd"].socket_path) as kv:
         assert len(kv.status()["ranks"]) == ranks_before
+
+
+def test_forced_query_files_every_request(cluster, monkeypatch):
+    """SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK: even with the room rule a prefill
+    sender files its DP rank (as SGLang's own senders do), and decode is told to query."""
+    monkeypatch.setenv("SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK", "1")
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    pd = cluster.daemons["pd"]
+    prefill = dp_prefill([pd, pd], Model(), bport, seed=900, load_balance_method="follow_bootstrap_room")
+    try:
+        assert [p.manager.follow_bootstrap_room for p in prefill] == [False, False]
+        sender = new_senders([prefill[1]], addr, Request(room=9000, n_tokens=8))[0]  # room % 2 is 0
+        assert sender.poll() == KVPoll.Bootstrapping  # not refused: it was filed instead
+        assert CommonKVReceiver.query_prefill_dp_ranks(addr, [9000]) == {"9000": 1}
+        sender.abort()
+    finally:
+        close_all(*prefill)
+        server.close()
