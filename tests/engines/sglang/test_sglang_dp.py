@@ -199,3 +199,46 @@ def test_forced_query_files_every_request(cluster, monkeypatch):
     finally:
         close_all(*prefill)
         server.close()
+
+
+def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
+    """Decode with attention DP 2 (each DP rank an attention-TP-1 pool of its own) from a
+    prefill TP 2 without DP: each decode DP rank registers as a DP rank of the decode
+    instance and loads the request SGLang gave it, byte-exact; the other DP rank's pool keeps
+    its bytes."""
+    model = Model()
+    bport = free_port()
+    server = bootstrap_server(bport)
+    addr = f"127.0.0.1:{bport}"
+    prefill = [make_rank("prefill", cluster.daemons["pd"], model, tp_rank=t, tp_size=2, page_size=4, num_pages=32,
+                         port=free_port(), bootstrap_port=bport, seed=950 + t) for t in range(2)]
+    dport = free_port()
+    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=k, tp_size=2, attn_dp=(k, 2), page_size=4,
+                        num_pages=32, port=dport, bootstrap_port=bport, seed=960 + k) for k in range(2)]
+    try:
+        assert [d.manager.dp for d in decode] == [(0, 2), (1, 2)]
+        for k, d in enumerate(decode):
+            assert d.manager.try_ensure_parallel_info(addr)
+            assert d.manager.prefill_info_table[addr].dp_size == 1  # the prefill has no DP ranks
+            other = decode[1 - k]
+            untouched = {key: t.clone() for key, t in other.buffers().items()}
+            rng = random.Random(k)
+            req = Request(room=9100 + k, n_tokens=17, first_token=20 + k)
+            before = {key: t.clone() for key, t in d.buffers().items()}
+            senders = new_senders(prefill, addr, req)
+            recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
+                                                              bootstrap_room=req.room)
+            recv.init(0)  # SGLang's _resolve_prefill_dp_rank: dp_size 1 gives 0
+            assert recv.prefill_dp_rank is None  # so the expect names no source DP rank
+            pages = d.take_pages(5, rng)
+            dslots = slots_of(pages, req.n_tokens, d.page_size)
+            d.metadata.clear_slot(3)
+            recv.send_metadata(kv_to_page_indices(dslots, d.page_size), 3, [], decode_prefix_len=0)
+            pslots = run_prefill(prefill, senders, req, rng, chunk_ends=[8])
+            assert wait_poll(recv, {KVPoll.Success}) == KVPoll.Success, recv.failure
+            assert_bytes_equal(d.buffers(), expected_decode(d, before, dslots, prefill, pslots, req, model, 2, 1))
+            assert_bytes_equal(other.buffers(), untouched)
+            assert int(d.metadata.output_ids[3, 0]) == req.first_token
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
