@@ -242,3 +242,26 @@ def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
     finally:
         close_all(*prefill, *decode)
         server.close()
+
+
+def test_multi_node_settings_give_node_zero_its_own_daemon_as_rendezvous(cluster):
+    """``--nnodes 2 --node-rank 0 --dist-init-addr``: a node-0 rank names its own daemon's
+    advertised address as the rendezvous (the daemon then keeps the instance's directory) and
+    reaches the bootstrap server at the dist-init host. Other nodes' derivation (dist-init
+    host, local peer port) needs a second host: test_sglang_topology.py checks the rule."""
+    bport = free_port()
+    server = bootstrap_server(bport)
+    pd = cluster.daemons["pd"]
+    rank = make_rank("prefill", pd, Model(), tp_rank=0, tp_size=1, page_size=4, num_pages=8, port=free_port(),
+                     bootstrap_port=bport, nnodes=2, node_rank=0, dist_init_addr=f"localhost:{free_port()}")
+    try:
+        assert (rank.manager.rendezvous, rank.manager.daemon_address) == (pd.address, pd.address)
+        # the dist-init host, not --host (127.0.0.1 here); it registered there (the manager exists)
+        assert rank.manager.bootstrap_address() == f"localhost:{bport}"
+        with EngineClient(pd.socket_path) as kv:
+            status = kv.status()
+        # the daemon keeps the instance's directory (it lists only instances it is the rendezvous of)
+        assert status["rendezvous"]["rank_map"][f"{rank.manager.instance}/prefill"] == {"0.0": pd.address}
+    finally:
+        close_all(rank)
+        server.close()
