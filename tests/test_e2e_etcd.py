@@ -1,0 +1,175 @@
+"""The rank directory in etcd (directory.backend = "etcd"), with a real etcd process on loopback
+ports of its own and real daemons and engine processes: a prefill TP4 instance over two daemons
+-> a decode TP2 instance at a third daemon, byte-exact; a daemon SIGKILLed loses its ranks when
+its lease ends; a clean stop revokes the lease; etcd unreachable leaves local work served."""
+
+from __future__ import annotations
+
+import random
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+import pytest
+
+from e2e_util import NUM_PAGES, Node, both_orders_byte_exact, close, module_cluster, run_case, spec
+from kvxferd import directory_etcd as de
+from kvxferd.client import EngineClient
+from kvxferd.errors import KvxferError
+from kvxferd.etcd import EtcdClient
+from kvxferd.lookup import daemons_of, lookup
+from kvxferd.tools.sim import free_port
+
+ETCD = shutil.which("etcd")
+CLUSTER = "e2e"
+LEASE_S = 2.0  # the smallest lease etcd grants
+
+
+@pytest.fixture(scope="module")
+def etcd():
+    """An etcd of this module's own, on free loopback ports, its data dir removed after."""
+    if ETCD is None:
+        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
+    data = tempfile.mkdtemp(prefix="kvxferd-etcd-")
+    client_port, peer_port = free_port(), free_port()
+    url = f"http://127.0.0.1:{client_port}"
+    log = open(f"{data}/etcd.log", "wb")
+    proc = subprocess.Popen([ETCD, "--name", "kvxferd-test", "--data-dir", f"{data}/data",
+                             "--listen-client-urls", url, "--advertise-client-urls", url,
+                             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                             "--initial-cluster", f"kvxferd-test=http://127.0.0.1:{peer_port}"],
+                            stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, open(f"{data}/etcd.log").read()[-2000:]
+            try:
+                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
+                    if b'"true"' in answer.read():
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, open(f"{data}/etcd.log").read()[-2000:]
+            time.sleep(0.1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def _etcd_toml(url: str) -> str:
+    return (f'[directory]\nbackend = "etcd"\netcd_endpoints = ["{url}"]\ncluster = "{CLUSTER}"\n'
+            f"lease_ttl_s = {LEASE_S}\n[timeouts]\nbootstrap_s = 20.0\n")
+
+
+@pytest.fixture(scope="module")
+def cluster(request, etcd):
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    yield from module_cluster(request, Node("node-a", _etcd_toml(etcd)), Node("node-b", _etcd_toml(etcd)),
+                              Node("node-d", _etcd_toml(etcd)), Node("node-c", _etcd_toml(etcd)),
+                              Node("node-x", _etcd_toml(dead)))
+
+
+def _status(daemon):
+    with EngineClient(daemon.socket_path, timeout=10) as client:
+        return client.status()
+
+
+def _in_etcd(url: str, instance: str) -> dict[str, str]:
+    """rank (tp.pp) -> the daemon its key names, as etcd holds it now."""
+    kvs = EtcdClient([url]).get_prefix(de.instance_prefix(CLUSTER, "prefill", instance) + b"/")
+    parsed = de.parse(CLUSTER, "prefill", instance, kvs)
+    return {f"{tp}.{pp}": daemon for daemon, h in parsed.held.get(instance, {}).items() for tp, pp in h.ranks}
+
+
+def _until(check, what: str, timeout: float = 30.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        got = check()
+        if got:
+            return got
+        assert time.monotonic() < deadline, f"{what}: not within {timeout}s"
+        time.sleep(0.1)
+
+
+def test_tp4_over_two_daemons_to_tp2_with_the_directory_in_etcd_byte_exact(cluster, etcd):
+    a, b, d = (cluster.daemons[n] for n in ("node-a", "node-b", "node-d"))
+    pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
+    prefill = cluster.spread_instance([a, a, b, b], "ep", "prefill", pspec, NUM_PAGES)
+    (decode,) = cluster.instances((d, "ed", "decode", dspec, NUM_PAGES))
+    try:
+        # every daemon wrote its own ranks, each key naming its daemon
+        want = {"0.0": a.address, "1.0": a.address, "2.0": b.address, "3.0": b.address}
+        _until(lambda: _in_etcd(etcd, "ep") == want, "ranks of ep in etcd")
+        both_orders_byte_exact(prefill, decode, "ep", 40, pspec.page_size, 10, a.address, random.Random(7))
+        rendezvous = _status(a)["rendezvous"]
+        assert rendezvous["rank_map"]["ep/prefill"] == want
+        assert rendezvous["directory"]["backend"] == "etcd" and "error" not in rendezvous["directory"]
+        assert rendezvous["directory"]["lease"]
+        assert _status(b)["rendezvous"]["announcing"] == {"ep/prefill": a.address}
+        plans = {p["address"]: p["plans"] for p in _status(d)["peers"] if p["side"] == "prefill"}
+        assert "ep->ed" in plans[a.address] and "ep->ed" in plans[b.address]
+        # `kvxferd plan --rendezvous`: the rank map read from etcd, at any daemon of the fleet
+        expected = {(int(k[0]), 0): v for k, v in want.items()}
+        assert daemons_of(lookup(a.address, "ep", "prefill", 10)) == expected
+        assert daemons_of(lookup(d.address, "ep", "prefill", 10)) == expected
+    finally:
+        close(prefill + decode)
+    # closed ranks are deleted from etcd
+    _until(lambda: _in_etcd(etcd, "ep") == {}, "ranks of ep deleted from etcd")
+
+
+def test_a_daemon_killed_loses_its_ranks_with_its_lease_and_the_set_is_incomplete_by_name(cluster, etcd):
+    a, c = cluster.daemons["node-a"], cluster.daemons["node-c"]
+    prefill = cluster.spread_instance([a, a, c, c], "kp", "prefill", spec(tp_size=4, total_kv_heads=4), NUM_PAGES)
+    try:
+        _until(lambda: _in_etcd(etcd, "kp") == {"0.0": a.address, "1.0": a.address, "2.0": c.address,
+                                                 "3.0": c.address}, "ranks of kp in etcd")
+        assert len(daemons_of(lookup(a.address, "kp", "prefill", 10))) == 4
+        c.signal(signal.SIGKILL)  # no revoke: its keys live until the lease runs out
+        c.proc.wait()
+        for w in prefill[2:]:
+            w.kill()
+        _until(lambda: _in_etcd(etcd, "kp") == {"0.0": a.address, "1.0": a.address}, "C's keys gone with its lease")
+        with pytest.raises(KvxferError) as missing:
+            lookup(a.address, "kp", "prefill", 10)
+        assert missing.value.code == "ranks_missing", missing.value
+        assert "kp/tp2/pp0" in str(missing.value) and "kp/tp3/pp0" in str(missing.value), missing.value
+        assert "kp/tp0/pp0" not in str(missing.value)
+        assert _status(a)["rendezvous"]["rank_map"]["kp/prefill"] == {"0.0": a.address, "1.0": a.address}
+    finally:
+        close(prefill[:2])
+
+
+def test_a_clean_stop_revokes_the_lease_at_once(cluster, etcd):
+    b = cluster.daemons["node-b"]
+    ((one,),) = cluster.instances((b, "sp", "prefill", spec(), NUM_PAGES))
+    _until(lambda: _in_etcd(etcd, "sp") == {"0.0": b.address}, "sp in etcd")
+    assert b.stop() == 0  # its engine still runs
+    assert "event=directory_lease_revoked" in b.log()
+    # revoked before the daemon exited: gone now, with no lease to wait out
+    assert _in_etcd(etcd, "sp") == {}
+    one.kill()  # its daemon is gone
+
+
+def test_etcd_unreachable_is_named_and_local_work_goes_on(cluster):
+    x = cluster.daemons["node-x"]
+    endpoint = x.config_path.read_text().split('etcd_endpoints = ["', 1)[1].split('"', 1)[0]
+    run_case(cluster, spec(tp_size=2), spec(), n_tokens=21, transport="local", prefill="node-x", tag="x")
+    _until(lambda: f"event=directory_unreachable endpoint={endpoint}" in x.log(), "the unreachable line")
+    directory = _status(x)["rendezvous"]["directory"]
+    assert endpoint in directory["error"], directory
+    with urllib.request.urlopen(x.metrics_url, timeout=10) as answer:
+        metrics = answer.read().decode()
+    errors = [line for line in metrics.splitlines() if line.startswith("kvxferd_directory_errors_total ")]
+    assert errors and float(errors[0].split()[1]) >= 1, errors
