@@ -91,9 +91,7 @@ class EtcdDirectory:
         self._closed = True
         loop = asyncio.get_running_loop()
         try:
-            if self.lease:
-                await loop.run_in_executor(self._pool, self.client.revoke, self.lease)
-                log.info("event=directory_lease_revoked lease=%x keys=%d", self.lease, len(self._written))
+            await loop.run_in_executor(self._pool, self._revoke)  # after a round in flight: its lease too
         except EtcdError as exc:
             log.warning("event=directory_unreachable endpoint=%s op=revoke error=%s", exc.endpoint, q(str(exc)[:300]))
         finally:
@@ -106,6 +104,13 @@ class EtcdDirectory:
         if self.error:
             out["error"] = self.error
         return out
+
+    def _revoke(self) -> None:
+        if self.lease:
+            self.client.revoke(self.lease)
+            log.info("event=directory_lease_revoked lease=%x keys=%d", self.lease, len(self._written))
+            self.lease = 0
+            self._written.clear()
 
     # -- one round ---------------------------------------------------------------------------------
     async def _rounds(self) -> None:

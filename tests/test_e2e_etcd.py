@@ -9,6 +9,7 @@ import random
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 import urllib.request
@@ -122,6 +123,13 @@ def test_tp4_over_two_daemons_to_tp2_with_the_directory_in_etcd_byte_exact(clust
         expected = {(int(k[0]), 0): v for k, v in want.items()}
         assert daemons_of(lookup(a.address, "ep", "prefill", 10)) == expected
         assert daemons_of(lookup(d.address, "ep", "prefill", 10)) == expected
+        out = subprocess.run([sys.executable, "-m", "kvxferd", "status", "--socket", a.socket_path],
+                             capture_output=True, text=True, timeout=120)
+        assert f"  rank directory in etcd {etcd} (cluster {CLUSTER})" in out.stdout, (out.stdout, out.stderr)
+        assert "ERROR" not in out.stdout and "  ep/prefill: rendezvous here, 4 ranks" in out.stdout, out.stdout
+        out = subprocess.run([sys.executable, "-m", "kvxferd", "plan", "--rendezvous", b.address, "--instance", "ep"],
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and f"  tp3 pp0  {b.address}" in out.stdout, (out.stdout, out.stderr)
     finally:
         close(prefill + decode)
     # closed ranks are deleted from etcd
