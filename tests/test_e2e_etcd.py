@@ -170,10 +170,16 @@ def test_a_daemon_killed_loses_its_ranks_with_its_lease_and_the_set_is_incomplet
         close(prefill[:1])
 
 
-def test_a_clean_stop_revokes_the_lease_at_once(cluster, etcd):
+def test_a_lost_lease_is_replaced_and_a_clean_stop_revokes_it_at_once(cluster, etcd):
     d = cluster.daemons["node-d"]  # D serves no later test
     ((one,),) = cluster.instances((d, "sp", "prefill", spec(), NUM_PAGES))
     _until(lambda: _in_etcd(etcd, "sp") == {"0.0": d.address}, "sp in etcd")
+    # etcd forgets the lease (as after a long partition): the daemon takes a new one and writes its ranks again
+    lost = _status(d)["rendezvous"]["directory"]["lease"]
+    EtcdClient([etcd]).revoke(int(lost, 16))
+    _until(lambda: "event=directory_lease_lost" in d.log(), "the lease lost line")
+    _until(lambda: _in_etcd(etcd, "sp") == {"0.0": d.address}, "sp in etcd again")
+    assert _status(d)["rendezvous"]["directory"]["lease"] not in (None, lost)
     assert d.stop() == 0  # its engine still runs
     assert "event=directory_lease_revoked" in d.log()
     # revoked before the daemon exited: gone now, with no lease to wait out
