@@ -147,6 +147,18 @@ def test_tp4_over_two_daemons_to_tp2_with_the_directory_in_etcd_byte_exact(clust
     _until(lambda: _in_etcd(etcd, "ep") == {}, "ranks of ep deleted from etcd")
 
 
+def test_dp_ranks_over_two_daemons_are_read_from_etcd_with_one_range(cluster, etcd):
+    a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]
+    groups = cluster.dp_instance([a, b], "dq", "prefill", spec(total_kv_heads=4), NUM_PAGES)
+    try:
+        _until(lambda: _in_etcd(etcd, "dq@dp1") == {"0.0": b.address}, "DP rank 1 in etcd")
+        answer = lookup(a.address, "dq", "prefill", 10)  # the rendezvous of both DP ranks
+        assert answer["dp_size"] == 2 and not answer.get("missing"), answer
+        assert answer["dp_ranks"] == [[0, [[0, 0, a.address]]], [1, [[0, 0, b.address]]]], answer
+    finally:
+        close([w for g in groups for w in g])
+
+
 def test_a_daemon_killed_loses_its_ranks_with_its_lease_and_the_set_is_incomplete_by_name(cluster, etcd):
     a, b = cluster.daemons["node-a"], cluster.daemons["node-b"]  # B serves no later test
     prefill = cluster.spread_instance([a, b], "kp", "prefill", spec(tp_size=2, total_kv_heads=4), NUM_PAGES)
