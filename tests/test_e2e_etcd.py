@@ -20,7 +20,7 @@ from kvxferd import PROTOCOL_VERSION, cli, messages, protocol
 from kvxferd import directory_etcd as de
 from kvxferd.client import EngineClient
 from kvxferd.errors import KvxferError
-from kvxferd.etcd import EtcdClient
+from kvxferd.etcd import EtcdClient, EtcdError
 from kvxferd.lookup import daemons_of, lookup
 from kvxferd.tools.sim import free_port
 
@@ -210,3 +210,22 @@ def test_etcd_unreachable_is_named_and_local_work_goes_on(cluster):
         metrics = answer.read().decode()
     errors = [line for line in metrics.splitlines() if line.startswith("kvxferd_directory_errors_total ")]
     assert errors and float(errors[0].split()[1]) >= 1, errors
+
+
+def test_the_client_fails_over_to_an_answering_endpoint_and_bounds_what_it_reads(etcd):
+    dead = f"http://127.0.0.1:{free_port()}"
+    client = EtcdClient([dead, etcd])
+    lease = client.grant(5)
+    client.put(b"/kvxferd-test/a", b"x" * 500, lease)
+    assert client.get_prefix(b"/kvxferd-test/") == [(b"/kvxferd-test/a", b"x" * 500, lease)]
+    assert client.last_endpoint == etcd  # the dead one is passed over, the live one kept first
+    assert client.keepalive(lease) > 0
+    with pytest.raises(EtcdError) as big:
+        EtcdClient([etcd], max_answer=200).get_prefix(b"/kvxferd-test/")
+    assert "more than 200 bytes" in str(big.value) and big.value.endpoint == etcd
+    with pytest.raises(EtcdError) as unknown:
+        client.put(b"/kvxferd-test/b", b"y", lease=12345)  # a lease etcd never granted
+    assert unknown.value.grpc_code == 5 and etcd in str(unknown.value) and "lease not found" in str(unknown.value)
+    client.revoke(lease)
+    assert client.get_prefix(b"/kvxferd-test/") == [] and client.keepalive(lease) == 0
+    client.revoke(lease)  # revoking a lease that is gone already is no error
