@@ -83,7 +83,11 @@ def parse_endpoint(url: str) -> Endpoint:
 
 
 class EtcdClient:
-    """Blocking calls to the first endpoint that answers (it stays the first choice while it does)."""
+    """Blocking calls to the first endpoint that answers (it stays the first choice while it does).
+
+    One connection per endpoint is kept open between calls (a daemon calls every heartbeat); a
+    kept connection that fails is dropped and the call tried once on a fresh one. Not for
+    several threads at once: a daemon calls from one thread of its own."""
 
     def __init__(self, endpoints: list[str], timeout_s: float = 2.0, max_answer: int = MAX_ANSWER) -> None:
         if not endpoints:
@@ -92,6 +96,12 @@ class EtcdClient:
         self.timeout_s = timeout_s
         self.max_answer = max_answer
         self.last_endpoint = self.endpoints[0].url
+        self._conns: dict[str, http.client.HTTPConnection] = {}
+
+    def close(self) -> None:
+        for conn in self._conns.values():
+            conn.close()
+        self._conns.clear()
 
     # -- the calls ---------------------------------------------------------------------------------
     def put(self, key: bytes, value: bytes, lease: int = 0) -> None:
@@ -151,31 +161,47 @@ class EtcdClient:
         raise EtcdUnreachable(f"no etcd endpoint answered {path} ({'; '.join(failures)})",
                               endpoint=",".join(e.url for e in self.endpoints))
 
+    def _exchange(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+        kept = endpoint.url in self._conns
+        for attempt in (0, 1):
+            conn = self._conns.pop(endpoint.url, None)
+            if conn is None:
+                kind = http.client.HTTPSConnection if endpoint.https else http.client.HTTPConnection
+                conn = kind(endpoint.host, endpoint.port, timeout=self.timeout_s)
+            try:
+                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                response = conn.getresponse()
+                raw = response.read(self.max_answer + 1)
+            except (OSError, http.client.HTTPException):
+                conn.close()
+                if kept and attempt == 0:
+                    continue  # the kept connection had gone stale (etcd closed it): once more, fresh
+                raise
+            if len(raw) > self.max_answer or response.will_close or not response.isclosed():
+                conn.close()  # a half-read answer leaves the connection unusable
+            else:
+                self._conns[endpoint.url] = conn
+            return response.status, raw
+        raise AssertionError("unreachable")
+
     def _post(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        kind = http.client.HTTPSConnection if endpoint.https else http.client.HTTPConnection
-        conn = kind(endpoint.host, endpoint.port, timeout=self.timeout_s)
-        try:
-            conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
-            response = conn.getresponse()
-            raw = response.read(self.max_answer + 1)
-        finally:
-            conn.close()
+        status, raw = self._exchange(endpoint, path, body)
         if len(raw) > self.max_answer:
             raise EtcdError(f"etcd {endpoint.url} answered {path} with more than {self.max_answer} bytes",
-                            endpoint=endpoint.url, status=response.status)
+                            endpoint=endpoint.url, status=status)
         try:
             # a streamed call (keepalive) answers one JSON object per line; the first is ours
             answer = json.loads(raw.split(b"\n", 1)[0] or b"{}")
         except ValueError:
-            raise EtcdError(f"etcd {endpoint.url} answered {path} with no JSON (HTTP {response.status}): "
-                            f"{raw[:100]!r}", endpoint=endpoint.url, status=response.status) from None
+            raise EtcdError(f"etcd {endpoint.url} answered {path} with no JSON (HTTP {status}): "
+                            f"{raw[:100]!r}", endpoint=endpoint.url, status=status) from None
         if not isinstance(answer, dict):
             raise EtcdError(f"etcd {endpoint.url} answered {path} with {type(answer).__name__}",
-                            endpoint=endpoint.url, status=response.status)
+                            endpoint=endpoint.url, status=status)
         error = answer.get("error")
-        if response.status != 200 or (isinstance(error, dict) and error) or isinstance(error, str):
+        if status != 200 or (isinstance(error, dict) and error) or isinstance(error, str):
             detail = error if isinstance(error, (str, dict)) else answer.get("message", "")
             code = answer.get("code", error.get("grpc_code", 0) if isinstance(error, dict) else 0)
-            raise EtcdError(f"etcd {endpoint.url} refused {path} (HTTP {response.status}): {detail}"[:400],
-                            endpoint=endpoint.url, status=response.status, grpc_code=int(code or 0))
+            raise EtcdError(f"etcd {endpoint.url} refused {path} (HTTP {status}): {detail}"[:400],
+                            endpoint=endpoint.url, status=status, grpc_code=int(code or 0))
         return answer

@@ -95,6 +95,7 @@ class EtcdDirectory:
         except EtcdError as exc:
             log.warning("event=directory_unreachable endpoint=%s op=revoke error=%s", exc.endpoint, q(str(exc)[:300]))
         finally:
+            self._pool.submit(self.client.close)
             self._pool.shutdown(wait=False)
 
     def status(self) -> dict[str, Any]:
