@@ -14,6 +14,19 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# -- daemons and engine ranks fork from one preloaded interpreter -----------------------------
+# Each would otherwise spend about 3 s of CPU importing torch, most of the suite's CPU on two
+# cores. The code they run is the same (kvxferd.tools.forkserver); KVXFERD_TEST_FORKSERVER=0
+# starts every child with its own interpreter.
+@pytest.fixture(scope="session", autouse=True)
+def _children_fork_from_a_preloaded_interpreter():
+    from kvxferd.tools import launch
+    if os.environ.get("KVXFERD_TEST_FORKSERVER", "1") != "0":
+        launch.fork_from_preloaded()
+    yield
+    launch.stop_forking()
+
+
 # -- nothing of kvxferd may stay in /dev/shm --------------------------------------------------
 # Engine caches are memfds and leave no file; a named file (allocate_cpu / share_in_place with
 # shm_dir, the bench's own buffers) must be removed by whoever made it, even when a test kills
