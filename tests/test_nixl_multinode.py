@@ -1,7 +1,8 @@
-"""A source instance over several daemons, written over NIXL: prefill TP4 with ranks 0-1 at A
-(the rendezvous) and 2-3 at B, decode TP2 at D, every daemon with ``peer.transport = "nixl"``
-and UCX on loopback TCP. Each writer's chunks are admitted from its own daemon's agent only; a
-source daemon that would send over another transport than the rest is refused by name."""
+"""Instances over several daemons, written over NIXL, every daemon with ``peer.transport =
+"nixl"`` and UCX on loopback TCP: prefill TP4 with ranks 0-1 at A (the rendezvous) and 2-3 at
+B into decode TP2 at D, and prefill TP4 at A into decode TP2 over D and D2. Each writer's
+chunks are admitted from its own daemon's agent only; a source daemon that would send over
+another transport than the rest is refused by name."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ def cluster(request):
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
     with cluster_run(request) as c:
         start_nodes(c, Node("node-a", env=NIXL_ENV), Node("node-b", env=NIXL_ENV), Node("node-d", env=NIXL_ENV),
+                    Node("node-d2", env=NIXL_ENV),
                     Node("node-t", env=UCX_ENV))  # node-t: NIXL not enabled, so it sends over tcp
         yield c
 
@@ -61,3 +63,17 @@ def test_a_source_daemon_on_another_transport_is_refused_naming_both(cluster):
             assert "'nixl'" in ev["reason"] and "'tcp'" in ev["reason"], ev
     finally:
         close(prefill + decode)
+
+
+def test_tp4_into_a_decode_instance_over_two_daemons_over_nixl_byte_exact(cluster):
+    a, d, d2 = (cluster.daemons[n] for n in ("node-a", "node-d", "node-d2"))
+    pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
+    received = {x.name: _bytes(x, "kvxferd_received_bytes_total", "nixl") for x in (d, d2)}
+    (prefill,) = cluster.instances((a, "n2p", "prefill", pspec, NUM_PAGES))
+    decode = cluster.spread_instance([d, d2], "n2d", "decode", dspec, NUM_PAGES)
+    try:
+        both_orders_byte_exact(prefill, decode, "n2", 29, pspec.page_size, 8, a.address, random.Random(5))
+    finally:
+        close(prefill + decode)
+    for x in (d, d2):  # each decode daemon's rank was written over NIXL
+        assert _bytes(x, "kvxferd_received_bytes_total", "nixl") > received[x.name], x.name
