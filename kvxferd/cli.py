@@ -298,9 +298,14 @@ def _format_rank_maps(rendezvous: dict[str, Any]) -> list[str]:
     """Instances over several daemons: which daemon holds which rank (where this daemon is the
     rendezvous), where this daemon's ranks are announced, and refused announcements."""
     maps, announcing, refused = (rendezvous.get(k) or {} for k in ("rank_map", "announcing", "refused"))
-    if not (maps or announcing or refused):
+    etcd = rendezvous.get("directory") or {}
+    if not (maps or announcing or refused or etcd):
         return []
     out = ["", "instances over several daemons"]
+    if etcd:
+        out.append(f"  rank directory in etcd {etcd.get('endpoint')} (cluster {etcd.get('cluster')}): lease "
+                   f"{etcd.get('lease') or '-'}, {etcd.get('keys', 0)} keys of ranks here"
+                   + (f"; ERROR {etcd['error'][:200]}" if etcd.get("error") else ""))
     for key, where in sorted(maps.items()):
         out.append(f"  {key}: rendezvous here, {len(where)} ranks")
         by_daemon: dict[str, list[str]] = {}
@@ -310,7 +315,8 @@ def _format_rank_maps(rendezvous: dict[str, Any]) -> list[str]:
         for address, ranks in sorted(by_daemon.items()):
             out.append(f"    {address:<24} {' '.join(ranks)}")
     for key, address in sorted(announcing.items()):
-        out.append(f"  {key}: ranks here announced to rendezvous {address}")
+        how = "in etcd for" if etcd else "announced to"
+        out.append(f"  {key}: ranks here {how} rendezvous {address}")
     for key, why in sorted(refused.items()):
         out.append(f"  {key}: refused by its rendezvous: {why[:200]}")
     return out

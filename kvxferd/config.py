@@ -173,6 +173,24 @@ class AuthSection:
 
 
 @dataclass
+class DirectorySection:
+    backend: str = "embedded"  # or "etcd": every daemon keeps its ranks in etcd (see docs/ARCHITECTURE.md)
+    etcd_endpoints: list[str] = field(default_factory=lambda: ["http://127.0.0.1:2379"])
+    cluster: str = "default"  # key namespace: /kvxferd/<cluster>/ranks/...
+    lease_ttl_s: float = 0.0  # 0: peer.peer_timeout_s rounded up (etcd leases are whole seconds, at least 2)
+    etcd_timeout_s: float = 2.0  # one etcd call, per endpoint
+
+
+#: directory.backend values
+DIRECTORY_BACKENDS = ("embedded", "etcd")
+
+
+def lease_ttl(cfg: "Config") -> int:
+    """The etcd lease of a daemon's ranks, in whole seconds (etcd's unit; it grants no less than 2)."""
+    return max(2, math.ceil(cfg.directory.lease_ttl_s or cfg.peer.peer_timeout_s))
+
+
+@dataclass
 class Config:
     daemon: DaemonSection = field(default_factory=DaemonSection)
     engine: EngineSection = field(default_factory=EngineSection)
@@ -181,6 +199,7 @@ class Config:
     limits: LimitsSection = field(default_factory=LimitsSection)
     timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    directory: DirectorySection = field(default_factory=DirectorySection)
 
     @property
     def socket_path(self) -> str:
@@ -297,6 +316,7 @@ def validate(cfg: Config) -> Config:
     _check_daemon(cfg)
     _check_engine(cfg)
     _check_metrics_and_auth(cfg)
+    _check_directory(cfg)
     return cfg
 
 
@@ -398,6 +418,35 @@ def _check_metrics_and_auth(cfg: Config) -> None:
         for key in cfg.auth.allowed_keys:
             auth.check_key("auth.allowed_keys", key)
         auth.parse_peer_keys(cfg.auth.peer_keys)
+
+
+def _check_directory(cfg: Config) -> None:
+    d = cfg.directory
+    if d.backend not in DIRECTORY_BACKENDS:
+        raise ConfigError(f"directory.backend {d.backend!r} is not one of {', '.join(DIRECTORY_BACKENDS)}",
+                          field="directory.backend", fix='use "embedded" (the default) or "etcd"')
+    if not d.cluster or not all(c.isalnum() or c in "-_." for c in d.cluster):
+        raise ConfigError(f"directory.cluster {d.cluster!r} is not a name of letters, digits, '-', '_', '.'",
+                          field="directory.cluster", fix='name the fleet, e.g. "default" or "prod-a"')
+    _positive("directory.etcd_timeout_s", d.etcd_timeout_s)
+    if d.lease_ttl_s < 0:
+        raise ConfigError(f"directory.lease_ttl_s must be >= 0, got {d.lease_ttl_s}", field="directory.lease_ttl_s",
+                          fix="set 0 (peer.peer_timeout_s) or a lease in seconds")
+    if d.lease_ttl_s and d.lease_ttl_s <= cfg.peer.heartbeat_interval_s:
+        raise ConfigError(f"directory.lease_ttl_s ({d.lease_ttl_s}) must exceed peer.heartbeat_interval_s "
+                          f"({cfg.peer.heartbeat_interval_s}): the lease is renewed every heartbeat",
+                          field="directory.lease_ttl_s", fix="allow at least two heartbeats per lease, or set 0")
+    if d.backend == "etcd":
+        if not d.etcd_endpoints:
+            raise ConfigError("directory.etcd_endpoints is empty but directory.backend is etcd",
+                              field="directory.etcd_endpoints", fix='list them, e.g. ["http://127.0.0.1:2379"]')
+        from .etcd import parse_endpoint
+        for url in d.etcd_endpoints:
+            try:
+                parse_endpoint(url)
+            except ValueError as exc:
+                raise ConfigError(f"directory.etcd_endpoints entry {exc}", field="directory.etcd_endpoints",
+                                  fix='write each as http://host:port, e.g. "http://127.0.0.1:2379"') from None
 
 
 def load(path: str | os.PathLike[str] | None = None,

@@ -263,6 +263,7 @@ class Daemon:
         self.metrics.up.set(0)
         for t in self.tasks:
             t.cancel()
+        await self.rendezvous.close()  # an etcd directory revokes its lease: the ranks here leave it now
         self.upstream.close()
         self.transports.close()
         self.data.close()

@@ -8,6 +8,7 @@ handshaken over it) and hands the request's part to the lifecycle core.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import time
 from typing import TYPE_CHECKING, Any, Callable
@@ -60,22 +61,41 @@ class Downstream:
             raw = protocol.decode(payload, app.cfg.limits.max_message_bytes)
             seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
             answer = self.op(identity, messages.parse_peer(raw))
+            if inspect.isawaitable(answer):  # read from elsewhere first (an etcd directory): answer later
+                asyncio.ensure_future(self._answer_later(identity, seq, answer))
+                return
             reply = answer.to_wire() if answer is not None else None
-        except PlanRefusal as refusal:
-            app.metrics.refusals.labels(refusal.field or "unknown").inc()
-            app.metrics.handshakes.labels("refused").inc()
-            log.warning("event=handshake_refused field=%s msg=%s", refusal.field, q(str(refusal)[:300]))
-            reply = messages.HandshakeRefused(refusal.to_wire()).to_wire()
-        except KvxferError as exc:
-            app.metrics.invalid_messages.labels("peer").inc()
-            reply = messages.PeerError(exc.to_wire()).to_wire()
-        except Exception as exc:  # noqa: BLE001 - a bug in one handler must not stop the daemon
-            log.exception("event=peer_handler_crash")
-            reply = messages.PeerError({"code": "internal", "message": repr(exc)[:300]}).to_wire()
+        except Exception as exc:  # noqa: BLE001 - mapped to a reply; the daemon goes on
+            reply = self._error_reply(exc)
         if reply is not None:
             if seq is not None:
                 reply["seq"] = seq
             self.send_wire(identity, reply)
+
+    async def _answer_later(self, identity: bytes, seq: int | None, answer: Any) -> None:
+        try:
+            message = await answer
+            reply = message.to_wire() if message is not None else None
+        except Exception as exc:  # noqa: BLE001 - mapped to a reply; the daemon goes on
+            reply = self._error_reply(exc)
+        if reply is not None and self.sock is not None:
+            if seq is not None:
+                reply["seq"] = seq
+            self.send_wire(identity, reply)
+
+    def _error_reply(self, exc: Exception) -> dict[str, Any]:
+        """The reply for a handler that raised: a refusal, a typed error, or a bug (logged)."""
+        app = self.app
+        if isinstance(exc, PlanRefusal):
+            app.metrics.refusals.labels(exc.field or "unknown").inc()
+            app.metrics.handshakes.labels("refused").inc()
+            log.warning("event=handshake_refused field=%s msg=%s", exc.field, q(str(exc)[:300]))
+            return messages.HandshakeRefused(exc.to_wire()).to_wire()
+        if isinstance(exc, KvxferError):
+            app.metrics.invalid_messages.labels("peer").inc()
+            return messages.PeerError(exc.to_wire()).to_wire()
+        log.error("event=peer_handler_crash", exc_info=exc)
+        return messages.PeerError({"code": "internal", "message": repr(exc)[:300]}).to_wire()
 
     def send(self, identity: bytes, message: messages.Message) -> None:
         if self.sock is not None:

@@ -71,6 +71,13 @@ class DestEntry:
     def from_source(self, address: str) -> bool:
         return address in self.source_addresses()
 
+    def daemon_of(self, src: tuple[int, int]) -> str:
+        """The source daemon holding prefill rank ``src``: one of a spread instance's, else the one."""
+        for address, writers in self.source_daemons.items():
+            if src in writers:
+                return address
+        return self.source_address
+
     @property
     def capacity(self) -> int:
         return int(self.pages.size) * self.rank.geometry.spec.page_size

@@ -93,6 +93,9 @@ class Metrics:
         self.peer_restarts = Counter(
             "kvxferd_peer_restarts", "Peer daemons seen restarted (a new incarnation on the same address), by the "
             "side the peer serves (prefill: a source daemon; decode: a decode daemon).", ["side"], registry=r)
+        self.directory_errors = Counter(
+            "kvxferd_directory_errors", "Rounds with the etcd rank directory that failed (no endpoint answered, or "
+            "etcd refused a call); directory.backend = etcd only.", registry=r)
         self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)

@@ -21,6 +21,7 @@ from .errors import KvxferError, RequestError
 from .geometry import InstanceSpec
 from .logutil import q
 from .registry import Rank
+from .rendezvous_etcd import EtcdDirectory
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -44,6 +45,12 @@ class Rendezvous:
         #: the last refusal a rendezvous answered, per (instance, role) (shown by status)
         self.refusals: dict[tuple[str, str], str] = {}
         self._pending: set[tuple[str, str]] = set()  # announcements waiting for their answer
+        #: directory.backend = "etcd": ranks are written to and read from etcd instead of announced
+        self.etcd = EtcdDirectory(self) if app.cfg.directory.backend == "etcd" else None
+
+    async def close(self) -> None:
+        if self.etcd is not None:
+            await self.etcd.close()
 
     # -- ranks here ------------------------------------------------------------------------------
     def local(self, instance: str, role: str) -> dict[Coords, InstanceSpec]:
@@ -62,11 +69,15 @@ class Rendezvous:
     def check_dp_request(self, instance: str) -> None:
         """A handshake for a DP rank (``<name>@dp<k>``) the instance does not have is refused now."""
         base, dp_rank = dp.split(instance)
+        if self.etcd is not None:
+            self.etcd.ask(base, "prefill")
         if dp_rank is not None:
             plain = self.app.registry.spec(base, "prefill") is not None or self.directory.plain(base, "prefill")
             dp.check_request(base, dp_rank, self.dp_seen(base, "prefill"), plain)
 
     def registered(self, rank: Rank, rendezvous: str | None) -> None:
+        if self.etcd is not None:
+            self.etcd.kick()  # every rank here goes to etcd, whichever daemon is its rendezvous
         if not rendezvous:
             return
         key = (rank.instance, rank.role)
@@ -77,6 +88,8 @@ class Rendezvous:
         self.announce(*key)
 
     def unregistered(self, rank: Rank) -> None:
+        if self.etcd is not None:
+            self.etcd.kick()  # its key is deleted now
         key = (rank.instance, rank.role)
         if key in self.remote:
             self.announce(*key)  # the set without it: the rendezvous withdraws the rank now
@@ -84,11 +97,16 @@ class Rendezvous:
                 del self.remote[key]
 
     def heartbeat(self) -> None:
+        if self.etcd is not None:
+            self.etcd.kick()  # renews the lease, writes what changed, reads the instances asked about
+            return
         for key in list(self.remote):
             self.announce(*key)
 
     def announce(self, instance: str, role: str) -> None:
         key = (instance, role)
+        if self.etcd is not None:
+            return  # the rendezvous reads this daemon's ranks from etcd
         if key in self._pending:
             return  # the last one is still on its way; the next heartbeat renews
         local = self.local(instance, role)
@@ -144,10 +162,22 @@ class Rendezvous:
         try:
             return self.directory.ranks(instance, role, time.monotonic(), self.local(instance, role))
         except RankSetIncomplete as missing:
-            raise RequestError(str(missing), field="ranks", code="ranks_missing",
+            where = f" (the etcd directory: {self.etcd.error})" if self.etcd is not None and self.etcd.error else ""
+            raise RequestError(str(missing) + where, field="ranks", code="ranks_missing",
                                fix="start every rank of the instance, each naming this daemon as its rendezvous")
 
-    def on_lookup(self, msg: messages.Lookup) -> messages.Message:
+    def on_lookup(self, msg: messages.Lookup) -> Any:
+        """The rank map; with an etcd directory, read from etcd first (an awaitable answer)."""
+        if self.etcd is not None:
+            return self._lookup_etcd(msg)
+        return self._lookup(msg)
+
+    async def _lookup_etcd(self, msg: messages.Lookup) -> messages.Message:
+        assert self.etcd is not None
+        await self.etcd.read(dp.split(msg.instance)[0], msg.role)
+        return self._lookup(msg)
+
+    def _lookup(self, msg: messages.Lookup) -> messages.Message:
         seen = self.dp_seen(msg.instance, msg.role) if dp.split(msg.instance)[1] is None else None
         if seen is not None:  # a data-parallel instance: which DP ranks it has, and where their ranks are
             return self._dp_ranks(msg.instance, msg.role, seen.dp_size)
@@ -176,6 +206,8 @@ class Rendezvous:
     def handshake_ranks(self, instance: str) -> list[list[Any]] | None:
         """What a handshake for the instance answers: None for an instance wholly on this daemon (as
         always), the rank map when ranks are elsewhere; RankSetIncomplete while ranks are missing."""
+        if self.etcd is not None:
+            self.etcd.ask(dp.split(instance)[0], "prefill")
         if not self.directory.managed(instance, "prefill"):
             return None
         held = self.directory.ranks(instance, "prefill", time.monotonic(), self.local(instance, "prefill"))
@@ -202,4 +234,6 @@ class Rendezvous:
             out["remote_ranks"] = held
         if maps:
             out["rank_map"] = maps
+        if self.etcd is not None:
+            out["directory"] = self.etcd.status()
         return out

@@ -2,8 +2,8 @@
 map, handshake with every other daemon it names and check they agree on the plan.
 
 Every daemon computes the plan from the same two specs, so each must answer the rendezvous's
-spec and plan mode; the data of all of them must reach this daemon the same way (tcp, for now:
-the NIXL receive path checks one source agent per destination).
+spec and plan mode, and the data of all of them must reach this daemon the same way (tcp, or
+NIXL: the NIXL receive path then admits each writer's chunks from its own daemon's agent only).
 """
 
 from __future__ import annotations
@@ -26,12 +26,14 @@ def _ranks_at(instance: str, rank_map: dict[tuple[int, int], str], address: str)
 
 
 async def other_daemons(up: "Upstream", entry: DestEntry, rendezvous: "PeerLink", plan: Plan,
-                        rank_map: dict[tuple[int, int], str], deadline: float) -> dict[str, bytes]:
+                        rank_map: dict[tuple[int, int], str], deadline: float) -> tuple[dict[str, bytes], str]:
     """Handshake with each daemon of the instance; return each one's link token (data headers of the
-    writers it holds carry it). Raises PlanRefusal or TransferError naming the daemon."""
+    writers it holds carry it) and the transport they all send over. Raises PlanRefusal or
+    TransferError naming the daemon."""
     prefill, decode = entry.source_instance, entry.rank.instance
     spec = entry.rank.geometry.spec
     tokens: dict[str, bytes] = {}
+    kinds: dict[str, str] = {}
     for address in sorted(set(rank_map.values())):
         held = _ranks_at(prefill, rank_map, address)
         if address == up.app.address:
@@ -56,10 +58,14 @@ async def other_daemons(up: "Upstream", entry: DestEntry, rendezvous: "PeerLink"
         if theirs.mode != plan.mode:
             raise PlanRefusal(f"daemon {address} plans mode {theirs.mode!r}, the rendezvous {rendezvous.address} "
                               f"{plan.mode!r}", field="mode", prefill=theirs.mode, decode=plan.mode)
-        kind = up.app.transports.receive_kind(address, prefill, decode)
-        if kind != "tcp":
-            raise PlanRefusal(f"daemon {address} sends over {kind!r}; a source instance over several daemons "
-                              "moves its data over tcp only so far", field="transport")
+        kinds[address] = up.app.transports.receive_kind(address, prefill, decode)
         tokens[address] = link.token
     entry.waiting_for = ""
-    return tokens
+    distinct = sorted(set(kinds.values()))
+    if len(distinct) > 1:  # one destination, one way in: a fence and a receive path per request
+        one, other = (next(a for a, k in sorted(kinds.items()) if k == kind) for kind in distinct[:2])
+        raise PlanRefusal(f"daemon {one} sends {prefill!r} over {distinct[0]!r} and daemon {other} over "
+                          f"{distinct[1]!r}; every daemon of a source instance must reach this decode daemon "
+                          "the same way", field="transport",
+                          fix="give every daemon of the instance the same peer.transport and NIXL install")
+    return tokens, next(iter(kinds.values()))

@@ -203,7 +203,7 @@ class Upstream:
             app.dispatch(events.PlanFound(entry, plan, link.token, kind))
             return
         try:  # an instance over several daemons: a handshake with each of them too
-            tokens = await spread.other_daemons(self, entry, link, plan, rank_map, deadline)
+            tokens, kind = await spread.other_daemons(self, entry, link, plan, rank_map, deadline)
         except PlanRefusal as refusal:
             app.metrics.refusals.labels(refusal.field or "unknown").inc()
             app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
@@ -211,7 +211,7 @@ class Upstream:
         except KvxferError as exc:
             app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
             return
-        app.dispatch(events.PlanFound(entry, plan, link.token, "tcp", rank_map, tokens))
+        app.dispatch(events.PlanFound(entry, plan, link.token, kind, rank_map, tokens))
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
         app = self.app

@@ -14,6 +14,18 @@ os.environ.setdefault("UCX_MODULES", "^ib")
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# -- the longest files first -------------------------------------------------------------------
+# Files that run whole tools (the soak, the bench, the demo, tools stopped by signals) take
+# minutes each. pytest-xdist hands files out in collection order, so at the end of the
+# alphabet they would run last, alone, after the rest; first, they overlap it.
+LONG_FIRST = ("test_soak.py", "test_bench_smoke.py", "test_tool_signals.py", "test_demo.py", "test_load.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(LONG_FIRST)))
+
+
 # -- daemons and engine ranks fork from one preloaded interpreter -----------------------------
 # Each would otherwise spend about 3 s of CPU importing torch, most of the suite's CPU on two
 # cores. The code they run is the same (kvxferd.tools.forkserver); KVXFERD_TEST_FORKSERVER=0

@@ -191,15 +191,16 @@ class Cluster:
         holders = {coords: self.node(name) for coords, name in self.spread[entry.source_instance].items()}
         tokens: dict[str, bytes] = {}
         plan = None
+        kind = self.kinds.get((entry.source_instance, entry.rank.instance), "tcp")
         for source in {n.name: n for n in holders.values()}.values():
             plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), entry.rank.geometry.spec,
                              mode="direct")
             tokens[source.address] = b"token-" + source.identity
             source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
-                                        Route("tcp", ("127.0.0.1", 9), node.identity, node.address,
+                                        Route(kind, ("127.0.0.1", 9), node.identity, node.address,
                                               tokens[source.address]))
         assert plan is not None
-        node.handle(events.PlanFound(entry, plan, None, "tcp", {c: n.address for c, n in holders.items()}, tokens))
+        node.handle(events.PlanFound(entry, plan, None, kind, {c: n.address for c, n in holders.items()}, tokens))
 
     def run_job(self, node: Node, job: effects.StartJob, ok: bool = True) -> None:
         """What a data thread does: admit the chunk at the destination, account it, report back."""

@@ -46,6 +46,25 @@ def test_tp4_over_two_daemons_to_one_decode_daemon_byte_exact(cluster, d_tp):
         close(prefill + decode)
 
 
+def test_mla_tp8_over_two_daemons_to_tp4_byte_exact(cluster):
+    """A DeepSeek-V3-shaped prefill (MLA, TP8 over two nodes of four ranks) into a TP4 decode
+    instance: MLA's latent cache is the same at every TP rank, so each decode rank is written by
+    one prefill rank (the plan picks ranks 0-3, all at A); B's four ranks write nothing and must
+    still learn the request's plan and end done."""
+    a, b, d = (cluster.daemons[n] for n in ("node-a", "node-b", "node-d"))
+    pspec = spec(attention="mla", tp_size=8, head_dim=64)
+    dspec = spec(attention="mla", tp_size=4, head_dim=64, page_size=8)
+    prefill = cluster.spread_instance([a] * 4 + [b] * 4, "mla8p", "prefill", pspec, NUM_PAGES)
+    decode = cluster.instances((d, "mla8d", "decode", dspec, NUM_PAGES))[0]
+    try:
+        both_orders_byte_exact(prefill, decode, "mla8", 40, pspec.page_size, 5, a.address, random.Random(8))
+        assert _status(a)["rendezvous"]["remote_ranks"]["mla8p/prefill"] == {f"{t}.0": b.address for t in range(4, 8)}
+        plans = {p["address"]: p["plans"] for p in _status(d)["peers"] if p["side"] == "prefill"}
+        assert "mla8p->mla8d" in plans[a.address] and "mla8p->mla8d" in plans[b.address]
+    finally:
+        close(prefill + decode)
+
+
 def test_pp2_over_two_daemons_to_pp1_byte_exact(cluster):
     a, b, d = (cluster.daemons[n] for n in ("node-a", "node-b", "node-d"))
     prefill = cluster.spread_instance([a, b], "pp", "prefill", spec(pp_size=2), NUM_PAGES)

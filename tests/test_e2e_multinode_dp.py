@@ -62,6 +62,27 @@ def test_requests_routed_by_dp_rank_byte_exact(instances):
     assert {"dpp@dp0->dpd", "dpp@dp1->dpd"} <= set(plans[a.address]), plans
 
 
+def test_a_decode_instance_of_dp_ranks_takes_requests_from_any_prefill_dp_rank(cluster, instances):
+    """Decode DP ranks are instances of their own (``ddp@dp<k>``): each takes requests from
+    whichever prefill DP rank holds them, at either source daemon."""
+    a, b, d, groups, decode, pspec = instances
+    ddp = cluster.dp_instance([d, d], "ddp", "decode", spec(tp_size=2, total_kv_heads=2), NUM_PAGES)
+    rng = random.Random(9)
+    try:
+        for k, j in ((0, 3), (1, 0), (1, 2), (0, 1)):  # decode DP rank k, prefill DP rank j
+            rid, n = f"ddp{k}-{j}", 21
+            src = pages_for(rng, NUM_PAGES, n, pspec.page_size)
+            dst = rng.sample(range(NUM_PAGES), -(-n // 4))
+            for w in ddp[k]:
+                w.command(cmd="expect", request_id=rid, pages=dst, n=n, source_instance="dpp",
+                          source_address=a.address, source_dp_rank=j)
+            for w in groups[j]:
+                w.command(cmd="send", request_id=rid, pages=src, n=n)
+            assert_verified([finished(w, rid) for w in ddp[k]], [finished(w, rid) for w in groups[j]])
+    finally:
+        close([w for g in ddp for w in g])
+
+
 def test_the_rendezvous_answers_which_dp_ranks_an_instance_has(instances):
     a, b, *_ = instances
     sock = peer_socket(a.address)

@@ -100,9 +100,11 @@ def test_launch_forks_only_this_packages_modules_with_the_servers_environment():
         pytest.skip("no fork server on this platform")
     same = launch._forkable([sys.executable, "-m", "kvxferd", "serve"], {"stdout": subprocess.DEVNULL})
     other_module = launch._forkable([sys.executable, "-m", "json.tool"], {})
-    other_env = launch._forkable([sys.executable, "-m", "kvxferd"], {"env": {**os.environ, "X_KVXFERD": "1"}})
+    other_env = launch._forkable([sys.executable, "-m", "kvxferd"], {"env": {**os.environ, "PYTHONPATH": "/x"}})
+    settings = launch._forkable([sys.executable, "-m", "kvxferd"],
+                                {"env": {**os.environ, "KVXFERD_PEER_TRANSPORT": "nixl", "UCX_TLS": "tcp"}})
     cwd = launch._forkable([sys.executable, "-m", "kvxferd"], {"cwd": "/"})
-    assert (same, other_module, other_env, cwd) == (True, False, False, False)
+    assert (same, other_module, other_env, settings, cwd) == (True, False, False, True, False)
 
 
 def _alive(pid: int) -> bool:

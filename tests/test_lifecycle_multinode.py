@@ -131,6 +131,33 @@ def test_a_decode_side_abort_reaches_every_source_daemon_once():
         assert outcome.state == "failed" and outcome.code == "aborted", (rank.id, outcome)
 
 
+def test_a_nixl_failure_waits_for_the_fence_of_every_source_daemon():
+    """One-sided WRITEs from two source daemons: the decode engine hears the failure only once
+    both daemons said no WRITE of the request is left in flight."""
+    c, a, b, d, prefill, decode = _spread(1)
+    c.kinds[("p", "d")] = "nixl"
+    d.expect(decode[0], "r", pages(2), "p", num_tokens=8, source_node=a)
+    c.run()
+    c.hold_jobs = True
+    for t, rank in enumerate(prefill):
+        _holder(a, b, t).send(rank, "r", pages(1, t), 0, 4, False)
+    c.run()
+    assert a.jobs and b.jobs  # a WRITE in flight from each daemon
+    d.handle(events.AbortCalled(decode[0], "r", "client went away"))
+    c.run()
+    entry = d.inbox.get("r", decode[0].id)
+    assert entry.fence_waiting == {a.address, b.address} and d.outcome("r", decode[0]) is None
+    while a.jobs:  # A's WRITEs return: A answers fenced, B still writes
+        c.run_job(a, a.jobs.pop(0))
+    c.run()
+    assert entry.fence_waiting == {b.address} and d.outcome("r", decode[0]) is None
+    while b.jobs:
+        c.run_job(b, b.jobs.pop(0))
+    c.run()
+    assert d.outcome("r", decode[0]).code == "aborted"
+    assert d.metrics.fences.labels("confirmed")._value.get() == 1
+
+
 def test_an_instance_wholly_at_one_daemon_expects_as_before():
     """No rank map: one expect, naming no writers (every writer of the destination is there)."""
     c = Cluster("P", "D")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvxferd.errors import RequestError
 from lifecycle_util import Cluster, nbytes_of, pages, spec
 
 
@@ -101,3 +102,26 @@ def test_many_requests_interleaved_each_told_once():
     c.run()
     assert sorted(e.request_id for e in dn.told) == sorted(f"r{i}" for i in range(20))
     assert all(e.state == "done" for e in dn.told + pn.told) and len(pn.told) == 20
+
+
+def test_chunks_held_before_their_destination_is_known_are_bounded():
+    """Sends that arrive before any expect are held; past limits.max_pending_chunks a new request
+    is refused busy, and the count comes back as requests end."""
+    c, pn, dn, (p,), (d,) = _pair(remote=True)
+    pn.cfg.limits.max_pending_chunks = 3
+    pn.send(p, "a", pages(1), 0, 4, False)
+    pn.send(p, "a", pages(1, 1), 4, 8, False)
+    pn.send(p, "b", pages(1, 2), 0, 4, True)
+    with pytest.raises(RequestError) as info:
+        pn.send(p, "c", pages(1, 3), 0, 4, True)
+    assert info.value.code == "busy" and "max_pending_chunks" in info.value.fix
+    dn.expect(d, "b", pages(1), "p", num_tokens=4, source_node=pn)
+    c.run()
+    assert dn.outcome("b", d).state == "done" and pn.life.held_chunks == 2
+    pn.send(p, "c", pages(1, 3), 0, 4, True)  # room again
+    dn.expect(d, "c", pages(1, 1), "p", num_tokens=4, source_node=pn)
+    dn.expect(d, "a", pages(3, 2), "p", num_tokens=12, source_node=pn)
+    pn.send(p, "a", pages(1, 4), 8, 12, True)
+    c.run()
+    assert [dn.outcome(r, d).state for r in "abc"] == ["done"] * 3
+    assert pn.life.held_chunks == 0 and not pn.life.sources

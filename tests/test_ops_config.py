@@ -171,6 +171,14 @@ def test_bad_env_value_names_the_variable_key():
     ("[to_dict]\nx = 1\n", "to_dict"),
     ("socket_path = 1\n", "socket_path"),
     ("[peer\n", "config"),
+    ('[directory]\nbackend = "zookeeper"\n', "directory.backend"),
+    ('[directory]\nbackend = "etcd"\netcd_endpoints = []\n', "directory.etcd_endpoints"),
+    ('[directory]\nbackend = "etcd"\netcd_endpoints = ["127.0.0.1:2379"]\n', "directory.etcd_endpoints"),
+    ('[directory]\nbackend = "etcd"\netcd_endpoints = ["http://h:2379/v3"]\n', "directory.etcd_endpoints"),
+    ('[directory]\ncluster = "a/b"\n', "directory.cluster"),
+    ("[directory]\nlease_ttl_s = -1\n", "directory.lease_ttl_s"),
+    ("[directory]\nlease_ttl_s = 0.5\n", "directory.lease_ttl_s"),
+    ("[directory]\netcd_timeout_s = 0\n", "directory.etcd_timeout_s"),
 ])
 def test_invalid_config_names_the_key(tmp_path, toml, key):
     path = tmp_path / "bad.toml"

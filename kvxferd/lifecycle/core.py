@@ -49,6 +49,7 @@ class Lifecycle(DecodeSide, PrefillSide):
         self.routes = RouteBook(2 * limits.max_inflight_requests)
         self.sources: dict[tuple[str, str], SrcEntry] = {}
         self._by_request: dict[str, dict[str, SrcEntry]] = {}
+        self.held_chunks = 0  # chunks of the sources above, counted as they come and go (a bounded total)
         self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
         #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
         self.fence_waiters: dict[str, set[bytes]] = {}

@@ -40,7 +40,8 @@ class PrefillSide:
         return entry
 
     def _drop_source(self: "Lifecycle", entry: SrcEntry) -> None:
-        self.sources.pop((entry.request_id, entry.rank_id), None)
+        if self.sources.pop((entry.request_id, entry.rank_id), None) is not None:
+            self.held_chunks -= len(entry.chunks)
         by_rank = self._by_request.get(entry.request_id)
         if by_rank is not None:
             by_rank.pop(entry.rank_id, None)
@@ -55,7 +56,7 @@ class PrefillSide:
         entry = self.sources.get(key)
         if entry is None:
             self.check_capacity()
-            if self.pending_chunks() >= self.limits.max_pending_chunks:
+            if self.held_chunks >= self.limits.max_pending_chunks:
                 raise RequestError("too many chunks are held", field="request_id", code="busy",
                                    fix="retry later, or raise limits.max_pending_chunks")
             entry = self._new_source(ev.request_id, rank.id, rank.coords)
@@ -70,12 +71,10 @@ class PrefillSide:
             raise RequestError(f"request {ev.request_id!r} is {why}", field="request_id",
                                code="request_finished", fix="start a new request")
         entry.add_chunk(ev.chunk)
+        self.held_chunks += 1
         self._pump(entry)
         self._check_src(entry)
         return entry.state
-
-    def pending_chunks(self: "Lifecycle") -> int:
-        return sum(len(e.chunks) for e in self.sources.values())
 
     # -- decode daemons ------------------------------------------------------------------------
     def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:

@@ -10,8 +10,9 @@ only the imports are shared.
 
 Only modules that start no Python thread at import are preloaded (fork copies the calling
 thread only); the server refuses to serve otherwise, and :func:`kvxferd.tools.launch.popen`
-starts children the usual way. A child whose environment differs from the server's (an
-import-time setting, a ``PYTHONPATH`` that hides a package) is started the usual way too.
+starts children the usual way. A child whose environment differs from the server's in more
+than settings read after start-up (``KVXFERD_*``, ``UCX_*``: an import-time setting, a
+``PYTHONPATH`` that hides a package) is started the usual way too.
 
 Lifetimes: the server is started through :func:`kvxferd.tools.launch.popen`, so it dies with
 the tool; it exits when its control socket closes; each child gets ``PR_SET_PDEATHSIG`` on
@@ -335,7 +336,7 @@ class ForkServer:
                     raise OSError("the fork server exited")
                 self._next += 1
                 self._spawning[self._next] = future
-                request = {"id": self._next, "module": module, "argv": argv, "env": env or self.env,
+                request = {"id": self._next, "module": module, "argv": argv, "env": env or dict(os.environ),
                            "session": start_new_session}
                 _send(self.sock, request, fds)
             pid = future.result()

@@ -91,10 +91,21 @@ def stop_forking() -> None:
         server.close()
 
 
+#: environment variables read only after start-up (kvxferd's settings, UCX's when NIXL loads) or
+#: by nothing a child imports (pytest's note of the running test): a child whose environment
+#: differs from the fork server's in these alone still forks from it
+_RUNTIME_ENV = ("KVXFERD_", "UCX_", "PYTEST_")
+
+
 def _forkable(args: list[str], kwargs: dict[str, Any]) -> bool:
-    return (_server is not None and _server.alive and len(args) >= 3 and args[0] == sys.executable
-            and args[1] == "-m" and args[2].split(".")[0] == "kvxferd" and set(kwargs) <= _FORKABLE
-            and kwargs.get("env") in (None, _server.env))
+    if not (_server is not None and _server.alive and len(args) >= 3 and args[0] == sys.executable
+            and args[1] == "-m" and args[2].split(".")[0] == "kvxferd" and set(kwargs) <= _FORKABLE):
+        return False
+    env = kwargs.get("env")
+    if env is None:
+        env = dict(os.environ)
+    differ = {k for k in set(env) | set(_server.env) if env.get(k) != _server.env.get(k)}
+    return all(k.startswith(_RUNTIME_ENV) for k in differ)
 
 
 def popen(args: list[str], **kwargs: Any) -> Any:

@@ -106,13 +106,14 @@ class NixlReceiver:
             self._refuse(sender, header, dest_rank, "peer_refused",
                          f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return None
-        if self.source_agents.get(sink.entry.source_address) != sender:
+        source = sink.entry.daemon_of(tuple(sink.writer.src))
+        if self.source_agents.get(source) != sender:
             # not counted, and not allowed to fail the request either: that would let any peer
             # holding this daemon's metadata fail requests it does not serve
             self.inbox.finish(sink, False)
             self._refuse(sender, header, dest_rank, "peer_refused",
                          f"chunk notification from NIXL agent {sender!r}, which is not the agent of source "
-                         f"daemon {sink.entry.source_address or '(local)'}")
+                         f"daemon {source or '(local)'} (holding rank {list(sink.writer.src)})")
             return None
         return sink
 
@@ -180,9 +181,10 @@ class NixlReceiver:
                             q(_why(exc)))
 
     def _check_source(self, sender: str, sink: Sink) -> None:
-        if self.source_agents.get(sink.entry.source_address) != sender:
+        source = sink.entry.daemon_of(tuple(sink.writer.src))
+        if self.source_agents.get(source) != sender:
             raise RequestError(f"notification from NIXL agent {sender!r}, which is not the agent of source daemon "
-                               f"{sink.entry.source_address or '(local)'}", field="sender",
+                               f"{source or '(local)'} (holding rank {list(sink.writer.src)})", field="sender",
                                fix="send blocks only for requests this daemon is the source of")
 
     def stop_receiving(self, entry: DestEntry) -> None:
@@ -203,5 +205,5 @@ class NixlReceiver:
         entry = self.inbox.get(header["request_id"], dest_rank)
         # only the request's own source may fail it: any other agent could name any request id
         if (entry is not None and self.on_refused is not None
-                and self.source_agents.get(entry.source_address) == sender):
+                and any(self.source_agents.get(a) == sender for a in entry.source_addresses())):
             self.on_refused(entry, code, message)
