@@ -1,8 +1,8 @@
 """Instances over several daemons, written over NIXL, every daemon with ``peer.transport =
-"nixl"`` and UCX on loopback TCP: prefill TP4 with ranks 0-1 at A (the rendezvous) and 2-3 at
-B into decode TP2 at D, and prefill TP4 at A into decode TP2 over D and D2. Each writer's
-chunks are admitted from its own daemon's agent only; a source daemon that would send over
-another transport than the rest is refused by name."""
+"nixl"`` and UCX on loopback TCP: prefill TP4 (ranks 0-1 at A, the rendezvous, 2-3 at B), PP2
+and MLA TP8 over A and B, into decode instances at D or over D and D2 (D2 the second decode
+daemon). Each writer's chunks are admitted from its own daemon's agent only; a source daemon
+that would send over another transport than the rest is refused by name."""
 
 from __future__ import annotations
 
@@ -29,22 +29,42 @@ def _bytes(daemon, name: str, transport: str) -> float:
     return metric(daemon, name, transport=transport)
 
 
-def test_tp4_over_two_daemons_to_tp2_over_nixl_byte_exact(cluster):
-    a, b, d = (cluster.daemons[n] for n in ("node-a", "node-b", "node-d"))
-    pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4, page_size=8)
-    before = {(x.name, t): _bytes(x, "kvxferd_sent_bytes_total", t) for x in (a, b) for t in ("nixl", "tcp")}
-    received_tcp = _bytes(d, "kvxferd_received_bytes_total", "tcp")
-    prefill = cluster.spread_instance([a, a, b, b], "np", "prefill", pspec, NUM_PAGES)
-    (decode,) = cluster.instances((d, "nd", "decode", dspec, NUM_PAGES))
+#: (prefill spec, its ranks' daemons, decode spec, its ranks' daemons)
+CASES = {
+    "tp4_over_two_to_tp2": (spec(tp_size=4, total_kv_heads=4), "aabb",
+                            spec(tp_size=2, total_kv_heads=4, page_size=8), "dd"),
+    "tp4_over_two_to_tp2_over_two": (spec(tp_size=4, total_kv_heads=4), "aabb",
+                                     spec(tp_size=2, total_kv_heads=4, page_size=8), "de"),
+    "tp4_to_tp2_over_two": (spec(tp_size=4, total_kv_heads=4), "aaaa", spec(tp_size=2, total_kv_heads=4), "de"),
+    "pp2_over_two_to_pp1": (spec(pp_size=2), "ab", spec(), "d"),
+    "mla_tp8_over_two_to_tp4": (spec(attention="mla", tp_size=8, head_dim=64), "aaaabbbb",
+                                spec(attention="mla", tp_size=4, head_dim=64, page_size=8), "dddd"),
+}
+NODE = {"a": "node-a", "b": "node-b", "d": "node-d", "e": "node-d2"}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_instances_over_several_daemons_over_nixl_byte_exact(cluster, case):
+    pspec, p_at, dspec, d_at = CASES[case]
+    daemons = {k: cluster.daemons[n] for k, n in NODE.items()}
+    sources, sinks = [daemons[k] for k in sorted(set(p_at))], [daemons[k] for k in sorted(set(d_at))]
+    sent = {(x.name, t): _bytes(x, "kvxferd_sent_bytes_total", t) for x in sources for t in ("nixl", "tcp")}
+    got = {(x.name, t): _bytes(x, "kvxferd_received_bytes_total", t) for x in sinks for t in ("nixl", "tcp")}
+    tag = f"nm{list(CASES).index(case)}"  # instance names and request ids of its own
+    prefill = cluster.spread_instance([daemons[k] for k in p_at], f"{tag}p", "prefill", pspec, NUM_PAGES)
+    decode = cluster.spread_instance([daemons[k] for k in d_at], f"{tag}d", "decode", dspec, NUM_PAGES)
     try:
-        both_orders_byte_exact(prefill, decode, "nx4", 37, pspec.page_size, 5, a.address, random.Random(4))
+        both_orders_byte_exact(prefill, decode, tag, 29, pspec.page_size, 8, daemons[p_at[0]].address,
+                               random.Random(case))
     finally:
         close(prefill + decode)
-    # both source daemons wrote their ranks' bytes over NIXL, none went over tcp
-    for x in (a, b):
-        assert _bytes(x, "kvxferd_sent_bytes_total", "nixl") > before[x.name, "nixl"], x.name
-        assert _bytes(x, "kvxferd_sent_bytes_total", "tcp") == before[x.name, "tcp"], x.name
-    assert _bytes(d, "kvxferd_received_bytes_total", "tcp") == received_tcp
+    # the bytes went over NIXL only: out of the source daemons, into every decode daemon
+    assert sum(_bytes(x, "kvxferd_sent_bytes_total", "nixl") - sent[x.name, "nixl"] for x in sources) > 0
+    for x in sources:
+        assert _bytes(x, "kvxferd_sent_bytes_total", "tcp") == sent[x.name, "tcp"], x.name
+    for x in sinks:
+        assert _bytes(x, "kvxferd_received_bytes_total", "nixl") > got[x.name, "nixl"], x.name
+        assert _bytes(x, "kvxferd_received_bytes_total", "tcp") == got[x.name, "tcp"], x.name
 
 
 def test_a_source_daemon_on_another_transport_is_refused_naming_both(cluster):
@@ -64,16 +84,3 @@ def test_a_source_daemon_on_another_transport_is_refused_naming_both(cluster):
     finally:
         close(prefill + decode)
 
-
-def test_tp4_into_a_decode_instance_over_two_daemons_over_nixl_byte_exact(cluster):
-    a, d, d2 = (cluster.daemons[n] for n in ("node-a", "node-d", "node-d2"))
-    pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
-    received = {x.name: _bytes(x, "kvxferd_received_bytes_total", "nixl") for x in (d, d2)}
-    (prefill,) = cluster.instances((a, "n2p", "prefill", pspec, NUM_PAGES))
-    decode = cluster.spread_instance([d, d2], "n2d", "decode", dspec, NUM_PAGES)
-    try:
-        both_orders_byte_exact(prefill, decode, "n2", 29, pspec.page_size, 8, a.address, random.Random(5))
-    finally:
-        close(prefill + decode)
-    for x in (d, d2):  # each decode daemon's rank was written over NIXL
-        assert _bytes(x, "kvxferd_received_bytes_total", "nixl") > received[x.name], x.name
