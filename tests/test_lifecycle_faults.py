@@ -240,6 +240,24 @@ def test_a_source_hung_up_on_without_a_reason_reports_the_socket_error_after_cut
     assert (told.state, told.code) == ("failed", "transfer") and "Broken pipe" in told.reason
 
 
+def test_a_hang_up_no_reason_explains_reaches_the_decode_side_when_the_wait_ends():
+    """The data connection broke (a reset on the way) while the decode daemon failed nothing: the
+    decode side hears the socket error once cut_reason_s passed, not before, and once."""
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.hold_jobs = True
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    job = pn.jobs.pop(0)
+    pn.handle(events.JobFinished(job.entry, job.target, job.index, job.kind,
+                                 error=PeerHungUp("[Errno 104] Connection reset by peer", field="transport")))
+    c.run()
+    assert dn.outcome("r", d) is None and pn.outcome("r", p) is None
+    c.tick(pn.cfg.timeouts.cut_reason_s + 0.1)
+    assert (pn.outcome("r", p).code, dn.outcome("r", d).code) == ("transfer", "transfer")
+    assert "Connection reset" in dn.outcome("r", d).reason
+
+
 def test_rank_gone_fails_its_requests_and_a_reused_id_is_refused():
     c, pn, dn, p, d = _pair(remote=False)
     dn.expect(d, "r", pages(4), "p", num_tokens=16)

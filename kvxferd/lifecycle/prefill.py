@@ -133,7 +133,7 @@ class PrefillSide:
         the request's other decode daemons (a decode instance over several daemons), never back."""
         told: set[int] = set()
         for entry in entries:
-            first = entry.failure is None
+            first = entry.failure is None or entry.reason_due is not None
             if entry.reason_due is not None:  # the reason for the hang-up: it replaces the socket error
                 entry.reason_due = None
                 entry.failure = (code, message)
@@ -274,9 +274,12 @@ class PrefillSide:
             chunk = entry.chunks[ev.index]
             log.warning("event=chunk_failed request=%s rank=%s dst=%s code=%s msg=%s", q(entry.request_id),
                         entry.rank_id, list(target.dst), code, q(str(exc)[:300]))
-            if isinstance(exc, PeerHungUp):
+            message = f"chunk [{chunk.start}, {chunk.end}) to {list(target.dst)} failed: {exc}"
+            if isinstance(exc, PeerHungUp):  # the reason is on its way (or the peer died): pass on that, later
                 entry.reason_due = self.now + self.timeouts.cut_reason_s
-            self._fail(entry, code, f"chunk [{chunk.start}, {chunk.end}) to {list(target.dst)} failed: {exc}")
+                self._fail(entry, code, message, propagate=False)
+            else:
+                self._fail(entry, code, message)
         self._check_src(entry)
 
     # -- ends ----------------------------------------------------------------------------------
@@ -325,7 +328,9 @@ class PrefillSide:
         limits = self.phase_limits()
         for entry in list(self.sources.values()):
             if entry.reason_due is not None and self.now >= entry.reason_due:
-                entry.reason_due = None  # no reason came: the socket error it is
+                entry.reason_due = None  # no reason came: the socket error it is, told everywhere now
+                if entry.failure is not None:
+                    self._propagate_downstream(entry.request_id, entry.routes(), *entry.failure)
                 self._check_src(entry)
                 continue
             limit = limits.get(entry.state)
