@@ -118,6 +118,18 @@ def untouched_bytes(worker: Worker, pages: list[int]) -> int:
             return int(ev["bad_bytes"])
 
 
+def hold_half_sent(prefill: list[Worker], decode: list[Worker], request_id: str, instance: str,
+                   source_address: str) -> None:
+    """A 16-token request expected by every decode rank and half sent by every prefill rank (the
+    last chunk held), so that a daemon can be killed while it is in flight."""
+    for w in decode:
+        w.command(cmd="expect", request_id=request_id, pages=[1, 2, 3, 4], n=16, source_instance=instance,
+                  source_address=source_address)
+    for w in prefill:
+        w.command(cmd="send", request_id=request_id, pages=[5, 6, 7, 8], n=16, chunks=[[0, 8], [8, 16]],
+                  hold_last=True)
+
+
 def wait_in_flight(daemon, key: str, timeout: float = 60) -> None:
     """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
     deadline = time.monotonic() + timeout
@@ -130,7 +142,7 @@ def wait_in_flight(daemon, key: str, timeout: float = 60) -> None:
     raise AssertionError(f"no request reached {key}")
 
 
-__all__ = ["wait_in_flight", "Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
+__all__ = ["wait_in_flight", "hold_half_sent", "Cluster", "DaemonProc", "Worker", "spec", "pages_for", "finished", "transfer", "assert_verified",
            "close", "untouched_bytes", "Node", "cluster_run", "start_nodes", "module_cluster", "run_case",
            "in_parallel", "close_cluster"]
 

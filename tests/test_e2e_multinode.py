@@ -10,7 +10,7 @@ import time
 import pytest
 
 from e2e_util import (NUM_PAGES, Node, assert_verified, both_orders_byte_exact, close, cluster_run, finished,
-                      module_cluster, spec, start_nodes, transfer, wait_in_flight)
+                      hold_half_sent, module_cluster, spec, start_nodes, transfer, wait_in_flight)
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
 from kvxferd.tools.sim import Worker
@@ -113,12 +113,7 @@ def test_a_source_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(r
         pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
         prefill = c.spread_instance([a, a, b, b], "kp", "prefill", pspec, NUM_PAGES)
         (decode,) = c.instances((d, "kd", "decode", dspec, NUM_PAGES))
-        for w in decode:
-            w.command(cmd="expect", request_id="k-1", pages=[1, 2, 3, 4], n=16, source_instance="kp",
-                      source_address=a.address)
-        for w in prefill:
-            w.command(cmd="send", request_id="k-1", pages=[5, 6, 7, 8], n=16, chunks=[[0, 8], [8, 16]],
-                      hold_last=True)
+        hold_half_sent(prefill, decode, "k-1", "kp", a.address)
         for daemon, key in ((a, "prefill:transferring"), (b, "prefill:transferring"), (d, "decode:transferring")):
             wait_in_flight(daemon, key)
         b.signal(signal.SIGKILL)

@@ -203,19 +203,25 @@ def test_failed_chunk_fails_the_source_and_the_destination():
     assert pn.outcome("r", p).code == "transfer" and dn.outcome("r", d).code == "transfer"
 
 
-def _hung_up_before_the_reason():
-    """The decode engine aborts while a chunk is on the wire: the decode daemon cuts the data
-    connection and sends its reason upstream; the sender's socket error reaches the source first."""
+def _hung_up(reason: str | None, error: str):
+    """A chunk on the wire whose sender's socket error (``error``) reaches the source. With a
+    ``reason`` the decode engine aborted first: its daemon cut the data connection and its reason to
+    the source is queued, not delivered yet; without one nothing failed on the decode side."""
     c, pn, dn, p, d = _pair()
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
     c.hold_jobs = True
     pn.send(p, "r", pages(1), 0, 4, False)
     c.run()
     job = pn.jobs.pop(0)
-    _abort(dn, d, "r", "user went away")  # its reason to the source is queued, not delivered yet
+    if reason is not None:
+        _abort(dn, d, "r", reason)
     pn.handle(events.JobFinished(job.entry, job.target, job.index, job.kind,
-                                 error=PeerHungUp("data connection failed: [Errno 32] Broken pipe", field="transport")))
+                                 error=PeerHungUp(error, field="transport")))
     return c, pn, dn, p, d
+
+
+def _hung_up_before_the_reason():
+    return _hung_up("user went away", "data connection failed: [Errno 32] Broken pipe")
 
 
 def test_a_source_hung_up_on_reports_the_decode_sides_reason():
@@ -243,14 +249,7 @@ def test_a_source_hung_up_on_without_a_reason_reports_the_socket_error_after_cut
 def test_a_hang_up_no_reason_explains_reaches_the_decode_side_when_the_wait_ends():
     """The data connection broke (a reset on the way) while the decode daemon failed nothing: the
     decode side hears the socket error once cut_reason_s passed, not before, and once."""
-    c, pn, dn, p, d = _pair()
-    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
-    c.hold_jobs = True
-    pn.send(p, "r", pages(1), 0, 4, False)
-    c.run()
-    job = pn.jobs.pop(0)
-    pn.handle(events.JobFinished(job.entry, job.target, job.index, job.kind,
-                                 error=PeerHungUp("[Errno 104] Connection reset by peer", field="transport")))
+    c, pn, dn, p, d = _hung_up(None, "[Errno 104] Connection reset by peer")
     c.run()
     assert dn.outcome("r", d) is None and pn.outcome("r", p) is None
     c.tick(pn.cfg.timeouts.cut_reason_s + 0.1)

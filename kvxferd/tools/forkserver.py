@@ -322,8 +322,8 @@ class ForkServer:
                 theirs, keep = (r, w) if index == 0 else (w, r)
                 ends.append(theirs)
                 mode = ("w" if index == 0 else "r") + ("" if text else "b")
-                mine[min(index, 1)] = open(keep, mode, buffering=bufsize if text or bufsize != 1 else -1,
-                                           **({"encoding": "utf-8"} if text else {}))
+                buffering = bufsize if text or bufsize != 1 else -1  # line buffering is for text only, as in Popen
+                mine[min(index, 1)] = open(keep, mode, buffering=buffering, **({"encoding": "utf-8"} if text else {}))
                 return theirs
             return spec if isinstance(spec, int) else spec.fileno()
 
