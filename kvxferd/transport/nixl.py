@@ -60,6 +60,7 @@ from .base import ChunkJob, Moved
 from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
                        loaded)
 from .nixl_receive import NixlReceiver, _why
+from .nixl_remote import Gate, RemoteBook, pair_blobs
 from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings, RingInfo
 
 log = logging.getLogger("kvxferd.nixl")
@@ -120,6 +121,10 @@ class NixlTransport(NixlReceiver):
         self._forget_at: dict[str, float] = {}
         #: remote agents whose metadata is loaded now (for status: what a departed peer leaves behind)
         self._loaded: set[str] = set()
+        #: prefill side: the blobs loaded of each decode agent (a stale one calls for a reload), and the
+        #: gate its WRITEs share with that reload
+        self._books: dict[str, RemoteBook] = {}
+        self._gates: dict[str, Gate] = {}
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -219,9 +224,10 @@ class NixlTransport(NixlReceiver):
 
     # -- prefill side: remote agents -------------------------------------------------
     def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], page_size: int,
-                 page_bytes: int, landing: list[int] | None = None) -> NixlPeer:
-        self.load(agent, metadata)
-        peer = NixlPeer(agent, page_size, page_bytes)
+                 page_bytes: int, landing: list[int] | None = None,
+                 groups: dict[str, tuple[int, int]] | None = None) -> NixlPeer:
+        self.load(agent, metadata, regions, landing)
+        peer = NixlPeer(agent, page_size, page_bytes, groups)
         peer.update(regions)
         if landing is not None:
             info = RingInfo.from_wire(landing)
@@ -232,7 +238,11 @@ class NixlTransport(NixlReceiver):
             peer.credits = credits
         return peer
 
-    def load(self, agent: str, metadata: list[bytes]) -> None:
+    def load(self, agent: str, metadata: list[bytes], regions: list[list[Any]] | None = None,
+             landing: list[int] | None = None) -> None:
+        """Load a remote agent's metadata; ``regions`` and ``landing`` (the handshake's or expect's)
+        say which addresses each blob describes, so a blob made stale by a newer one is noticed
+        (see :mod:`.nixl_remote`)."""
         with self._lock:
             self._forget_at.pop(agent, None)  # back before it was dropped: keep it
         for md in metadata:
@@ -247,19 +257,72 @@ class NixlTransport(NixlReceiver):
             if name != agent:
                 raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
                                     field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
+        with self._lock:
+            book = self._books.setdefault(agent, RemoteBook())
+            stale = book.add(pair_blobs(metadata, regions or (), landing))
+            self._gates.setdefault(agent, Gate())
+        if stale:
+            log.info("event=nixl_remote_stale agent=%s blobs=%d reason=%s", q(agent), len(book.loaded),
+                     q("newly described regions overlap regions of an earlier registration; the agent's "
+                       "metadata is loaded anew before its next WRITE"))
+
+    def _enter(self, agent: str, deadline: float) -> Gate | None:
+        """Share the agent's gate for a job's WRITEs (returned, to leave); first reload the agent's
+        metadata if a stale blob is loaded."""
+        with self._lock:
+            gate, book = self._gates.get(agent), self._books.get(agent)
+        if gate is None or book is None:
+            return None
+        gate.enter(deadline)
+        if book.reload is None:
+            return gate
+        gate.leave()
+        gate.enter_alone(deadline)
+        try:
+            blobs, book.reload = book.reload, None
+            if blobs is not None:
+                self._reload(agent, blobs, book)
+        finally:
+            gate.leave_alone()
+        gate.enter(deadline)
+        return gate
+
+    def _reload(self, agent: str, blobs: list[bytes], book: RemoteBook) -> None:
+        """Remove the agent (every descriptor NIXL holds of it) and load its live blobs again; runs
+        alone on the agent's gate, so no WRITE to it is in flight."""
+        try:
+            self.agent.remove_remote_agent(agent)
+            for blob in blobs:
+                self.agent.add_remote_agent(blob)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"reloading the NIXL metadata of agent {agent!r} failed: {_why(exc)}",
+                                field="nixl_md", fix="check the decode daemon is up; its next handshake "
+                                                     "loads it again") from None
+        book.reloads += 1
+        log.info("event=nixl_remote_reloaded agent=%s blobs=%d reloads=%d", q(agent), len(blobs), book.reloads)
 
     # -- sending ---------------------------------------------------------------------
     def send(self, job: ChunkJob) -> Moved:
         peer = job.remote
         if not isinstance(peer, NixlPeer):
             raise TransferError("nixl chunk without a remote agent", field="transport", fix="handshake again")
+        gate = self._enter(peer.agent, time.monotonic() + self.timeout_s)
+        try:
+            return self._send(job, peer)
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
         if job.mode == "staged" and peer.credits is not None and self.staging is not None:
             return self._send_staged(job, peer, peer.credits, self.staging)
         if job.dst_pages is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
         kinds = job.kinds
-        dst_slots = slots(job.dst_pages, peer.page_size, job.start, job.end, 0)
+        # a cache group's chunk is addressed by the group's own destination table (its pages from
+        # token 0, or the request's state slot: one "page" of the slot's rows)
+        dst_slots = slots(job.dst_pages, peer.page_size_of(job.group), job.start, job.end, 0)
         segs = paired_segments(job.src_slots, dst_slots, w)
         src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
@@ -381,9 +444,10 @@ class NixlTransport(NixlReceiver):
         if reg is None or reg.rank is not rank:
             raise TransferError(f"rank {rank.id} is not registered with NIXL", field="transport",
                                 fix="see the daemon log for event=nixl_register_failed")
-        bases = np.array([reg.addresses[(layer, kind)] for layer in range(*layers) for kind in kinds],
-                         dtype=np.uint64)
-        return bases, min(r.nbytes for r in rank.regions.values()), reg.device
+        names = [(layer, kind) for layer in range(*layers) for kind in kinds]
+        bases = np.array([reg.addresses[name] for name in names], dtype=np.uint64)
+        # the bound of the regions written from (a cache group's regions differ in size from the rest)
+        return bases, min(rank.regions[name].nbytes for name in names), reg.device
 
     def _notify(self, agent: str, notif: bytes) -> None:
         try:
@@ -523,6 +587,7 @@ class NixlTransport(NixlReceiver):
             for agent in due:
                 del self._forget_at[agent]
                 self._credits.pop(agent, None)
+                self._books.pop(agent, None)  # a gate may still be held by a thread giving up: it stays
         for agent in due:
             with self._lock:
                 self._loaded.discard(agent)
