@@ -14,7 +14,8 @@ none over tcp:
 - a gpt-oss-shaped model (window-128 layers beside full layers) with a 300-token prompt:
   only the window's tokens are written, the window group's pages before it and the rows
   before the window on its first page keep the canary;
-- a draft-model KV group (its own heads, head_dim and page size), TP 2 -> 1.
+- a draft-model KV group (its own heads, head_dim and page size), TP 2 -> 1;
+- the hybrid and the window model across PP stages (PP 2 -> 1 and 1 -> 2).
 """
 
 from __future__ import annotations
@@ -110,6 +111,14 @@ def test_sliding_window_over_nixl_writes_only_the_window(cluster, mode):
                 assert untouched(w, pages=[], group="swa", rows=[table, first // ps * ps, first]) == 0
 
     move(cluster, mode, gpt_oss(1), gpt_oss(2), n, [[0, 96], [96, 208], [208, 300]], only_window)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("pp", [(2, 1), (1, 2)], ids=["pp2to1", "pp1to2"])
+def test_groups_across_pp_stages_over_nixl(cluster, mode, pp):
+    """A hybrid and a window model whose stages each hold their own layers of every group."""
+    move(cluster, mode, qwen_next(1, pp=pp[0]), qwen_next(1, pp=pp[1]), 37, [[0, 16], [16, 37]])
+    move(cluster, mode, gpt_oss(1, pp=pp[0]), gpt_oss(2, pp=pp[1]), 300, [[0, 150], [150, 300]])
 
 
 @pytest.mark.parametrize("mode", MODES)
