@@ -17,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_util import Node, close, cluster_run, finished, module_cluster, spec, start_nodes
+from kvxferd.geometry import InstanceSpec
 from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, metric, never_used, qwen_next,
                          request_ids, run_groups, untouched, with_draft)
 
@@ -64,11 +65,19 @@ def test_sliding_window_moves_only_the_window(cluster, transport, tp):
         close(decode)
 
 
-@pytest.mark.parametrize("pp", [(2, 1), (1, 2)], ids=["pp2to1", "pp1to2"])
-def test_hybrid_state_groups_across_pp_stages(cluster, pp):
+def uneven(tp: int, pp: int = 2) -> InstanceSpec:
+    """The hybrid with its conv layers split unevenly over two stages (1 and 5)."""
+    return spec(num_layers=2, total_kv_heads=2, tp_size=tp, pp_size=pp,
+                groups=(as_group({**CONV, "layer_splits": [[0, 1], [1, 6]]}), as_group(SSM)))
+
+
+@pytest.mark.parametrize("make, pp", [(qwen_next, (2, 1)), (qwen_next, (1, 2)), (uneven, (2, 2))],
+                         ids=["pp2to1", "pp1to2", "pp2-uneven-to-pp2-even"])
+def test_hybrid_state_groups_across_pp_stages(cluster, make, pp):
     """Each stage holds its own layers of the full attention and of each state group (6 conv and
-    6 SSM layers: 3 per stage); the writers of a stage's layers are that stage's ranks."""
-    pspec, dspec = qwen_next(1, pp=pp[0]), qwen_next(1, pp=pp[1])
+    6 SSM layers: 3 per stage, or the group's own split); the writers of a stage's layers are
+    that stage's ranks."""
+    pspec, dspec = make(1, pp=pp[0]), qwen_next(1, pp=pp[1])
     decode, moved = run_groups(cluster, pspec, dspec, n_tokens=37, transport="tcp", chunks=[[0, 16], [16, 37]])
     try:
         never_used(decode, moved, dspec)
