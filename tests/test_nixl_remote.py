@@ -60,13 +60,13 @@ def test_a_stale_region_inside_a_newer_one_is_reloaded_away(monkeypatch):
         small = describe(1 << 20, 256 << 10)  # a rank's small region ...
         decode.deregister_memory(small)  # ... gone with its engine
         describe(0, 4 << 20)  # the next rank's larger region over the same addresses
-        assert prefill._books["decode-stale"].reload is not None, "the overlap was not noticed"
+        assert prefill._books["decode-stale"].due, "the overlap was not noticed"
         assert _write(prefill, local, past, "decode-stale") == "nixlNotFoundError", \
             "NIXL no longer hides a region behind a stale descriptor: the reload may be unneeded"
         gate = prefill._enter("decode-stale", time.monotonic() + 5)  # what a data thread does before its WRITEs
         assert gate is not None
         gate.leave()
-        assert prefill._books["decode-stale"].reload is None and prefill._books["decode-stale"].reloads == 1
+        assert not prefill._books["decode-stale"].due and prefill._books["decode-stale"].reloads == 1
         assert _write(prefill, local, past, "decode-stale") == "ok"
         assert _write(prefill, local, np.array([[base + 4096, 4096, 0]], dtype=np.uint64), "decode-stale") == "ok"
     finally:
@@ -88,15 +88,15 @@ def test_blobs_pair_with_the_ranks_they_describe_and_the_ring():
 def test_the_book_reloads_only_when_a_different_blob_overlaps():
     book = RemoteBook()
     a, b = Loaded(b"a", ((0, 100),)), Loaded(b"b", ((100, 200),))
-    assert not book.add([a, b]) and book.reload is None
+    assert not book.add([a, b]) and not book.due
     assert not book.add([a])  # the same registration described again (an expect after the handshake)
     assert book.loaded == [a, b]
     c = Loaded(b"c", ((50, 150),))  # a new registration over both: both stale
-    assert book.add([c]) and book.reload == [b"c"] and book.loaded == [c]
+    assert book.add([c]) and book.due and book.blobs() == [b"c"]
     d = Loaded(b"d", ((400, 500),))
-    assert not book.add([d]) and book.reload == [b"c"]  # still due: nothing reloaded yet
+    assert not book.add([d]) and book.due and book.blobs() == [b"c", b"d"]  # still due, and d goes along
     e = Loaded(b"e", ((140, 160),))
-    assert book.add([e]) and book.reload == [b"d", b"e"]
+    assert book.add([e]) and book.blobs() == [b"d", b"e"]
 
 
 def test_the_gate_lets_a_reload_in_only_alone_and_before_new_writers():

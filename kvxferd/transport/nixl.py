@@ -125,6 +125,7 @@ class NixlTransport(NixlReceiver):
         #: gate its WRITEs share with that reload
         self._books: dict[str, RemoteBook] = {}
         self._gates: dict[str, Gate] = {}
+        self._md_lock = threading.Lock()  # loading a remote agent's metadata, or reloading it
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -245,22 +246,23 @@ class NixlTransport(NixlReceiver):
         (see :mod:`.nixl_remote`)."""
         with self._lock:
             self._forget_at.pop(agent, None)  # back before it was dropped: keep it
-        for md in metadata:
-            try:
-                added = self.agent.add_remote_agent(md)
-            except Exception as exc:  # noqa: BLE001
-                raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
-                                    field="nixl_md", fix="check both daemons run NIXL with a common backend")
-            name = added.decode() if isinstance(added, bytes) else str(added)
+        with self._md_lock:  # a reload in progress must neither remove these blobs nor miss them
+            for md in metadata:
+                try:
+                    added = self.agent.add_remote_agent(md)
+                except Exception as exc:  # noqa: BLE001
+                    raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
+                                        field="nixl_md", fix="check both daemons run NIXL with a common backend")
+                name = added.decode() if isinstance(added, bytes) else str(added)
+                with self._lock:
+                    self._loaded.add(name)
+                if name != agent:
+                    raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
+                                        field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
             with self._lock:
-                self._loaded.add(name)
-            if name != agent:
-                raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
-                                    field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
-        with self._lock:
-            book = self._books.setdefault(agent, RemoteBook())
-            stale = book.add(pair_blobs(metadata, regions or (), landing))
-            self._gates.setdefault(agent, Gate())
+                book = self._books.setdefault(agent, RemoteBook())
+                stale = book.add(pair_blobs(metadata, regions or (), landing))
+                self._gates.setdefault(agent, Gate())
         if stale:
             log.info("event=nixl_remote_stale agent=%s blobs=%d reason=%s", q(agent), len(book.loaded),
                      q("newly described regions overlap regions of an earlier registration; the agent's "
@@ -274,14 +276,15 @@ class NixlTransport(NixlReceiver):
         if gate is None or book is None:
             return None
         gate.enter(deadline)
-        if book.reload is None:
+        if not book.due:
             return gate
         gate.leave()
         gate.enter_alone(deadline)
         try:
-            blobs, book.reload = book.reload, None
-            if blobs is not None:
-                self._reload(agent, blobs, book)
+            with self._md_lock:  # what is loaded meanwhile is in the book: the reload takes it along
+                if book.due:
+                    self._reload(agent, book.blobs(), book)  # raises with the reload still due
+                    book.due = False
         finally:
             gate.leave_alone()
         gate.enter(deadline)

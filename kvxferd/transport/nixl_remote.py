@@ -68,8 +68,8 @@ class RemoteBook:
 
     def __init__(self) -> None:
         self.loaded: list[Loaded] = []
-        #: blobs to load after removing the agent, once no WRITE to it is in flight; None: nothing due
-        self.reload: list[bytes] | None = None
+        #: a stale blob is loaded: remove the agent and load :meth:`blobs` again, once no WRITE to it is in flight
+        self.due = False
         self.reloads = 0
 
     def add(self, items: Sequence[Loaded]) -> bool:
@@ -77,9 +77,12 @@ class RemoteBook:
         fresh = [item for item in items if item not in self.loaded]
         stale = [old for old in self.loaded if any(old.blob != new.blob and old.overlaps(new) for new in fresh)]
         self.loaded = [old for old in self.loaded if old not in stale] + fresh
-        if stale:
-            self.reload = [item.blob for item in self.loaded]
+        self.due = self.due or bool(stale)
         return bool(stale)
+
+    def blobs(self) -> list[bytes]:
+        """What a reload loads: every blob not made stale, in the order loaded."""
+        return [item.blob for item in self.loaded]
 
 
 class Gate:
