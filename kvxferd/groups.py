@@ -97,6 +97,9 @@ class Group:
             raise GeometryError(f"group {self.name!r}: kind {self.kind!r} is not one of {GROUP_KINDS}",
                                 field=f"groups.{self.name}.kind", fix=f"use one of {GROUP_KINDS}")
         _int(self.name, "num_layers", self.num_layers, 1)
+        if isinstance(self.layer_splits, list):  # hashable like the rest; the instance spec checks the ranges
+            object.__setattr__(self, "layer_splits", tuple(tuple(r) if isinstance(r, list) else r
+                                                           for r in self.layer_splits))
         if self.kind == "state":
             self._check_state()
         else:
@@ -248,8 +251,6 @@ class Group:
         for key in ("shape", "split_parts"):
             if isinstance(kwargs.get(key), list):
                 kwargs[key] = tuple(kwargs[key])
-        if isinstance(kwargs.get("layer_splits"), list):
-            kwargs["layer_splits"] = tuple(tuple(r) if isinstance(r, list) else r for r in kwargs["layer_splits"])
         for key in ("dtype", "attention"):
             if key in kwargs and kwargs[key] is not None and not isinstance(kwargs[key], str):
                 raise GeometryError(f"group {label!r}: {key} must be a string, got {kwargs[key]!r}",
