@@ -107,8 +107,9 @@ def test_one_sided_failure_waits_for_the_fence():
     assert dn.told.index(dn.outcome("r", d)) == 0
 
 
-def test_the_fence_covers_a_cache_groups_write():
-    """A state group's WRITE is a job of its own: the source answers the fence only once it returned."""
+def _hybrid_half_written():
+    """A hybrid request over a NIXL route: the full-attention WRITE returned, the state group's
+    (a job of its own) is still in flight."""
     from kvxferd.geometry import InstanceSpec
     from kvxferd.groups import Group
     hybrid = InstanceSpec(attention="mha", num_layers=2, head_dim=8, dtype="bfloat16", page_size=4, total_kv_heads=2,
@@ -125,8 +126,22 @@ def test_the_fence_covers_a_cache_groups_write():
     assert sorted(j.job.group for j in pn.jobs) == ["", "ssm"]
     full = next(j for j in pn.jobs if not j.job.group)
     pn.jobs.remove(full)
-    c.run_job(pn, full)  # the full-attention WRITE returned; the state group's is still in flight
+    c.run_job(pn, full)
     c.run()
+    return c, pn, dn, p, d
+
+
+def test_a_request_is_done_only_once_every_group_landed():
+    c, pn, dn, p, d = _hybrid_half_written()
+    assert dn.outcome("r", d) is None and pn.outcome("r", p) is None  # every token, yet no state
+    c.hold_jobs = False
+    c.run()
+    assert dn.outcome("r", d).state == "done" and pn.outcome("r", p).state == "done"
+
+
+def test_the_fence_covers_a_cache_groups_write():
+    """The source answers the fence only once the state group's WRITE returned too."""
+    c, pn, dn, p, d = _hybrid_half_written()
     _abort(dn, d, "r")
     c.run()
     assert dn.inbox.get("r", d.id).fence_until > 0 and dn.outcome("r", d) is None
