@@ -113,9 +113,21 @@ class KvxferdKVManager(BaseKVManager):
         if self.facts.page_size != int(args.page_size):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
                                     field="page_size", fix="build KVArgs from the registered pool")
-        rank_facts = self._rank_facts(args, ctx)
         self.dp = self._dp_group(args)
         self.follow_bootstrap_room = self._follows_room()
+        tensors = self._map_regions(args, ctx)
+        self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
+        self.aux_item_lens = [int(n) for n in args.aux_item_lens]
+        self.aux_row_bytes = sum(self.aux_item_lens)
+        self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
+        self.own_bootstrap_addr = self._bootstrap_address()  # the prefill deployment's own server
+        self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
+        self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
+        self._register(tensors)
+
+    def _map_regions(self, args: KVArgs, ctx: PoolContext) -> dict:
+        """The rank's geometry (with its cache groups) and the tensors that back every region."""
+        rank_facts = self._rank_facts(args, ctx)
         self.geometry = build_geometry(self.facts, rank_facts)
         tensors = pool_region_tensors(ctx.pool, self.facts)
         # draft-model KV (speculative decoding): a draft group over the target's page table (see .draft)
@@ -133,13 +145,10 @@ class KvxferdKVManager(BaseKVManager):
             tensors.update(self._window_regions(args, ctx, rank_facts))
         if self.draft is not None or self.state_groups or self.window is not None:
             self.geometry = self._with_groups(self.geometry)
-        self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
-        self.aux_item_lens = [int(n) for n in args.aux_item_lens]
-        self.aux_row_bytes = sum(self.aux_item_lens)
-        self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
-        self.own_bootstrap_addr = self._bootstrap_address()  # the prefill deployment's own server
-        self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
-        self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
+        return tensors
+
+    def _register(self, tensors: dict) -> None:
+        """Register the rank with its daemon; a failure after it unregisters (close) before raising."""
         self.client = EngineClient(self.socket_path, timeout=float(os.environ.get(CALL_TIMEOUT_ENV, "5")))
         try:
             self.own_address = str(self.client.status()["peer_endpoint"]).removeprefix("tcp://")
