@@ -10,22 +10,39 @@ engine that knows nothing of coalescing reads them as separate messages.
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any, Callable
 
 #: parts in one multipart message at most; the rest leave in the next one, in order
 MAX_PARTS = 256
 
 
+@dataclass
+class PartCounts:
+    """Multipart messages and the parts they carried: parts / messages is the batching achieved."""
+
+    messages: int = 0
+    parts: int = 0
+
+    def add(self, parts: int) -> None:
+        self.messages += 1
+        self.parts += parts
+
+    def describe(self) -> dict[str, int]:
+        return {"messages": self.messages, "parts": self.parts}
+
+
 class Coalescer:
     """Frames queued per routing id, flushed once per loop turn through ``send``.
 
     ``send(parts)`` gets ``[routing id, frame, frame, ...]``. Only the loop thread may call
-    :meth:`put`: order per engine is the order of the calls.
+    :meth:`put`: order per engine is the order of the calls. ``max_parts`` may change between
+    turns (a peer that said how many parts it reads); 1 sends every frame on its own.
     """
 
     def __init__(self, send: Callable[[list[bytes]], Any], max_parts: int = MAX_PARTS) -> None:
         self._send = send
-        self._max_parts = max_parts
+        self.max_parts = max_parts
         self._queued: dict[bytes, list[bytes]] = {}
         self._scheduled = False
 
@@ -42,6 +59,7 @@ class Coalescer:
     def flush(self) -> None:
         self._scheduled = False
         queued, self._queued = self._queued, {}
+        step = max(1, self.max_parts)
         for identity, frames in queued.items():
-            for i in range(0, len(frames), self._max_parts):
-                self._send([identity, *frames[i:i + self._max_parts]])
+            for i in range(0, len(frames), step):
+                self._send([identity, *frames[i:i + step]])

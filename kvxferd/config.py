@@ -142,6 +142,8 @@ class MetricsSection:
 class LimitsSection:
     max_message_bytes: int = 16 * 1024 * 1024
     max_batch_calls: int = 1024  # calls one multipart message from an engine may carry
+    #: peer control messages one multipart message between daemons carries, sent or read (1: none batched)
+    max_peer_batch_parts: int = 256
     max_inflight_requests: int = 4096
     max_pending_chunks: int = 65536
     max_ranks: int = 256

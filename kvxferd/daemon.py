@@ -270,6 +270,7 @@ class Daemon:
         if self.ops:
             self.ops.close()
         self.engine.outgoing.flush()  # the last events of this loop turn leave before the socket closes
+        self.downstream.outgoing.flush()  # and the last answers and aborts to decode daemons
         for sock in (self.engine.sock, self.downstream.sock):
             if sock is not None:
                 sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts

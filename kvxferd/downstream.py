@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 
 from . import messages, protocol
-from .errors import KvxferError, PlanRefusal, ProtocolError
+from .coalesce import Coalescer, PartCounts
+from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError
 from .directory import RankSetIncomplete
 from .geometry import InstanceSpec
 from .lifecycle import events
@@ -46,20 +47,38 @@ class Downstream:
         self.app = app
         self.peers: dict[bytes, DownstreamPeer] = {}
         self.sock: Any = None  # the ROUTER socket, bound by the app
+        self.max_parts = app.cfg.limits.max_peer_batch_parts
+        #: answers and events for one decode daemon in one loop turn leave as one multipart message:
+        #: its DEALER reads the parts one by one, so a decode daemon of any version reads them as before
+        self.outgoing = Coalescer(self._send_parts, self.max_parts)
+        self.sent = PartCounts()
+        self.received = PartCounts()
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
             "fence": self.fence, "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
             "lookup": lambda _identity, msg: self.app.rendezvous.on_lookup(msg)}
 
     async def serve(self) -> None:
-        await serve_router(self.sock, self.answer)
+        await serve_router(self.sock, self.answer, self.max_parts, self._received)
 
-    def answer(self, identity: bytes, payload: bytes) -> None:
+    def _received(self, parts: int) -> None:
+        self.received.add(parts)
+        self.app.metrics.peer_parts.labels("received").observe(parts)
+
+    def answer(self, identity: bytes, payload: bytes, over_limit: int = 0) -> None:
+        """Answer one peer message (one part of a batch); ``over_limit``: the batch's size, when
+        this part lies past ``limits.max_peer_batch_parts`` and is refused instead."""
         app = self.app
         seq = None
+        raw: dict[str, Any] = {}
         try:
             raw = protocol.decode(payload, app.cfg.limits.max_message_bytes)
             seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
+            if over_limit:
+                raise RequestError(f"a batch of {over_limit} peer messages exceeds limits.max_peer_batch_parts "
+                                   f"{self.max_parts} of this daemon; this message was not run", field="batch",
+                                   code="batch_too_large", fix=f"send at most {self.max_parts} messages per "
+                                   "multipart message (the 'batch' this daemon's pong and handshake answers name)")
             answer = self.op(identity, messages.parse_peer(raw))
             if inspect.isawaitable(answer):  # read from elsewhere first (an etcd directory): answer later
                 asyncio.ensure_future(self._answer_later(identity, seq, answer))
@@ -67,6 +86,9 @@ class Downstream:
             reply = answer.to_wire() if answer is not None else None
         except Exception as exc:  # noqa: BLE001 - mapped to a reply; the daemon goes on
             reply = self._error_reply(exc)
+            request_id = raw.get("request_id")
+            if over_limit and isinstance(request_id, str):
+                reply["request_id"] = request_id[:protocol.MAX_ID_LEN]  # its request fails now, not at a timeout
         if reply is not None:
             if seq is not None:
                 reply["seq"] = seq
@@ -102,7 +124,15 @@ class Downstream:
             self.send_wire(identity, message.to_wire())
 
     def send_wire(self, identity: bytes, message: dict[str, Any]) -> None:
-        fut = self.sock.send_multipart([identity, protocol.encode(message)])
+        """Queue an answer or event; it leaves with the others of this loop turn for that peer."""
+        self.outgoing.put(identity, protocol.encode(message))
+
+    def _send_parts(self, parts: list[bytes]) -> None:
+        if self.sock is None or self.sock.closed:
+            return
+        self.sent.add(len(parts) - 1)
+        self.app.metrics.peer_parts.labels("sent").observe(len(parts) - 1)
+        fut = self.sock.send_multipart(parts)
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(ignore_result)
 
@@ -120,7 +150,7 @@ class Downstream:
         if identity not in self.peers:
             self.peers[identity] = DownstreamPeer(identity, msg.daemon, msg.incarnation or "")
             self.app.count_peers()
-        return messages.Pong(self.app.address, self.app.incarnation)
+        return messages.Pong(self.app.address, self.app.incarnation, self.max_parts)
 
     def handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
         app = self.app
@@ -161,7 +191,7 @@ class Downstream:
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
         return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(transport),
-                                    ranks)
+                                    ranks, self.max_parts)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
         app = self.app

@@ -193,6 +193,8 @@ class HandshakeOk(Message):
     extra: dict[str, Any] = field(default_factory=dict)  # the transport chosen and what it needs
     #: the instance's ranks over several daemons, ``[[tp, pp, daemon], ...]`` (left out: all here)
     ranks: list[list[Any]] | None = None
+    #: peer control messages this daemon reads from one multipart message (left out: one per message)
+    batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -303,6 +305,7 @@ class Pong(Message):
     op: ClassVar[str] = "pong"
     daemon: str
     incarnation: str | None = None
+    batch: int | None = None  # as in HandshakeOk
 
 
 @dataclass(frozen=True)

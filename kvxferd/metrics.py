@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 FRAGMENT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
+PARTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 SIZE_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))
 
 
@@ -74,6 +75,10 @@ class Metrics:
         self.invalid_messages = Counter(
             "kvxferd_invalid_messages", "Messages rejected by validation, by endpoint.",
             ["endpoint"], registry=r)
+        self.peer_parts = Histogram(
+            "kvxferd_peer_message_parts", "Peer control messages per ZeroMQ multipart message between daemons "
+            "(sent: leaving this daemon; received: read by it); above 1, messages of one loop turn left together.",
+            ["direction"], buckets=PARTS_BUCKETS, registry=r)
         self.staging_slots = Gauge(
             "kvxferd_staging_slots_in_use", "Staging (bounce) slots currently held.", registry=r)
         self.staging_bytes = Gauge(

@@ -290,6 +290,9 @@ NIXL_OFFER: dict[str, Checker] = {
     "nixl_landing": landing_ring,
 }
 
+#: what a daemon may say it reads from one multipart peer message (pong, handshake_ok)
+BATCH_PARTS = integer(1, 1 << 16)
+
 PEER_SCHEMAS: dict[str, Schema] = {
     "handshake": Schema(
         required={"v": integer(0, 1 << 16), "daemon": ADDRESS, "data_address": ADDRESS,
@@ -318,7 +321,8 @@ PEER_SCHEMAS: dict[str, Schema] = {
     # anyone -> a rendezvous: which daemon holds which rank of an instance
     "lookup": Schema(required={"instance": NAME, "role": text(16, ("prefill", "decode"))}, optional={}),
     "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
-    "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
+    # batch: the peer control messages the answering daemon reads from one multipart message
+    "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION, "batch": BATCH_PARTS}),
 }
 
 PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",

@@ -69,11 +69,15 @@ def status(app: "Daemon") -> dict[str, Any]:
         "ranks": [r.describe() for r in app.registry],
         "peers": [{"address": l.address, "state": l.state, "side": "prefill",
                    "last_seen_s": round(now - l.last_seen, 3), "auth_error": l.auth_error,
-                   "incarnation": l.peer_incarnation,
+                   "incarnation": l.peer_incarnation, "batch": l.outgoing.max_parts,
                    "plans": sorted(f"{p}->{d}" for p, d in l.handshakes)} for l in app.upstream.links.values()]
                  + [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
                      "last_seen_s": round(now - p.last_seen, 3)} for p in app.downstream.peers.values()],
         "requests": by_state,
+        # multipart messages between daemons and the peer messages they carried (parts > messages: batched)
+        "peer_messages": {"to_sources": app.upstream.sent.describe(), "from_sources": app.upstream.received.describe(),
+                          "to_decode": app.downstream.sent.describe(),
+                          "from_decode": app.downstream.received.describe()},
         "recent_failures": list(app.life.recent_failures),
         "auth": {"refused_here": app.auth_refusals.describe(), "refused_by_peers": app.auth_refused_by.describe()},
         "transports": app.transports.describe(),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import zmq
 
 from . import PROTOCOL_VERSION, linkwatch, messages, protocol, spread
+from .coalesce import Coalescer, PartCounts
 from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
 from .geometry import InstanceSpec
 from .inbox import DestEntry
@@ -35,11 +36,24 @@ def ignore_result(fut: asyncio.Future[Any]) -> None:
         fut.exception()
 
 
-async def serve_router(sock: Any, answer: Callable[[bytes, bytes], None]) -> None:
-    """Answer every message a ROUTER socket receives, by routing id, one at a time."""
+async def serve_router(sock: Any, answer: Callable[[bytes, bytes, int], None], limit: int,
+                       received: Callable[[int], None] | None = None) -> None:
+    """Answer every part of every message a ROUTER socket receives, by routing id, in order.
+
+    A peer that batches sends the control messages of one loop turn as the parts of one
+    multipart message; each part is a message of its own, answered on its own (its own
+    ``seq``). Parts past ``limit`` are refused, not run: ``answer`` gets the batch's size as
+    its third argument for them (0 for the others).
+    """
     while True:
         frames = await sock.recv_multipart(copy=True)
-        answer(frames[0], frames[-1])
+        parts = len(frames) - 1
+        if received is not None:
+            received(parts)
+        identity = frames[0]
+        for i in range(1, len(frames)):
+            answer(identity, frames[i], parts if i > limit else 0)
+        await asyncio.sleep(0)  # a ready socket must not starve the loop (and the answers' flush)
 
 
 class PeerLink:
@@ -79,6 +93,13 @@ class PeerLink:
         #: per pair, the rank map a rendezvous answered (an instance over several daemons)
         self.rank_maps: dict[tuple[str, str], dict[tuple[int, int], str]] = {}
         self.retry_reasons: dict[tuple[str, str], str] = {}  # per pair, the source's last "retry later"
+        #: what this link sends in one loop turn leaves as one multipart message, once the source said
+        #: (``batch`` in its pong or handshake answer) that it reads every part: a source that did not
+        #: would take only the last part, so until then, and for such a source, one message each
+        self.max_parts = app.cfg.limits.max_peer_batch_parts
+        self.outgoing = Coalescer(lambda parts: self._send_parts(parts[1:]), max_parts=1)
+        self.sent = upstream.sent
+        self.metric_sent = app.metrics.peer_parts.labels("sent")
         self.reader = asyncio.ensure_future(self._read(upstream))
         self.watcher = None if self.monitor is None or app.keys is None else asyncio.ensure_future(
             linkwatch.watch(self.monitor, address, app.keys.public,
@@ -86,9 +107,23 @@ class PeerLink:
                             lambda: setattr(self, "auth_error", "")))
 
     def send(self, message: messages.Message) -> None:
-        fut = self.sock.send(protocol.encode(message.to_wire()))
+        self.outgoing.put(b"", protocol.encode(message.to_wire()))
+
+    def _send_parts(self, parts: list[bytes]) -> None:
+        if self.sock.closed:
+            return
+        self.sent.add(len(parts))
+        self.metric_sent.observe(len(parts))
+        fut = self.sock.send_multipart(parts)
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(ignore_result)
+
+    def peer_reads(self, batch: Any) -> None:
+        """The source named (or left out) how many parts of one message it reads: batch up to that."""
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+            self.outgoing.max_parts = min(batch, self.max_parts)
+        else:
+            self.outgoing.max_parts = 1
 
     async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
         self.seq += 1
@@ -96,32 +131,40 @@ class PeerLink:
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[seq] = fut
         try:
-            sent = self.sock.send(protocol.encode({**message.to_wire(), "seq": seq}))
-            if isinstance(sent, asyncio.Future):
-                sent.add_done_callback(ignore_result)
+            self.outgoing.put(b"", protocol.encode({**message.to_wire(), "seq": seq}))
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.waiting.pop(seq, None)
 
     async def _read(self, upstream: "Upstream") -> None:
+        received = upstream.app.metrics.peer_parts.labels("received")
         while True:
-            try:
-                data = await self.sock.recv()
+            try:  # a source of any version: one message, or the parts of one (answers of one turn)
+                frames = await self.sock.recv_multipart(copy=True)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            try:
-                msg = protocol.decode(data, self.max_bytes)
-            except ProtocolError:
-                upstream.app.metrics.invalid_messages.labels("peer").inc()
-                continue
-            upstream.seen(self)
-            fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
-            if fut is not None and not fut.done():
-                fut.set_result(msg)
-                continue
-            upstream.handle(self, msg)
+            upstream.received.add(len(frames))
+            received.observe(len(frames))
+            for data in frames:
+                self._one(upstream, data)
+
+    def _one(self, upstream: "Upstream", data: bytes) -> None:
+        try:
+            msg = protocol.decode(data, self.max_bytes)
+        except ProtocolError:
+            upstream.app.metrics.invalid_messages.labels("peer").inc()
+            return
+        upstream.seen(self)
+        if msg.get("op") in ("pong", "handshake_ok"):
+            self.peer_reads(msg.get("batch"))
+        fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+            return
+        upstream.handle(self, msg)
 
     def close(self) -> None:
+        self.outgoing.flush()  # what this turn queued (an abort) leaves before the socket closes
         self.reader.cancel()
         for fut in self.waiting.values():
             if not fut.done():
@@ -140,6 +183,8 @@ class Upstream:
     def __init__(self, app: "Daemon") -> None:
         self.app = app
         self.links: dict[str, PeerLink] = {}
+        self.sent = PartCounts()  # multipart messages to source daemons, and the messages they carried
+        self.received = PartCounts()
 
     def is_up(self, address: str) -> bool:
         link = self.links.get(address)
@@ -408,6 +453,7 @@ class Upstream:
         app = self.app
         link.state = "down"
         link.handshakes.clear()
+        link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
         app.metrics.heartbeat_misses.inc()
         app.count_peers()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)

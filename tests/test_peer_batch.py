@@ -1,0 +1,222 @@
+"""Peer control messages batched between daemons: the parts of one ZeroMQ multipart message.
+
+Real daemons over tcp, real engine processes, KV checked byte for byte by the oracle. Where
+the test is about the wire itself it is read with a plain ZeroMQ socket: a DEALER reading
+part by part as a decode daemon of any version does, or a ROUTER standing in for a source
+daemon that never said it reads batches (an older one, which would keep only the last part).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import msgpack
+import pytest
+import zmq
+
+from e2e_util import NUM_PAGES, Node, finished, module_cluster, peer_socket, spec, untouched_bytes
+from kvxferd.client import EngineClient
+
+SOURCE_PARTS = 8  # the prefill daemon reads at most this many parts per message
+TIMEOUTS = "[timeouts]\nwaiting_for_input_s = 30.0\nbootstrap_s = 30.0\n"
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    yield from module_cluster(request, Node("prefill-node", f"[limits]\nmax_peer_batch_parts = {SOURCE_PARTS}\n"),
+                              Node("decode-node", TIMEOUTS))
+
+
+def status(daemon) -> dict[str, Any]:
+    with EngineClient(daemon.socket_path, timeout=30) as client:
+        return client.status()
+
+
+def _requests(rng: random.Random, tag: str, count: int, n: int, page_size: int) -> list[dict]:
+    per = -(-n // page_size)
+    pages = rng.sample(range(NUM_PAGES), count * per)
+    return [{"request_id": f"{tag}-{i}", "pages": pages[i * per:(i + 1) * per], "n": n} for i in range(count)]
+
+
+def _sources(rng: random.Random, dst: list[dict]) -> list[dict]:
+    pages = rng.sample(range(NUM_PAGES), sum(len(r["pages"]) for r in dst))
+    out, at = [], 0
+    for r in dst:
+        out.append({**r, "pages": pages[at:at + len(r["pages"])]})
+        at += len(r["pages"])
+    return out
+
+
+def _ping(seq: int) -> bytes:
+    return msgpack.packb({"op": "ping", "daemon": "127.0.0.1:1", "seq": seq}, use_bin_type=True)
+
+
+def _read_message(sock: zmq.Socket) -> list[dict[str, Any]]:
+    """One multipart message read part by part with ``recv()`` (as a decode daemon of any version reads)."""
+    parts = [msgpack.unpackb(sock.recv(), raw=False)]
+    while sock.getsockopt(zmq.RCVMORE):
+        parts.append(msgpack.unpackb(sock.recv(), raw=False))
+    return parts
+
+
+def test_many_small_requests_go_batched_and_arrive_byte_exact(cluster):
+    pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
+    (p0,), (d0,) = cluster.instances((pd, "bp", "prefill", spec(), NUM_PAGES), (dd, "bd", "decode", spec(), NUM_PAGES))
+    rng = random.Random(5)
+    moved: set[int] = set()
+    before_sent = status(dd)["peer_messages"]["to_sources"]
+    before_read = status(pd)["peer_messages"]["from_decode"]
+    for rnd in range(3):  # the first round handshakes; the later ones find the plan and batch their expects
+        dst = _requests(rng, f"small{rnd}", 20, 3, 4)
+        d0.command(cmd="expect_many", requests=dst, source_instance="bp", source_address=pd.address)
+        p0.command(cmd="send_many", requests=_sources(rng, dst))
+        for r in dst:
+            ev = finished(d0, r["request_id"])
+            assert ev["event"] == "finished" and ev["state"] == "done", ev
+            assert ev["mismatched_bytes"] == 0, ev
+            assert finished(p0, r["request_id"])["state"] == "done"
+        moved |= {p for r in dst for p in r["pages"]}
+        assert untouched_bytes(d0, sorted(set(range(NUM_PAGES)) - moved)) == 0  # nothing written elsewhere
+    d_status, p_status = status(dd), status(pd)
+    link = next(p for p in d_status["peers"] if p["address"] == pd.address)
+    assert link["batch"] == SOURCE_PARTS  # the source said it reads 8 parts; the decode side's own limit is 256
+    sent = {k: d_status["peer_messages"]["to_sources"][k] - before_sent[k] for k in before_sent}
+    read = {k: p_status["peer_messages"]["from_decode"][k] - before_read[k] for k in before_read}
+    assert sent["parts"] >= 60, sent  # 60 expects at least, with the handshake and pings
+    assert sent["messages"] < sent["parts"], sent  # batched: fewer multipart messages than peer messages
+    assert read["parts"] >= 60 and read["messages"] < read["parts"], read
+    # never more than the source reads: every message carries at most 8 parts
+    assert read["messages"] * SOURCE_PARTS >= read["parts"], read
+
+
+def test_a_batch_reads_part_by_part_and_each_part_is_answered_in_order(cluster):
+    """A DEALER reading with recv(), as any decode daemon does, gets every answer of a batch on
+    its own, in order, each with its own seq; they left as the parts of one message."""
+    pd = cluster.daemons["prefill-node"]
+    before = status(pd)["peer_messages"]["to_decode"]
+    sock = peer_socket(pd.address, recv_timeout_ms=20_000)
+    try:
+        sock.send_multipart([_ping(seq) for seq in range(1, 6)])
+        parts = _read_message(sock)
+        assert [(p["op"], p["seq"], p.get("batch")) for p in parts] == [("pong", s, SOURCE_PARTS) for s in range(1, 6)]
+        # a peer of the old kind: one message at a time, one answer each
+        for seq in (10, 11):
+            sock.send(_ping(seq))
+            assert [(p["op"], p["seq"]) for p in _read_message(sock)] == [("pong", seq)]
+    finally:
+        sock.close(0)
+    after = status(pd)["peer_messages"]["to_decode"]
+    # the five pongs counted as one message (pongs to the decode daemon's pings add one part per message)
+    assert (after["parts"] - before["parts"]) - (after["messages"] - before["messages"]) >= 4, (before, after)
+
+
+def test_a_malformed_part_gets_its_own_error_and_the_others_are_served(cluster):
+    pd = cluster.daemons["prefill-node"]
+    bad_expect = msgpack.packb({"op": "expect", "request_id": "mb-1", "prefill_instance": "bp", "seq": 3},
+                               use_bin_type=True)
+    sock = peer_socket(pd.address, recv_timeout_ms=20_000)
+    try:
+        sock.send_multipart([_ping(1), b"\xc1 not msgpack", bad_expect, _ping(4)])
+        parts = _read_message(sock)
+    finally:
+        sock.close(0)
+    assert [p["op"] for p in parts] == ["pong", "error", "error", "pong"], parts
+    assert parts[0]["seq"] == 1 and parts[3]["seq"] == 4
+    assert "seq" not in parts[1] and parts[1]["error"]["field"] == "message", parts[1]
+    assert parts[2]["seq"] == 3 and parts[2]["error"]["field"] == "decode_instance", parts[2]
+
+
+def test_parts_past_the_limit_are_refused_by_name_and_the_rest_answered(cluster):
+    pd = cluster.daemons["prefill-node"]
+    sock = peer_socket(pd.address, recv_timeout_ms=20_000)
+    try:
+        sock.send_multipart([_ping(seq) for seq in range(1, SOURCE_PARTS + 3)])
+        parts = _read_message(sock)
+        refused = _read_message(sock)  # its answers, too, leave at most 8 to a message
+    finally:
+        sock.close(0)
+    assert [(p["op"], p["seq"]) for p in parts] == [("pong", s) for s in range(1, SOURCE_PARTS + 1)]
+    assert [(p["op"], p["seq"], p["error"]["code"], p["error"]["field"]) for p in refused] == [
+        ("error", s, "batch_too_large", "batch") for s in (SOURCE_PARTS + 1, SOURCE_PARTS + 2)], refused
+    assert f"{SOURCE_PARTS + 2} peer messages" in refused[0]["error"]["message"]
+
+
+class FakeSource:
+    """A ROUTER speaking the peer protocol as a source daemon does, answering handshakes and pings
+    with ``batch`` only when given one (left out: as a source daemon that reads one part)."""
+
+    def __init__(self, batch: int | None) -> None:
+        self.batch = batch
+        self.sock = zmq.Context.instance().socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        self.address = f"127.0.0.1:{port}"
+        self.identity = b""
+        self.sizes: list[int] = []  # parts per message received
+        self.expects: list[str] = []
+
+    def serve_until(self, expects: int, timeout_s: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while len(self.expects) < expects:
+            assert time.monotonic() < deadline, f"{len(self.expects)} expects of {expects}, sizes {self.sizes}"
+            if not self.sock.poll(1000):
+                continue
+            frames = self.sock.recv_multipart()
+            self.identity = frames[0]
+            self.sizes.append(len(frames) - 1)
+            for part in frames[1:]:
+                self._answer(msgpack.unpackb(part, raw=False))
+
+    def _answer(self, msg: dict[str, Any]) -> None:
+        extra = {"batch": self.batch} if self.batch is not None else {}
+        if msg["op"] == "handshake":
+            self._send({"op": "handshake_ok", "prefill_spec": spec().to_dict(), "mode": "direct",
+                        "incarnation": "fake-source", "transport": "tcp", "seq": msg["seq"], **extra})
+        elif msg["op"] == "ping":
+            self._send({"op": "pong", "daemon": self.address, "incarnation": "fake-source", **extra})
+        elif msg["op"] == "expect":
+            self.expects.append(msg["request_id"])
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        self.sock.send_multipart([self.identity, msgpack.packb(msg, use_bin_type=True)])
+
+    def abort_all(self) -> None:
+        """Abort every request it was asked for, in one multipart message (a batching source)."""
+        self.sock.send_multipart([self.identity] + [msgpack.packb(
+            {"op": "abort", "request_id": rid, "reason": "the test is over", "code": "test_abort"})
+            for rid in self.expects])
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+@pytest.mark.parametrize("batch", [None, 3])
+def test_a_source_batches_reach_only_if_it_said_it_reads_them(cluster, batch):
+    """A source that never said ``batch`` gets one message per multipart message (an older one
+    would read only the last part); one that said 3 gets up to 3. Its aborts, sent as the parts
+    of one message, each reach their request."""
+    dd = cluster.daemons["decode-node"]
+    fake = FakeSource(batch)
+    tag = f"fake{batch}"
+    try:
+        (d0,) = cluster.instances((dd, f"{tag}d", "decode", spec(), NUM_PAGES))[0]
+        rng = random.Random(6)
+        first, second = _requests(rng, f"{tag}a", 6, 3, 4), _requests(rng, f"{tag}b", 12, 3, 4)
+        for group, total in ((first, 6), (second, 18)):  # the second finds the plan: its expects leave in one turn
+            d0.command(cmd="expect_many", requests=group, source_instance=f"{tag}p", source_address=fake.address)
+            fake.serve_until(total)
+        assert sorted(fake.expects) == sorted(r["request_id"] for r in first + second)
+        if batch is None:
+            assert set(fake.sizes) == {1}, fake.sizes
+        else:
+            assert max(fake.sizes) == batch and all(1 <= s <= batch for s in fake.sizes), fake.sizes
+        link = next(p for p in status(dd)["peers"] if p["address"] == fake.address)
+        assert link["batch"] == (batch or 1)
+        fake.abort_all()
+        for r in first + second:
+            ev = finished(d0, r["request_id"])
+            assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "test_abort", ev
+    finally:
+        fake.close()
