@@ -53,6 +53,8 @@ class Downstream:
         self.outgoing = Coalescer(self._send_parts, self.max_parts)
         self.sent = PartCounts()
         self.received = PartCounts()
+        self._sent_metric = app.metrics.peer_parts.labels("sent")
+        self._received_metric = app.metrics.peer_parts.labels("received")
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
             "fence": self.fence, "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
@@ -63,7 +65,7 @@ class Downstream:
 
     def _received(self, parts: int) -> None:
         self.received.add(parts)
-        self.app.metrics.peer_parts.labels("received").observe(parts)
+        self._received_metric.observe(parts)
 
     def answer(self, identity: bytes, payload: bytes, over_limit: int = 0) -> None:
         """Answer one peer message (one part of a batch); ``over_limit``: the batch's size, when
@@ -131,7 +133,7 @@ class Downstream:
         if self.sock is None or self.sock.closed:
             return
         self.sent.add(len(parts) - 1)
-        self.app.metrics.peer_parts.labels("sent").observe(len(parts) - 1)
+        self._sent_metric.observe(len(parts) - 1)
         fut = self.sock.send_multipart(parts)
         if isinstance(fut, asyncio.Future):
             fut.add_done_callback(ignore_result)

@@ -44,7 +44,12 @@ async def serve_router(sock: Any, answer: Callable[[bytes, bytes, int], None], l
     multipart message; each part is a message of its own, answered on its own (its own
     ``seq``). Parts past ``limit`` are refused, not run: ``answer`` gets the batch's size as
     its third argument for them (0 for the others).
+
+    A ready socket hands over its next message without a turn of the loop; after about
+    ``limit`` parts the loop gets one anyway (other work, and the flush of the answers). A turn
+    per message instead cost a third of the CPU of a message sent on its own.
     """
+    taken = 0
     while True:
         frames = await sock.recv_multipart(copy=True)
         parts = len(frames) - 1
@@ -53,7 +58,10 @@ async def serve_router(sock: Any, answer: Callable[[bytes, bytes, int], None], l
         identity = frames[0]
         for i in range(1, len(frames)):
             answer(identity, frames[i], parts if i > limit else 0)
-        await asyncio.sleep(0)  # a ready socket must not starve the loop (and the answers' flush)
+        taken += parts
+        if taken >= limit:
+            taken = 0
+            await asyncio.sleep(0)
 
 
 class PeerLink:
