@@ -18,6 +18,7 @@ import zmq
 
 from e2e_util import NUM_PAGES, Node, finished, module_cluster, peer_socket, spec, untouched_bytes
 from kvxferd.client import EngineClient
+from kvxferd.tools.procstats import scrape
 
 SOURCE_PARTS = 8  # the prefill daemon reads at most this many parts per message
 TIMEOUTS = "[timeouts]\nwaiting_for_input_s = 30.0\nbootstrap_s = 30.0\n"
@@ -89,6 +90,11 @@ def test_many_small_requests_go_batched_and_arrive_byte_exact(cluster):
     assert read["parts"] >= 60 and read["messages"] < read["parts"], read
     # never more than the source reads: every message carries at most 8 parts
     assert read["messages"] * SOURCE_PARTS >= read["parts"], read
+    # the same, as Prometheus sees it: messages per multipart message, sent by one and read by the other
+    for daemon, direction in ((dd, "sent"), (pd, "received")):
+        seen = scrape(daemon.metrics_url)
+        parts = seen[f'kvxferd_peer_message_parts_sum{{direction="{direction}"}}']
+        assert parts > seen[f'kvxferd_peer_message_parts_count{{direction="{direction}"}}'], (daemon.name, seen)
 
 
 def test_a_batch_reads_part_by_part_and_each_part_is_answered_in_order(cluster):
