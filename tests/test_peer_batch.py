@@ -21,12 +21,14 @@ from kvxferd.client import EngineClient
 from kvxferd.tools.procstats import scrape
 
 SOURCE_PARTS = 8  # the prefill daemon reads at most this many parts per message
+SOURCE_INFLIGHT = 32  # and holds at most this many requests; past it, expects are answered "busy"
 TIMEOUTS = "[timeouts]\nwaiting_for_input_s = 30.0\nbootstrap_s = 30.0\n"
 
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    yield from module_cluster(request, Node("prefill-node", f"[limits]\nmax_peer_batch_parts = {SOURCE_PARTS}\n"),
+    yield from module_cluster(request, Node("prefill-node", f"[limits]\nmax_peer_batch_parts = {SOURCE_PARTS}\n"
+                                                   f"max_inflight_requests = {SOURCE_INFLIGHT}\n"),
                               Node("decode-node", TIMEOUTS))
 
 
@@ -95,6 +97,37 @@ def test_many_small_requests_go_batched_and_arrive_byte_exact(cluster):
         seen = scrape(daemon.metrics_url)
         parts = seen[f'kvxferd_peer_message_parts_sum{{direction="{direction}"}}']
         assert parts > seen[f'kvxferd_peer_message_parts_count{{direction="{direction}"}}'], (daemon.name, seen)
+
+
+def test_answers_of_one_turn_reach_a_real_decode_daemon_as_one_message(cluster):
+    """Expects past the source's limit are answered "busy" in the turn that read them: the
+    answers leave as the parts of one message, and the decode daemon fails each request they
+    name while the others move byte-exact."""
+    pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
+    (p0,), (d0,) = cluster.instances((pd, "qp", "prefill", spec(), NUM_PAGES), (dd, "qd", "decode", spec(), NUM_PAGES))
+    rng = random.Random(8)
+    warm = _requests(rng, "warm", 1, 3, 4)  # the handshake first: the rest leave batched
+    d0.command(cmd="expect_many", requests=warm, source_instance="qp", source_address=pd.address)
+    p0.command(cmd="send_many", requests=_sources(rng, warm))
+    assert finished(d0, "warm-0")["state"] == "done" and finished(p0, "warm-0")["state"] == "done"
+    before_sent = status(pd)["peer_messages"]["to_decode"]
+    before_read = status(dd)["peer_messages"]["from_sources"]
+    dst = _requests(rng, "busy", SOURCE_INFLIGHT + SOURCE_PARTS, 1, 4)
+    d0.command(cmd="expect_many", requests=dst, source_instance="qp", source_address=pd.address)
+    held, refused = dst[:SOURCE_INFLIGHT], dst[SOURCE_INFLIGHT:]
+    for r in refused:
+        ev = finished(d0, r["request_id"])
+        assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "busy", ev
+    p0.command(cmd="send_many", requests=_sources(rng, held))
+    for r in held:
+        ev = finished(d0, r["request_id"])
+        assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
+        assert finished(p0, r["request_id"])["state"] == "done"
+    sent = {k: status(pd)["peer_messages"]["to_decode"][k] - before_sent[k] for k in before_sent}
+    read = {k: status(dd)["peer_messages"]["from_sources"][k] - before_read[k] for k in before_read}
+    # eight "busy" answers (and pongs, one each): fewer messages than parts, both sides
+    assert sent["parts"] >= SOURCE_PARTS and sent["parts"] - sent["messages"] >= SOURCE_PARTS - 1, sent
+    assert read["parts"] >= SOURCE_PARTS and read["parts"] - read["messages"] >= SOURCE_PARTS - 1, read
 
 
 def test_a_batch_reads_part_by_part_and_each_part_is_answered_in_order(cluster):
