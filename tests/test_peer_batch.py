@@ -22,13 +22,15 @@ from kvxferd.tools.procstats import scrape
 
 SOURCE_PARTS = 8  # the prefill daemon reads at most this many parts per message
 SOURCE_INFLIGHT = 32  # and holds at most this many requests; past it, expects are answered "busy"
+SOURCE_MESSAGE_BYTES = 65536  # and reads messages of at most this size
 TIMEOUTS = "[timeouts]\nwaiting_for_input_s = 30.0\nbootstrap_s = 30.0\n"
 
 
 @pytest.fixture(scope="module")
 def cluster(request):
     yield from module_cluster(request, Node("prefill-node", f"[limits]\nmax_peer_batch_parts = {SOURCE_PARTS}\n"
-                                                   f"max_inflight_requests = {SOURCE_INFLIGHT}\n"),
+                                                   f"max_inflight_requests = {SOURCE_INFLIGHT}\n"
+                                                   f"max_message_bytes = {SOURCE_MESSAGE_BYTES}\n"),
                               Node("decode-node", TIMEOUTS))
 
 
@@ -165,6 +167,24 @@ def test_a_malformed_part_gets_its_own_error_and_the_others_are_served(cluster):
     assert parts[0]["seq"] == 1 and parts[3]["seq"] == 4
     assert "seq" not in parts[1] and parts[1]["error"]["field"] == "message", parts[1]
     assert parts[2]["seq"] == 3 and parts[2]["error"]["field"] == "decode_instance", parts[2]
+
+
+def test_the_message_size_limit_holds_per_part_not_per_batch(cluster):
+    """Parts that together exceed limits.max_message_bytes are each read and answered."""
+    pd = cluster.daemons["prefill-node"]
+    pad = "x" * (SOURCE_MESSAGE_BYTES // 3)
+    padded = [msgpack.packb({"op": "ping", "daemon": "127.0.0.1:1", "seq": seq, "pad": pad}, use_bin_type=True)
+              for seq in (2, 3, 4)]
+    batch = [_ping(1), *padded, _ping(5)]
+    assert sum(map(len, batch)) > SOURCE_MESSAGE_BYTES > max(map(len, batch))
+    sock = peer_socket(pd.address, recv_timeout_ms=20_000)
+    try:
+        sock.send_multipart(batch)
+        parts = _read_message(sock)
+    finally:
+        sock.close(0)
+    assert [(p["op"], p["seq"]) for p in parts] == [("pong", 1), ("error", 2), ("error", 3), ("error", 4), ("pong", 5)]
+    assert all(p["error"]["field"] == "pad" for p in parts[1:4]), parts[1]  # decoded, then refused by its schema
 
 
 def test_parts_past_the_limit_are_refused_by_name_and_the_rest_answered(cluster):
