@@ -277,7 +277,7 @@ class Downstream:
         probe = zmq.Socket.shadow(self.sock.underlying)
         probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            pong = messages.Pong(self.app.address, self.app.incarnation).to_wire()
+            pong = messages.Pong(self.app.address, self.app.incarnation, self.max_parts).to_wire()
             probe.send_multipart([identity, protocol.encode(pong)], flags=zmq.NOBLOCK)
             return False
         except zmq.ZMQError as exc:
