@@ -258,8 +258,6 @@ class KvxferdKVManager(BaseKVManager):
 
     def _with_groups(self, geometry: RankGeometry) -> RankGeometry:
         """The rank's geometry with its cache groups (draft KV, Mamba state)."""
-        import dataclasses
-
         groups = ([self.draft] if self.draft is not None else []) + [g.group for g in self.state_groups]
         pages = ([(DRAFT_GROUP, geometry.num_pages)] if self.draft is not None else []) + [
             (g.group.name, g.slots) for g in self.state_groups]
