@@ -129,29 +129,41 @@ def rank_slice(full: torch.Tensor, name: str, tp_rank: int, tp: int) -> torch.Te
     return torch.cat(out, dim=GDN.conv_axis)
 
 
-@pytest.mark.parametrize("pp_p,tp_p,pp_d,tp_d", [(2, 1, 1, 2), (1, 2, 2, 1)], ids=["pp2tp1-to-pp1tp2",
-                                                                                 "pp1tp2-to-pp2tp1"])
-def test_hybrid_mamba_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d, tp_d):
+EVEN = ((0, 1), (1, 3))  # Mamba layers 0 | 2, 4 by SGLang's default partition of 5 layers: [0, 2) | [2, 5)
+
+
+@pytest.mark.parametrize("pp_p,tp_p,pp_d,tp_d,partition,p_mamba", [
+    (2, 1, 1, 2, None, EVEN), (1, 2, 2, 1, None, None), (2, 1, 2, 1, "3,2", ((0, 2), (2, 3)))],
+    ids=["pp2tp1-to-pp1tp2", "pp1tp2-to-pp2tp1", "pp2-partition-3,2-to-pp2"])
+def test_hybrid_mamba_across_pp_stages(cluster, gloo, monkeypatch, pp_p, tp_p, pp_d, tp_d, partition, p_mamba):
     """5 layers over PP 2 by SGLang's partition: stage 0 [0, 2) holds full layer 1 and Mamba
     layer 0, stage 1 [2, 5) full layer 3 and Mamba layers 2 and 4 (an uneven Mamba split);
-    each stage sends and receives its own layers with its own state slot, the TP changes
-    with the PP."""
+    with SGLANG_PP_LAYER_PARTITION 3,2 on the prefill deployment its stages hold [0, 3)
+    (full 1, Mamba 0, 2) and [3, 5) (full 3, Mamba 4), so the two sides split the Mamba
+    groups differently. Each stage sends and receives its own layers with its own state
+    slot; the TP changes with the PP."""
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
+    if partition:  # the prefill deployment's environment only
+        monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", partition)
     prefill = [mamba_stage("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
                            port=free_port(), bootstrap_port=bport, seed=2000 + 10 * p + t)
                for p in range(pp_p) for t in range(tp_p)]
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
     dport = free_port()
     decode = [mamba_stage("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
                           port=dport, bootstrap_port=bport, seed=2050 + 10 * p + t)
               for p in range(pp_d) for t in range(tp_d)]
     try:
-        staged = (prefill if pp_p == 2 else decode)[-1].manager.geometry.spec
-        assert (staged.num_layers, staged.splits) == (2, ((0, 1), (1, 2)))  # full layers 1 | 3
-        conv = staged.group("mamba_0")
-        assert (conv.num_layers, conv.layer_splits) == (3, ((0, 1), (1, 3)))  # Mamba layers 0 | 2, 4
-        req = Request(room=9800 + 10 * pp_p + pp_d, n_tokens=23)
+        for ranks, mamba in ((prefill, p_mamba), (decode, EVEN if pp_d == 2 else None)):
+            if mamba is None:
+                continue
+            staged = ranks[-1].manager.geometry.spec
+            assert (staged.num_layers, staged.splits) == (2, ((0, 1), (1, 2)))  # full layers 1 | 3
+            for name in ("mamba_0", "mamba_1"):
+                assert (staged.group(name).num_layers, staged.group(name).layer_splits) == (3, mamba)
+        req = Request(room=9800 + 10 * pp_p + pp_d + 100 * bool(partition), n_tokens=23)
         rng = random.Random(pp_p * 10 + pp_d)
         def p_slot(r: Rank) -> int:  # every stage its own slot
             return 3 + r.pp_rank
