@@ -279,25 +279,31 @@ def swa_stage(role: str, daemon, *, tp_rank: int, tp_size: int, pp_rank: int, pp
     return rank, Rank(role, tp_rank, pp_rank, view, rank.metadata, rank.manager, PS, list(range(1, PAGES)))
 
 
-def test_sliding_window_layers_across_pp_stages(cluster, gloo):
-    """Prefill PP 2 (stage 0: SWA layer 0, full layer 1; stage 1: SWA layer 2, full layer 3)
-    -> decode PP 1 TP 2; a prompt of 23 tokens, window 8: the full layers move all 23, the
-    SWA layers only the window's tokens, from both stages."""
+@pytest.mark.parametrize("pp_p,tp_p,pp_d,tp_d", [(2, 1, 1, 2), (1, 2, 2, 1)], ids=["pp2tp1-to-pp1tp2",
+                                                                                 "pp1tp2-to-pp2tp1"])
+def test_sliding_window_layers_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d, tp_d):
+    """PP 2 (stage 0: SWA layer 0, full layer 1; stage 1: SWA layer 2, full layer 3) on one
+    side, PP 1 on the other, the TP changing with it; a prompt of 23 tokens, window 8: the
+    full layers move all 23, the SWA layers only the window's tokens, stage by stage."""
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pairs_p = [swa_stage("prefill", cluster.daemons["pd"], tp_rank=0, tp_size=1, pp_rank=p, pp_size=2,
-                         port=free_port(), bootstrap_port=bport, seed=2100 + p) for p in range(2)]
+    pairs_p = [swa_stage("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
+                         port=free_port(), bootstrap_port=bport, seed=2100 + 10 * p + t)
+               for p in range(pp_p) for t in range(tp_p)]
     dport = free_port()
-    pairs_d = [swa_stage("decode", cluster.daemons["dd"], tp_rank=t, tp_size=2, pp_rank=0, pp_size=1, port=dport,
-                         bootstrap_port=bport, seed=2150 + t) for t in range(2)]
+    pairs_d = [swa_stage("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
+                         port=dport, bootstrap_port=bport, seed=2150 + 10 * p + t)
+               for p in range(pp_d) for t in range(tp_d)]
     prefill, pswa = [a for a, _ in pairs_p], [b for _, b in pairs_p]
     decode, dswa = [a for a, _ in pairs_d], [b for _, b in pairs_d]
     try:
-        group = prefill[1].manager.geometry.spec.group("swa")
-        assert (group.num_layers, group.layer_splits, group.window) == (2, ((0, 1), (1, 2)), W)
+        staged = (prefill if pp_p == 2 else decode)[-1].manager.geometry.spec
+        assert staged.splits == ((0, 1), (1, 2))  # full layers 1 | 3
+        group = staged.group("swa")
+        assert (group.num_layers, group.layer_splits, group.window) == (2, ((0, 1), (1, 2)), W)  # SWA 0 | 2
         n, prefix = 23, 0
-        req = Request(room=9900, n_tokens=n)
+        req = Request(room=9900 + 10 * pp_p + pp_d, n_tokens=n)
         rng = random.Random(5)
         ws = window_start(n, prefix, PS)
         num_pages = -(-n // PS)
@@ -342,8 +348,9 @@ def test_sliding_window_layers_across_pp_stages(cluster, gloo):
         for (recv, dslots, dswa_slots, aux), d, sw, old, sold in zip(receivers, decode, dswa, before, sbefore):
             assert sglang_wait([recv], gloo, decode_metadata=d.metadata, aux_index=aux) == [KVPoll.Success], \
                 recv.failure
-            assert_bytes_equal(d.buffers(), expected_decode(d, old, dslots, prefill, pslots, req, SWA_MODEL, 1, 2))
-            want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, 1, 2)
+            assert_bytes_equal(d.buffers(), expected_decode(d, old, dslots, prefill, pslots, req, SWA_MODEL, tp_p,
+                                                            tp_d))
+            want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, tp_p, tp_d)
             assert any(not torch.equal(want[k], sold[k]) for k in want), "the oracle expects no change"
             assert_bytes_equal(sw.buffers(), want)
     finally:
