@@ -29,6 +29,7 @@ import torch
 
 from ...errors import ConfigError
 from ...geometry import InstanceSpec, RankGeometry
+from ...groups import Group
 
 #: what the connector asks vLLM for (alias of LBNHC in vLLM 0.32): token rows, dense layers
 REQUIRED_LAYOUT = "NHD"
@@ -155,16 +156,18 @@ def layer_span(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def rank_geometry(layout: LayerLayout, dtype: str, *, num_layers: int, total_kv_heads: int, tp_size: int,
                   pp_size: int, layer_splits: tuple[tuple[int, int], ...] | None, tp_rank: int,
-                  pp_rank: int) -> RankGeometry:
-    """The geometry a rank registers: the model's numbers plus what :func:`decide` read."""
+                  pp_rank: int, groups: tuple[Group, ...] = (),
+                  group_pages: dict[str, int] | None = None) -> RankGeometry:
+    """The geometry a rank registers: the model's numbers plus what :func:`decide` read
+    (``groups``: vLLM's other KV cache groups as kvxferd cache groups, their page counts)."""
     mla = layout.kind == "latent"
     spec = InstanceSpec(attention="mla" if mla else "mha", num_layers=num_layers,
                         total_kv_heads=None if mla else total_kv_heads, head_dim=layout.head_dim, dtype=dtype,
                         page_size=layout.page_size, tp_size=tp_size, pp_size=pp_size, layer_splits=layer_splits,
-                        layout=layout.layout)
+                        layout=layout.layout, groups=groups)
     if spec.local_heads != layout.heads:
         raise ConfigError(f"vLLM's KV tensor holds {layout.heads} heads per rank, kvxferd expects "
                           f"{spec.local_heads} ({spec.kv_heads} KV heads over tp {tp_size})",
                           field="kv_caches.heads", fix="report this layout to kvxferd's maintainers")
     return RankGeometry(spec, tp_rank=tp_rank, pp_rank=pp_rank, num_pages=layout.num_pages,
-                        page_stride=layout.page_stride)
+                        page_stride=layout.page_stride, group_pages=tuple(sorted((group_pages or {}).items())))
