@@ -80,6 +80,24 @@ def test_groups_kvxferd_cannot_move_are_refused_naming_the_field():
     assert m.extra == () and m.hybrid
 
 
+def test_a_window_group_in_vllms_packed_layout_moves_from_the_page_of_its_first_kept_token():
+    from kvxferd.geometry import InstanceSpec
+    from kvxferd.group_requests import group_origin
+    from kvxferd.groups import Group
+
+    spec = InstanceSpec(attention="mha", num_layers=2, total_kv_heads=2, head_dim=vu.HEAD, dtype="float32",
+                        page_size=vu.BLOCK, layout="packed_page",
+                        groups=(Group("swa0", "window", 2, head_dim=vu.HEAD, total_kv_heads=2, window=KEPT),))
+    # the group lives in the same engine memory, so it is laid out like the instance's own KV
+    assert (spec.group_spec("swa0").layout, spec.group_spec("swa0").region_kinds) == ("packed_page", ("kv",))
+    assert group_origin(spec, "swa0", 0, 150) == 96        # 150 - 39 = 111, in the page [96, 128)
+    assert group_origin(spec, "swa0", 0, 40) == 0
+    assert group_origin(spec, "swa0", 128, 150) == 128     # a decode prefix hit past the window's page
+    nhd = InstanceSpec(attention="mha", num_layers=2, total_kv_heads=2, head_dim=vu.HEAD, dtype="float32",
+                       page_size=vu.BLOCK, groups=spec.groups)
+    assert group_origin(nhd, "swa0", 0, 150) == 111         # token rows: exactly the window
+
+
 # -- the scheduler side, under vLLM's real Scheduler -------------------------------------------
 
 @pytest.fixture(scope="module")
