@@ -248,6 +248,7 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         sending, recving = self.worker.finished(finished_req_ids)
+        self.worker.book.take_failed(recving)  # this path reports failures by block id only
         return sending or None, recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
