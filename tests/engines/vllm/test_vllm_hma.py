@@ -168,6 +168,27 @@ def test_decode_loads_name_the_window_groups_blocks_with_vllms_null_block_before
     assert 0 not in swa[1:] and not set(swa[1:]) & set(load.block_ids)
 
 
+def test_a_failed_hybrid_load_reported_by_request_is_recomputed_by_vllm(model_dir):
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "kvxferd": {"transfer_id": "t2", "source_instance": "p.prefill", "source_address": ADDRESS,
+                          "num_tokens": 100}}
+    config = vu.vllm_config(model_dir, kv={**vu.kv_transfer_config(instance="d", address=ADDRESS),
+                                           "kv_load_failure_policy": "recompute"})
+    sched = vu.scheduler(config, 64, vu.hybrid_kv_cache_config(config, 64))
+    before = free_blocks(sched)
+    sched.add_request(vu.request("d", list(range(1, 101)), kv_transfer_params=params))
+    plan, out, _ = step(sched)
+    assert len(plan.loads) == 1 and out.num_scheduled_tokens == {}
+    # what the workers report for a failed load of a hybrid cache: the request, no block ids
+    # (vLLM raises on block-level errors when it has several KV cache groups)
+    _, out, _ = step(sched, finished_recving={"d"}, failed_recving={"d"})
+    plan, out, outputs = step(sched)
+    assert out.num_scheduled_tokens == {"d": 100} and plan.loads == ()     # computed here, not loaded again
+    assert outputs["d"].new_token_ids == [7]
+    step(sched)
+    assert free_blocks(sched) == before
+
+
 def test_a_mamba_group_is_refused_when_vllm_builds_the_connector(model_dir):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
 

@@ -113,7 +113,8 @@ def request(request_id: str, prompt: list[int], *, max_tokens: int = 1,
 
 
 def runner_output(sched: Any, out: Any, *, finished_sending: set[str] | None = None,
-                  finished_recving: set[str] | None = None, invalid_block_ids: set[int] | None = None) -> Any:
+                  finished_recving: set[str] | None = None, invalid_block_ids: set[int] | None = None,
+                  failed_recving: set[str] | None = None) -> Any:
     """What a model runner returns for ``out``: one token for every request whose prompt is complete."""
     from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
@@ -126,4 +127,5 @@ def runner_output(sched: Any, out: Any, *, finished_sending: set[str] | None = N
     return ModelRunnerOutput(
         req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
         kv_connector_output=KVConnectorOutput(finished_sending=finished_sending, finished_recving=finished_recving,
-                                              invalid_block_ids=invalid_block_ids or set()))
+                                              invalid_block_ids=invalid_block_ids or set(),
+                                              failed_recving=failed_recving or set()))
