@@ -34,6 +34,7 @@ PROMPTS = {
     "long": [_rng.randrange(1, 512) for _ in range(150)],      # prefilled in chunks of 64 tokens
     "target": [_rng.randrange(1, 512) for _ in range(90)],     # negative control: decoded ...
     "donor": [_rng.randrange(1, 512) for _ in range(90)],      # ... with this prompt's transfer
+    "again": [_rng.randrange(1, 512) for _ in range(100)],     # decoded twice: the second time a prefix hit
 }
 
 
@@ -124,4 +125,15 @@ def test_negative_control_another_prompts_kv_gives_other_tokens(rig):
     tokens = disaggregated(rig, PROMPTS["target"], params_from=PROMPTS["donor"])
     assert metric(dd, "kvxferd_transfers_total", side="decode", outcome="done") - done_before == 1
     assert tokens != plain["target"]
+    assert rig["prefill"].call(cmd="drain")["held"] == []
+
+
+def test_a_decode_prefix_hit_moves_only_the_rest_of_both_groups_and_still_matches(rig):
+    dd = rig["dd"]
+    assert disaggregated(rig, PROMPTS["again"]) == rig["plain"]["again"]
+    bytes_before = metric(dd, "kvxferd_received_bytes_total")
+    # decode's prefix cache now holds the prompt's three full pages in both groups (the
+    # sliding-window group those its window needs): only the last page of each layer moves
+    assert disaggregated(rig, PROMPTS["again"]) == rig["plain"]["again"]
+    assert metric(dd, "kvxferd_received_bytes_total") - bytes_before == (2 + 2) * PAGE_BYTES
     assert rig["prefill"].call(cmd="drain")["held"] == []
