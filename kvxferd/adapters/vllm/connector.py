@@ -35,10 +35,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from ...client import DaemonError, EngineClient
 from ...errors import ConfigError, KvxferError
 from ...geometry import RankGeometry
-from ...groups import Group
 from ...memory import SharedPool, describe_tensors, share_in_place
-from .groups import FULL, MAMBA, SLIDING, GroupMap, MappedGroup, VllmGroup, map_groups, single_group
-from .layout import LAYOUT_FIX, REQUIRED_LAYOUT, LayerLayout, decide, layer_span, rank_geometry, same_for_all
+from .groups import FULL, MAMBA, SLIDING, GroupMap, VllmGroup, map_groups, single_group
+from .layout import (
+    REQUIRED_LAYOUT,
+    HybridPart,
+    LayerLayout,
+    decide,
+    hybrid_geometry,
+    layer_span,
+    rank_geometry,
+    same_for_all,
+)
 from .logic import (
     ConnectorSettings,
     SchedulerBook,
@@ -339,16 +347,12 @@ class _Worker:
         return layout
 
     def _hybrid(self, kv_caches: dict[str, torch.Tensor]) -> tuple[RankGeometry, dict[tuple[int, str], Any]]:
-        """Several vLLM KV cache groups: the default group's layers numbered from 0 among
-        themselves, every other group registered as a kvxferd cache group with its own."""
+        """Several vLLM KV cache groups: each group's layers in model order, laid out, then
+        ``layout.hybrid_geometry`` (the default group numbered from 0, the others as groups)."""
         from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
         from vllm.model_executor.models.utils import extract_layer_index
 
-        model = self.vllm_config.model_config
-        parallel = self.vllm_config.parallel_config
-        tp = parallel.tensor_parallel_size
-        total_heads = model.get_total_num_kv_heads()
-        laid: dict[str, tuple[MappedGroup, LayerLayout, list[torch.Tensor]]] = {}
+        parts = []
         for g in self.groups.groups:
             missing = [n for n in g.layer_names if n not in kv_caches]
             if missing:
@@ -357,32 +361,12 @@ class _Worker:
                                   "maintainers")
             names = sorted(g.layer_names, key=extract_layer_index)
             layers = [kv_caches[n] for n in names]
-            laid[g.name] = (g, self._layout(dict(enumerate(layers)), names[0], g.block_size), layers)
-        base = laid[""][1]
-        spans: dict[tuple[int, str], Any] = {}
-        groups = []
-        for name, (g, layout, layers) in laid.items():
-            if (layout.layout, layout.kind, layout.page_size) != (base.layout, base.kind, base.page_size):
-                raise ConfigError(f"vLLM KV cache group {g.index} is laid out as {layout.layout} with {layout.page_size}"
-                                  f"-token pages, the full-attention group as {base.layout} with {base.page_size}",
-                                  field=f"kv_cache_config.kv_cache_groups[{g.index}]", fix=LAYOUT_FIX)
-            if name and layout.page_stride != layout.page_bytes:
-                raise ConfigError(f"vLLM KV cache group {g.index}'s pages lie {layout.page_stride} bytes apart, not "
-                                  f"back to back ({layout.page_bytes}); kvxferd's cache groups take dense pages",
-                                  field="kv_caches.layout", fix=LAYOUT_FIX)
-            kind = layout.kind if not name else f"{name}.{layout.kind}"
-            spans.update({(i, kind): (t, layout.span_bytes) for i, t in enumerate(layers)})
-            if name:
-                heads = total_heads if layout.heads == max(1, total_heads // tp) else layout.heads * tp
-                groups.append(Group(name=name, kind=g.kind, num_layers=len(layers),
-                                    dtype=str(layers[0].dtype).removeprefix("torch."), head_dim=layout.head_dim,
-                                    total_kv_heads=heads, page_size=layout.page_size, window=g.window))
-        geometry = rank_geometry(base, str(laid[""][2][0].dtype).removeprefix("torch."),
-                                 num_layers=len(laid[""][2]), total_kv_heads=total_heads, tp_size=tp,
-                                 pp_size=parallel.pipeline_parallel_size, layer_splits=None,
-                                 tp_rank=get_tensor_model_parallel_rank(), pp_rank=0, groups=tuple(groups),
-                                 group_pages={name: v[1].num_pages for name, v in laid.items() if name})
-        return geometry, spans
+            parts.append(HybridPart(g.name, g.index, g.kind, g.window,
+                                    self._layout(dict(enumerate(layers)), names[0], g.block_size), layers))
+        parallel = self.vllm_config.parallel_config
+        return hybrid_geometry(parts, total_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
+                               tp_size=parallel.tensor_parallel_size, tp_rank=get_tensor_model_parallel_rank(),
+                               pp_size=parallel.pipeline_parallel_size)
 
     def _cpu_holders(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The dict's tensors plus the ones bound to attention layers (other objects, same storage)."""

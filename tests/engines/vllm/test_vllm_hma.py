@@ -98,6 +98,40 @@ def test_a_window_group_in_vllms_packed_layout_moves_from_the_page_of_its_first_
     assert group_origin(nhd, "swa0", 0, 150) == 111         # token rows: exactly the window
 
 
+def test_vllms_gpu_views_of_a_hybrid_cache_register_as_nhd_kv_with_the_groups_overlaid(model_dir):
+    """vLLM's own allocation of the hybrid groups in the GPU layout the connector asks for
+    (LBNHC), on CPU tensors: the groups' views overlay one allocation, and each registers."""
+    from vllm.v1.kv_cache_layout import KVCacheLayout
+    from vllm.v1.worker.utils import allocate_kv_cache
+
+    from kvxferd.adapters.vllm.layout import HybridPart, decide, hybrid_geometry, same_for_all
+    from kvxferd.group_requests import group_origin
+
+    config = vu.vllm_config(model_dir, kv=vu.kv_transfer_config(instance="g", address=ADDRESS))
+    kvc = vu.hybrid_kv_cache_config(config, 12, layout="LBNHC")
+    views = allocate_kv_cache(kvc, torch.device("cpu"), KVCacheLayout.LBNHC, [vu.BLOCK, vu.BLOCK])
+    names = [f"model.layers.{i}.self_attn.attn" for i in range(vu.HYBRID_LAYERS)]
+
+    def part(name: str, kind: str, window: int | None, layers: list[int]) -> HybridPart:
+        ts = [views[names[i]] for i in layers]
+        lay = same_for_all({i: decide(tuple(t.shape), tuple(t.stride()), t.element_size(), block_size=vu.BLOCK,
+                                      mla=False, on_cpu=False) for i, t in enumerate(ts)})
+        return HybridPart(name, 1 if not name else 0, kind, window, lay, ts)
+
+    geometry, spans = hybrid_geometry([part("", "", None, [1, 3]), part("swa0", "window", KEPT, [0, 2])],
+                                      total_kv_heads=2, tp_size=1, tp_rank=0, pp_size=1)
+    spec = geometry.spec
+    assert (spec.layout, spec.num_layers, geometry.num_pages, geometry.page_stride) == ("NHD_kv", 2, 12, None)
+    assert spec.group_spec("swa0").layout == "NHD_kv" and geometry.region_names() == [
+        (0, "kv"), (1, "kv"), (0, "swa0.kv"), (1, "swa0.kv")]
+    assert sorted(spans) == sorted(geometry.region_names())
+    # vLLM overlays the groups: the window group's first layer spans the default group's first layer's bytes
+    assert spans[(0, "swa0.kv")][0].data_ptr() == spans[(0, "kv")][0].data_ptr() == views[names[0]].data_ptr()
+    assert spans[(0, "kv")][1] == spans[(0, "swa0.kv")][1] == geometry.region_bytes
+    # token rows: the window starts exactly at the first token vLLM keeps
+    assert group_origin(spec, "swa0", 0, 150) == 150 - KEPT
+
+
 # -- the scheduler side, under vLLM's real Scheduler -------------------------------------------
 
 @pytest.fixture(scope="module")
