@@ -16,9 +16,12 @@ kvxferd's mapping (``map_groups``):
   tokens vLLM keeps for the next token: ``sliding_window - 1 + extra_retained_tokens``
   (``SlidingWindowManager.get_num_skipped_tokens``). vLLM replaces the blocks before them
   with its null block (id 0) on both sides, so the window never reaches a freed block;
-- a Mamba group (``MambaSpec``) is refused at start: vLLM hands ``register_kv_caches`` the
-  raw backing buffer for it (``has_layer_views`` is false), and its per-rank ``shapes``
-  do not say which dimension TP splits, so no state group can be described from them;
+- a Mamba group (``MambaSpec``) is refused at start: vLLM hands ``register_kv_caches`` one
+  int8 view ``[blocks, 1, 1, page bytes]`` per Mamba layer, every state tensor of the layer
+  packed one after another inside each block's page (so each tensor is strided by the page,
+  which kvxferd's cache groups do not take), and the spec's ``shapes`` are per rank, without
+  the dimension TP splits nor its parts (model-specific: Mamba2's conv ``x|B|C``, GDN's
+  ``q|k|v``), so no state group can be described from them;
 - a group vLLM does not transfer (``enable_kv_transfer`` false: rebuilt after a load) is
   left alone.
 """
@@ -107,9 +110,9 @@ def map_groups(groups: Sequence[VllmGroup]) -> GroupMap:
             continue
         if g.kind == MAMBA:
             raise ConfigError(f"vLLM KV cache group {g.index} ({len(g.layer_names)} layers, e.g. {g.layer_names[:1]}) "
-                              "is a MambaSpec: kvxferd's vLLM connector does not map Mamba state (vLLM registers "
-                              "it as its raw backing buffer and its per-rank shapes do not name the TP-split "
-                              "dimension)", field=where,
+                              "is a MambaSpec: kvxferd's vLLM connector does not map Mamba state (vLLM packs a "
+                              "layer's state tensors in one page per block, and MambaSpec.shapes are per rank "
+                              "without the TP-split dimension or its parts)", field=where,
                               fix="serve hybrid SSM models with another KV connector (kvxferd moves Mamba state "
                                   "for SGLang), or a model without Mamba layers")
         if g.kind not in (FULL, SLIDING):
