@@ -56,6 +56,13 @@ def test_packed_window_groups_plan_like_the_instance_tp2_to_tp1():
     (dest,) = plan.plan.destinations
     assert sorted(w.heads for w in dest.writers) == [(0, 1), (1, 2)]
     assert all(w.group == "swa" for w in dest.writers)
+    # per token: 2 layers x 2 heads x (K + V of 32 float32); a window of 39 tokens touches at most 3 pages
+    summary = plan.to_dict()
+    assert summary["bytes_per_token"] == 2 * 2 * 2 * 32 * 4
+    assert summary["max_bytes_per_request"] == 3 * 32 * summary["bytes_per_token"]
+    (rows,) = group_plans(spec("NHD_kv", 2), spec("NHD_kv", 1), "auto", False, False)
+    assert rows.to_dict()["bytes_per_token"] == summary["bytes_per_token"]
+    assert rows.to_dict()["max_bytes_per_request"] == 39 * summary["bytes_per_token"]
 
 
 def test_the_protocol_takes_a_groups_kv_region_and_nothing_else_new():
