@@ -193,12 +193,12 @@ class Downstream:
             return messages.PeerError.about(msg.request_id, "busy", f"source daemon holds "
                                             f"{app.cfg.limits.max_inflight_requests} requests in flight")
         try:  # one-sided writes need the destination page table
-            dst_pages = app.transports.prepare(route.kind, route.nixl, dst, msg.extra)
+            dst_pages, dst_groups = app.transports.prepare(route.kind, route.nixl, dst, msg.extra)
         except KvxferError as exc:
             return messages.PeerError(exc.to_wire(), msg.request_id)
         writers = tuple((w[0], w[1]) for w in msg.writers) if msg.writers is not None else None
         app.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
-                                         route, dst_pages, start, writers, msg.num_tokens))
+                                         route, dst_pages, start, writers, msg.num_tokens, dst_groups))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:

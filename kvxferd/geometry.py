@@ -144,18 +144,22 @@ class InstanceSpec:
     def _resolve_groups(self) -> None:
         groups = parse_groups(self.groups)
         object.__setattr__(self, "groups", groups)
-        if self.pp_size != 1:
-            raise GeometryError(f"cache groups ({[g.name for g in groups]}) need pp_size 1, got {self.pp_size}",
-                                field=f"groups.{groups[0].name}", fix="run instances with cache groups without "
-                                "pipeline parallelism (groups across PP stages are not built)")
         specs = []
         for g in groups:
+            if g.layer_splits is None and g.num_layers < self.pp_size:
+                # every stage holds at least one layer of every group (a stage without any would
+                # hold nothing of it to send or expect)
+                raise GeometryError(
+                    f"group {g.name!r} has num_layers {g.num_layers}, fewer than pp_size {self.pp_size}: every PP "
+                    "stage must hold at least one layer of every group", field=f"groups.{g.name}.num_layers",
+                    fix=f"run group {g.name!r} with a pp_size of at most {g.num_layers}, or leave the group out")
             try:
                 specs.append((g.name, InstanceSpec(**g.spec_fields(self))))
             except GeometryError as exc:
                 if exc.field and exc.field.startswith("groups."):
                     raise
-                where = "shape" if g.kind == "state" else exc.field
+                where = ("shape" if g.kind == "state" and exc.field not in ("layer_splits", "pp_size")
+                         else exc.field)
                 raise GeometryError(f"group {g.name!r}: {exc.message}", field=f"groups.{g.name}.{where}",
                                     fix=exc.fix) from None
         object.__setattr__(self, "group_specs", tuple(specs))
@@ -399,7 +403,8 @@ class RankGeometry:
             pages[item[0]] = _require_int(f"group_pages.{item[0]}", item[1], 1)
         object.__setattr__(self, "group_pages", tuple(sorted(pages.items())))
         object.__setattr__(self, "group_geometries", tuple(
-            (g.name, RankGeometry(self.spec.group_spec(g.name), self.tp_rank, 0, pages.get(g.name, self.num_pages)))
+            (g.name, RankGeometry(self.spec.group_spec(g.name), self.tp_rank, self.pp_rank,
+                                  pages.get(g.name, self.num_pages)))
             for g in self.spec.groups))
 
     def group(self, name: str) -> "RankGeometry":

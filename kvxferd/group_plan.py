@@ -137,7 +137,8 @@ def _part_writers(name: str, parts: tuple[int, ...], p_spec: InstanceSpec, d_spe
     for i, size in enumerate(parts):
         one = {"attention": p_spec.attention, "num_layers": p_spec.num_layers, "head_dim": p_spec.head_dim,
                "dtype": p_spec.dtype, "page_size": p_spec.page_size, "total_kv_heads": size}
-        sub = make_plan(InstanceSpec(tp_size=p_spec.tp_size, **one), InstanceSpec(tp_size=d_spec.tp_size, **one),
+        sub = make_plan(InstanceSpec(tp_size=p_spec.tp_size, pp_size=p_spec.pp_size, layer_splits=p_spec.splits, **one),
+                        InstanceSpec(tp_size=d_spec.tp_size, pp_size=d_spec.pp_size, layer_splits=d_spec.splits, **one),
                         mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
         for d in sub.destinations:
             out.setdefault(d.rank, []).extend(

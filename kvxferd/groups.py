@@ -14,8 +14,9 @@ Models in use no longer hold one uniform KV cache. An instance's full-attention 
   unsplit per-request tensor and ``split_dim`` the dimension TP splits (like KV heads),
   ``None`` when every TP rank holds it whole.
 
-Every group is mapped onto an ordinary :class:`~kvxferd.geometry.InstanceSpec` (one PP
-stage), so the planner, the segment generator and the transports move it unchanged:
+Every group is mapped onto an ordinary :class:`~kvxferd.geometry.InstanceSpec` (the
+instance's TP and PP, the group's own layers split over the stages), so the planner, the
+segment generator and the transports move it unchanged:
 
 - a KV group is that spec with its own layers, heads, head_dim, dtype and page size, in the
   instance's layout (its pages sit in the same engine memory as the instance's own KV);
@@ -44,7 +45,7 @@ STATE_ATTENTION = "state"
 MAX_GROUPS = 16
 _NAME = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
 
-_COMMON = ("name", "kind", "num_layers", "dtype")
+_COMMON = ("name", "kind", "num_layers", "dtype", "layer_splits")
 _FIELDS = {
     "window": _COMMON + ("attention", "head_dim", "total_kv_heads", "page_size", "window"),
     "draft": _COMMON + ("attention", "head_dim", "total_kv_heads", "page_size"),
@@ -83,6 +84,10 @@ class Group:
     #: sizes of the parts ``split_dim`` concatenates, each split by TP on its own (Mamba2's conv
     #: channels x|B|C, Qwen3-Next's q|k|v): a rank holds its slice of every part, part after part
     split_parts: tuple[int, ...] | None = None
+    #: PP: ``[start, end)`` of the group's own layers on each stage, like the instance's
+    #: ``layer_splits`` (None: split evenly, the first stages one more). A fact of one instance,
+    #: never compared with the peer's: the planner cuts PP mismatches per group as for the KV
+    layer_splits: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not _NAME.match(self.name):
@@ -93,6 +98,9 @@ class Group:
             raise GeometryError(f"group {self.name!r}: kind {self.kind!r} is not one of {GROUP_KINDS}",
                                 field=f"groups.{self.name}.kind", fix=f"use one of {GROUP_KINDS}")
         _int(self.name, "num_layers", self.num_layers, 1)
+        if isinstance(self.layer_splits, list):  # hashable like the rest; the instance spec checks the ranges
+            object.__setattr__(self, "layer_splits", tuple(tuple(r) if isinstance(r, list) else r
+                                                           for r in self.layer_splits))
         if self.kind == "state":
             self._check_state()
         else:
@@ -151,8 +159,11 @@ class Group:
 
     # -- the group as an ordinary instance spec ---------------------------------------------
     def spec_fields(self, instance: Any) -> dict[str, Any]:
-        """Keyword arguments of the :class:`InstanceSpec` this group is moved as."""
+        """Keyword arguments of the :class:`InstanceSpec` this group is moved as: the instance's TP
+        and PP, the group's own layers split over the PP stages (each stage holds its own layers of
+        every group, a state group's included)."""
         tp = instance.tp_size
+        stages = dict(pp_size=instance.pp_size, layer_splits=self.layer_splits)
         if self.kind == "state":
             assert self.shape is not None
             split = self.split_dim
@@ -175,7 +186,7 @@ class Group:
                         fix="split the state along a dimension whose size tp_size divides (or is a multiple of), "
                             "or set split_dim to null if every rank holds it whole")
             return dict(attention=STATE_ATTENTION, num_layers=self.num_layers, head_dim=inner,
-                        dtype=self.dtype, page_size=rows, tp_size=tp, total_kv_heads=heads)
+                        dtype=self.dtype, page_size=rows, tp_size=tp, total_kv_heads=heads, **stages)
         heads = self.total_kv_heads
         if self.attention == "mha" and heads is None:
             raise GeometryError(f"group {self.name!r} ({self.kind}) has no total_kv_heads",
@@ -185,7 +196,7 @@ class Group:
         # layout (vLLM's CPU packed pages, its GPU NHD_kv); SGLang's NHD is the default
         return dict(attention=self.attention, num_layers=self.num_layers, head_dim=self.head_dim,
                     dtype=self.dtype or instance.dtype, page_size=self.page_size or instance.page_size,
-                    tp_size=tp, total_kv_heads=heads, layout=instance.layout)
+                    tp_size=tp, total_kv_heads=heads, layout=instance.layout, **stages)
 
     @property
     def per_request(self) -> bool:
@@ -194,7 +205,7 @@ class Group:
 
     def compared(self, instance: Any) -> dict[str, Any]:
         """What must be equal on both sides of a pair, with resolved defaults."""
-        out = {k: getattr(self, k) for k in _FIELDS[self.kind] if k not in ("name", "page_size")}
+        out = {k: getattr(self, k) for k in _FIELDS[self.kind] if k not in ("name", "page_size", "layer_splits")}
         if self.kind != "state":
             out["dtype"] = self.dtype or instance.dtype
         if self.shape is not None:
@@ -216,6 +227,8 @@ class Group:
             value = getattr(self, name)
             if value is None or (name == "attention" and value == "mha"):
                 continue
+            if name == "layer_splits":
+                value = [list(r) for r in value]
             out[name] = list(value) if name in ("shape", "split_parts") else value
         if self.kind == "state" and self.split_dim is None:
             out["split_dim"] = None

@@ -185,65 +185,25 @@ class Inbox:
             return len(self._entries)
 
     def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
-        """Validate a chunk header and reserve its token range; raise RequestError if bad."""
+        """Validate a chunk header and reserve its token range; raise RequestError if bad.
+
+        Every check runs under the lock that also guards the reservation, so two data
+        threads cannot both admit overlapping ranges of one writer.
+        """
         src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
-            entry = self._entries.get((header["request_id"], dest_rank))
-            if entry is None or entry.closed:
-                raise RequestError(f"request {header['request_id']!r} is not expected at rank {dest_rank}",
-                                   field="request_id", code="not_expected",
-                                   fix="send only requests the decode side expects")
-            if entry.plan is None:
-                raise RequestError("destination is not bound to a plan yet", field="request_id",
-                                   fix="wait for the expect message before sending")
-            token = entry.writer_tokens.get(src, entry.data_token)
-            if token is not None and header.get("token") != token:
-                raise RequestError("data header does not carry the token of the peer link this request "
-                                   "expects bytes from", field="token",
-                                   fix="send data only for requests handshaken over this peer link")
-            writer = entry.writers.get(src)
-            if writer is None:
-                raise RequestError(f"rank {list(src)} is not a writer of {dest_rank}; the plan names "
-                                   f"{[list(s) for s in entry.writers]}", field="src",
-                                   fix="send from the prefill ranks the plan assigns")
+            entry, writer = self._writer_of(header, dest_rank, src)
             part = entry.rank.geometry.group(writer.group)
             pages = entry.groups[writer.group] if writer.group else entry.pages
-            capacity = int(pages.size) * part.spec.page_size
-            origin = entry.origins.get(src, entry.start)
-            if not 0 <= start <= end or end > capacity:
-                raise RequestError(f"token range [{start}, {end}) exceeds the {capacity} tokens of "
-                                   f"the destination pages", field="end",
-                                   fix="send only tokens the decode side allocated pages for")
-            if start < origin:
-                raise RequestError(f"chunk [{start}, {end}) starts before token {origin}, the first "
-                                   "token the decode side expects"
-                                   + (f" of group {writer.group!r}" if writer.group else ""),
-                                   field="start", fix="send only tokens at or after the expect's start")
             per_request = bool(writer.group) and entry.rank.geometry.spec.group(writer.group).per_request
-            if per_request and (start, end, header["last"]) != (0, part.spec.page_size, True):
-                raise RequestError(f"state group {writer.group!r} moves its {part.spec.page_size} rows once, as "
-                                   f"[0, {part.spec.page_size}) with last; got [{start}, {end})", field="end",
-                                   fix="send a state group's slot whole with the last chunk")
-            if not per_request and entry.num_tokens is not None and end > entry.num_tokens:
-                raise RequestError(f"token range ends at {end}, request has {entry.num_tokens} tokens",
-                                   field="end", fix="send only the request's tokens")
-            final = entry.last_end.get(src)
-            if final is not None and end > final:
-                raise RequestError(f"chunk [{start}, {end}) after the last chunk ending at {final}",
-                                   field="end", fix="send the last chunk last")
-            if _overlaps(entry.received[src], start, end) or _overlaps(entry.pending[src], start, end):
-                raise RequestError(f"token range [{start}, {end}) from {list(src)} was already received",
-                                   field="start", fix="send each token range once")
+            self._check_range(entry, writer, src, header, int(pages.size) * part.spec.page_size, per_request)
             spec = part.spec
             check_whole_pages(spec, start, end, header["last"])
             expected = chunk_bytes(writer, len(spec.region_kinds), slot_count(spec, start, end))
             if header["nbytes"] != expected:
                 raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
                                    field="nbytes", fix="check both sides use the same geometry")
-            if header["last"] and not per_request and entry.num_tokens is not None and end != entry.num_tokens:
-                raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
-                                   field="end", fix="end the last chunk at the request's length")
             dst_slots = unit_slots(spec, pages, start, end, 0, part.slot_pitch)
             entry.pending[src].append((start, end))
             entry.inflight += 1
@@ -253,6 +213,62 @@ class Inbox:
                 states.advance(entry, states.DEST, "chunk_admitted", time.monotonic())
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"))
+
+    def _writer_of(self, header: dict[str, Any], dest_rank: str, src: tuple) -> tuple[DestEntry, Writer]:
+        """The open entry a chunk is for and the plan's writer it claims to be (lock held)."""
+        entry = self._entries.get((header["request_id"], dest_rank))
+        if entry is None or entry.closed:
+            raise RequestError(f"request {header['request_id']!r} is not expected at rank {dest_rank}",
+                               field="request_id", code="not_expected",
+                               fix="send only requests the decode side expects")
+        if entry.plan is None:
+            raise RequestError("destination is not bound to a plan yet", field="request_id",
+                               fix="wait for the expect message before sending")
+        token = entry.writer_tokens.get(src, entry.data_token)
+        if token is not None and header.get("token") != token:
+            raise RequestError("data header does not carry the token of the peer link this request "
+                               "expects bytes from", field="token",
+                               fix="send data only for requests handshaken over this peer link")
+        writer = entry.writers.get(src)
+        if writer is None:
+            raise RequestError(f"rank {list(src)} is not a writer of {dest_rank}; the plan names "
+                               f"{[list(s) for s in entry.writers]}", field="src",
+                               fix="send from the prefill ranks the plan assigns")
+        return entry, writer
+
+    @staticmethod
+    def _check_range(entry: DestEntry, writer: Writer, src: tuple, header: dict[str, Any], capacity: int,
+                     per_request: bool) -> None:
+        """A chunk's token range fits the pages, the expect's start, the request and what came before."""
+        start, end, last = header["start"], header["end"], header["last"]
+        origin = entry.origins.get(src, entry.start)
+        if not 0 <= start <= end or end > capacity:
+            raise RequestError(f"token range [{start}, {end}) exceeds the {capacity} tokens of "
+                               f"the destination pages", field="end",
+                               fix="send only tokens the decode side allocated pages for")
+        if start < origin:
+            raise RequestError(f"chunk [{start}, {end}) starts before token {origin}, the first "
+                               "token the decode side expects"
+                               + (f" of group {writer.group!r}" if writer.group else ""),
+                               field="start", fix="send only tokens at or after the expect's start")
+        rows = entry.rank.geometry.group(writer.group).spec.page_size
+        if per_request and (start, end, last) != (0, rows, True):
+            raise RequestError(f"state group {writer.group!r} moves its {rows} rows once, as "
+                               f"[0, {rows}) with last; got [{start}, {end})", field="end",
+                               fix="send a state group's slot whole with the last chunk")
+        if not per_request and entry.num_tokens is not None and end > entry.num_tokens:
+            raise RequestError(f"token range ends at {end}, request has {entry.num_tokens} tokens",
+                               field="end", fix="send only the request's tokens")
+        final = entry.last_end.get(src)
+        if final is not None and end > final:
+            raise RequestError(f"chunk [{start}, {end}) after the last chunk ending at {final}",
+                               field="end", fix="send the last chunk last")
+        if _overlaps(entry.received[src], start, end) or _overlaps(entry.pending[src], start, end):
+            raise RequestError(f"token range [{start}, {end}) from {list(src)} was already received",
+                               field="start", fix="send each token range once")
+        if last and not per_request and entry.num_tokens is not None and end != entry.num_tokens:
+            raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
+                               field="end", fix="end the last chunk at the request's length")
 
     def finish(self, sink: Sink, ok: bool) -> None:
         entry = sink.entry

@@ -302,7 +302,7 @@ PEER_SCHEMAS: dict[str, Schema] = {
                   "dst": pair, "num_tokens": integer(0, 1 << 40)},
         optional={"start": integer(0, 1 << 40),
                   "writers": list_of(pair, MAX_INSTANCE_RANKS),
-                  "dst_pages": int_list(MAX_DST_PAGES), "nixl_md": NIXL_OFFER["nixl_md"],
+                  "dst_pages": int_list(MAX_DST_PAGES), "dst_groups": group_tables, "nixl_md": NIXL_OFFER["nixl_md"],
                   "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
                     optional={"code": text(64)}),

@@ -21,12 +21,13 @@ SWA = {"name": "swa", "kind": "window", "num_layers": 3, "head_dim": 16, "total_
 DRAFT = {"name": "draft", "kind": "draft", "num_layers": 1, "head_dim": 32, "total_kv_heads": 2, "page_size": 8}
 
 
-def qwen_next(tp: int) -> InstanceSpec:
-    return spec(num_layers=2, total_kv_heads=2, tp_size=tp, groups=(as_group(CONV), as_group(SSM)))
+def qwen_next(tp: int, pp: int = 1) -> InstanceSpec:
+    return spec(num_layers=2, total_kv_heads=2, tp_size=tp, pp_size=pp, groups=(as_group(CONV), as_group(SSM)))
 
 
-def gpt_oss(tp: int, window: int = 128) -> InstanceSpec:
-    return spec(num_layers=3, total_kv_heads=2, page_size=16, tp_size=tp, groups=(as_group({**SWA, "window": window}),))
+def gpt_oss(tp: int, window: int = 128, pp: int = 1) -> InstanceSpec:
+    return spec(num_layers=3, total_kv_heads=2, page_size=16, tp_size=tp, pp_size=pp,
+                groups=(as_group({**SWA, "window": window}),))
 
 
 def with_draft(tp: int) -> InstanceSpec:

@@ -13,6 +13,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvxferd import messages
 from kvxferd.config import Config
 from kvxferd.errors import KvxferError
@@ -71,16 +73,18 @@ class Node:
 
     # -- engine calls ------------------------------------------------------------------------
     def expect(self, rank: Rank, request_id: str, pages: list[int], source: str, num_tokens: int | None = None,
-               start: int = 0, source_node: "Node | None" = None) -> str:
+               start: int = 0, source_node: "Node | None" = None, groups: dict[str, list[int]] | None = None) -> str:
         address = source_node.address if source_node is not None and source_node is not self else ""
+        tables = {k: np.asarray(v, dtype=np.int64) for k, v in (groups or {}).items()} or None
         return self.handle(events.ExpectCalled(rank, request_id, source, as_pages(pages, rank.geometry.num_pages, "pages"),
-                                               num_tokens, start, address))
+                                               num_tokens, start, address, tables))
 
     def send(self, rank: Rank, request_id: str, pages: list[int], start: int, end: int, last: bool,
-             aux: bytes | None = None) -> str:
+             aux: bytes | None = None, groups: dict[str, list[int]] | None = None) -> str:
         spec_ = rank.geometry.spec
         slots = unit_slots(spec_, as_pages(pages, rank.geometry.num_pages, "pages"), start, end, start, None)
-        return self.handle(events.SendCalled(rank, request_id, Chunk(start, end, last, slots, aux)))
+        tables = {k: np.asarray(v, dtype=np.int64) for k, v in (groups or {}).items()} or None
+        return self.handle(events.SendCalled(rank, request_id, Chunk(start, end, last, slots, aux, tables)))
 
     def events_for(self, request_id: str, rank: Rank) -> list[messages.Event]:
         return [e for e in self.told if e.request_id == request_id and e.rank_id == rank.id]

@@ -6,6 +6,8 @@
   the window, chunked: only the window's tokens move, the window group's pages before it and
   the rows before the window on its first page keep the canary, and the daemon's per-group
   byte count is the window's;
+- both across PP stages (PP 2 -> 1 and 1 -> 2, the window model with a TP change too): each
+  stage holds its own layers of every group;
 - a target model with a draft-model KV group (its own heads, head_dim and page size);
 - mismatched groups refused at the handshake with the group, the field and both values.
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_util import Node, close, cluster_run, finished, module_cluster, spec, start_nodes
+from kvxferd.geometry import InstanceSpec
 from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, metric, never_used, qwen_next,
                          request_ids, run_groups, untouched, with_draft)
 
@@ -56,6 +59,43 @@ def test_sliding_window_moves_only_the_window(cluster, transport, tp):
             # the pages wholly before the window were named but never written ...
             assert untouched(w, pages=table[:first // ps], group="swa") == 0
             # ... nor the rows before the window on its first page
+            assert untouched(w, pages=[], group="swa", rows=[table, first // ps * ps, first]) == 0
+        never_used(decode, moved, dspec)
+    finally:
+        close(decode)
+
+
+def uneven(tp: int, pp: int = 2) -> InstanceSpec:
+    """The hybrid with its conv layers split unevenly over two stages (1 and 5)."""
+    return spec(num_layers=2, total_kv_heads=2, tp_size=tp, pp_size=pp,
+                groups=(as_group({**CONV, "layer_splits": [[0, 1], [1, 6]]}), as_group(SSM)))
+
+
+@pytest.mark.parametrize("make, pp", [(qwen_next, (2, 1)), (qwen_next, (1, 2)), (uneven, (2, 2))],
+                         ids=["pp2to1", "pp1to2", "pp2-uneven-to-pp2-even"])
+def test_hybrid_state_groups_across_pp_stages(cluster, make, pp):
+    """Each stage holds its own layers of the full attention and of each state group (6 conv and
+    6 SSM layers: 3 per stage, or the group's own split); the writers of a stage's layers are
+    that stage's ranks."""
+    pspec, dspec = make(1, pp=pp[0]), qwen_next(1, pp=pp[1])
+    decode, moved = run_groups(cluster, pspec, dspec, n_tokens=37, transport="tcp", chunks=[[0, 16], [16, 37]])
+    try:
+        never_used(decode, moved, dspec)
+    finally:
+        close(decode)
+
+
+@pytest.mark.parametrize("pp, tp", [((2, 1), (1, 2)), ((1, 2), (2, 1))], ids=["pp2tp1-to-pp1tp2", "pp1tp2-to-pp2tp1"])
+def test_sliding_window_across_pp_stages_moves_only_the_window(cluster, pp, tp):
+    n, window, ps = 300, 128, 16
+    pspec, dspec = gpt_oss(tp[0], pp=pp[0]), gpt_oss(tp[1], pp=pp[1])
+    decode, moved = run_groups(cluster, pspec, dspec, n_tokens=n, transport="tcp", requests=1,
+                               chunks=[[0, 96], [96, 208], [208, 300]])
+    try:
+        first = n - window
+        table = moved[0][1]["swa"]
+        for w in decode:
+            assert untouched(w, pages=table[:first // ps], group="swa") == 0
             assert untouched(w, pages=[], group="swa", rows=[table, first // ps * ps, first]) == 0
         never_used(decode, moved, dspec)
     finally:

@@ -83,10 +83,44 @@ def test_registration_refuses_a_bad_group_naming_it_and_the_field(group, field, 
     assert err.value.fix
 
 
-def test_groups_need_one_pp_stage_and_unique_names():
+def test_groups_split_over_pp_stages_like_the_kv():
+    """Each stage holds its own layers of every group: an even split, or the group's layer_splits."""
+    s = spec(1, [SWA, {**CONV, "layer_splits": [[0, 1], [1, 3]]}], pp_size=2, num_layers=4)
+    again = InstanceSpec.from_dict(s.to_dict())
+    assert again.groups == s.groups and s.to_dict()["groups"][1]["layer_splits"] == [[0, 1], [1, 3]]
+    assert s.group_spec("swa").splits == ((0, 2), (2, 4)) and s.group_spec("conv").splits == ((0, 1), (1, 3))
+    first, second = (RankGeometry(s, 0, pp, 10) for pp in range(2))
+    assert first.group("conv").layers == (0, 1) and second.group("conv").layers == (1, 3)
+    assert (0, "conv.state") in first.region_names() and (0, "conv.state") not in second.region_names()
+    assert {(2, "swa.k"), (3, "swa.v"), (1, "conv.state"), (2, "conv.state")} <= set(second.region_names())
+    assert (1, "swa.k") not in second.region_names()
+    # the split is one instance's fact: PP2 with its own group splits pairs with PP1
+    plan = make_plan(s, spec(1, [SWA, CONV]))
+    writers = plan.group("conv").plan.destination(0, 0).writers
+    assert [(w.pp_rank, w.layers) for w in writers] == [(0, (0, 1)), (1, (1, 3))]
+
+
+def test_pp_that_a_group_cannot_span_is_refused_naming_group_field_and_values():
     with pytest.raises(GeometryError) as err:
-        spec(1, [SWA], pp_size=2)
-    assert err.value.field == "groups.swa" and "pp_size 1" in str(err.value)
+        spec(1, [SWA, DRAFT], pp_size=2)
+    assert err.value.field == "groups.draft.num_layers", err.value
+    assert all(w in str(err.value) for w in ("'draft'", "num_layers 1", "pp_size 2")) and "pp_size of at most 1" in \
+        err.value.fix
+    with pytest.raises(GeometryError) as err:
+        spec(1, [{**SWA, "layer_splits": [[0, 2], [1, 4]]}], pp_size=2)  # stages overlapping
+    assert err.value.field == "groups.swa.layer_splits", err.value
+    # splits that leave layer 3 of the group on no stage pair with nothing that holds it: the handshake says so
+    partial = spec(1, [{**SWA, "layer_splits": [[0, 1], [1, 3]]}], pp_size=2)
+    with pytest.raises(PlanRefusal) as refusal:
+        make_plan(partial, spec(1, [SWA]))
+    assert refusal.value.field == "groups.swa.layer_splits", refusal.value
+    assert "[[0, 1], [1, 3]]" in str(refusal.value) and "[[0, 4]]" in str(refusal.value) and refusal.value.fix
+    with pytest.raises(GeometryError) as err:
+        spec(1, [{**SWA, "layer_splits": [[0, 4]]}], pp_size=2)
+    assert err.value.field == "groups.swa.layer_splits" and "one [start, end) per PP rank (2)" in str(err.value)
+
+
+def test_group_names_are_unique():
     with pytest.raises(GeometryError) as err:
         spec(1, [SWA, SWA])
     assert err.value.field == "groups.swa.name"

@@ -107,6 +107,49 @@ def test_one_sided_failure_waits_for_the_fence():
     assert dn.told.index(dn.outcome("r", d)) == 0
 
 
+def _hybrid_half_written():
+    """A hybrid request over a NIXL route: the full-attention WRITE returned, the state group's
+    (a job of its own) is still in flight."""
+    from kvxferd.geometry import InstanceSpec
+    from kvxferd.groups import Group
+    hybrid = InstanceSpec(attention="mha", num_layers=2, head_dim=8, dtype="bfloat16", page_size=4, total_kv_heads=2,
+                          groups=(Group("ssm", "state", 2, dtype="float32", shape=(4, 8), split_dim=0),))
+    c = Cluster("P", "D")
+    pn, dn = c.node("P"), c.node("D")
+    c.kinds[("p", "d")] = "nixl"
+    p, d = pn.rank("p", "prefill", hybrid), dn.rank("d", "decode", hybrid)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn, groups={"ssm": [3]})
+    c.run()
+    c.hold_jobs = True
+    pn.send(p, "r", pages(4), 0, 16, True, groups={"ssm": [5]})
+    c.run()
+    assert sorted(j.job.group for j in pn.jobs) == ["", "ssm"]
+    full = next(j for j in pn.jobs if not j.job.group)
+    pn.jobs.remove(full)
+    c.run_job(pn, full)
+    c.run()
+    return c, pn, dn, p, d
+
+
+def test_a_request_is_done_only_once_every_group_landed():
+    c, pn, dn, p, d = _hybrid_half_written()
+    assert dn.outcome("r", d) is None and pn.outcome("r", p) is None  # every token, yet no state
+    c.hold_jobs = False
+    c.run()
+    assert dn.outcome("r", d).state == "done" and pn.outcome("r", p).state == "done"
+
+
+def test_the_fence_covers_a_cache_groups_write():
+    """The source answers the fence only once the state group's WRITE returned too."""
+    c, pn, dn, p, d = _hybrid_half_written()
+    _abort(dn, d, "r")
+    c.run()
+    assert dn.inbox.get("r", d.id).fence_until > 0 and dn.outcome("r", d) is None
+    c.hold_jobs = False
+    c.run()
+    assert dn.outcome("r", d).code == "aborted" and pn.outcome("r", p).state == "failed"
+
+
 def test_an_unanswered_fence_ends_at_its_deadline():
     c, pn, dn, p, d = _nixl_write_in_flight()
     _abort(dn, d, "r")

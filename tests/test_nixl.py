@@ -313,7 +313,8 @@ def test_expect_over_nixl_is_checked_before_any_write():
     support = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                    max_pages=8)
     loaded = []
-    support.transport = type("Loader", (), {"load": lambda self, agent, mds: loaded.append((agent, mds))})()
+    support.transport = type("Loader", (), {
+        "load": lambda self, agent, mds, regions=None: loaded.append((agent, mds))})()
     peer = nixl_mod.NixlPeer("agent-d", page_size=4, page_bytes=1024)
     peer.update([[0, 0, 0, "k", 1 << 20, 16 * 1024, -1], [0, 0, 0, "v", 2 << 20, 16 * 1024, -1]])
     assert support.expect_pages(peer, (0, 0), {"dst_pages": [0, 15]}).tolist() == [0, 15]

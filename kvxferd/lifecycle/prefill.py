@@ -98,7 +98,9 @@ class PrefillSide:
                 continue
             entry.bind(binding, self.now)
             start = group_origin(ev.plan.prefill, w.group, ev.start, ev.num_tokens)
-            target = Target(ev.dst, w, route=ev.route, dst_pages=ev.dst_pages, start=start)
+            # one-sided writes address a group's chunk by the group's own destination table
+            dst_pages = (ev.dst_groups or {}).get(w.group) if w.group else ev.dst_pages
+            target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start)
             entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
@@ -245,7 +247,7 @@ class PrefillSide:
         assert route is not None
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
-                       route.data_address, route.token, group=group)
+                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):

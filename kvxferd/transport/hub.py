@@ -109,11 +109,13 @@ class Transports:
     def answer(self, transport: str) -> dict[str, Any]:
         return self.nixl.answer(transport)
 
-    def prepare(self, kind: str, remote: Any, dst: tuple[int, int], fields: dict[str, Any]) -> np.ndarray | None:
-        """Check what a peer expect carries for a route; one-sided routes get the destination's page table."""
+    def prepare(self, kind: str, remote: Any, dst: tuple[int, int],
+                fields: dict[str, Any]) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """Check what a peer expect carries for a route; one-sided routes get the destination's page
+        table and each cache group's (pages, or the state slot)."""
         if kind != "nixl":
-            return None
-        return self.nixl.expect_pages(remote, dst, fields)
+            return None, {}
+        return self.nixl.expect_pages(remote, dst, fields), self.nixl.expect_groups(remote, dst, fields)
 
     # -- peers and ranks ---------------------------------------------------------------------
     def peer_lost(self, kind: str, remote: Any, data_address: tuple[str, int] | None, why: str) -> None:

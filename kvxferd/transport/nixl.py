@@ -49,7 +49,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import protocol
-from ..errors import KvxferError, ProtocolError, RequestError, TransferError
+from ..errors import KvxferError, RequestError, TransferError
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank
@@ -60,16 +60,17 @@ from .base import ChunkJob, Moved
 from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
                        loaded)
 from .nixl_receive import NixlReceiver, _why
-from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings, RingInfo
+from .nixl_agents import RELEASE_SETTLE_S, RemoteAgents
+from .nixl_remote import Gate, RemoteBook
+from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings
 
 log = logging.getLogger("kvxferd.nixl")
 
 MAX_UNRELEASED = 4096
-RELEASE_SETTLE_S = 2.0  # a failed WRITE's data thread waits this long for NIXL to let go of it
 SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
 
-class NixlTransport(NixlReceiver):
+class NixlTransport(RemoteAgents, NixlReceiver):
     """The daemon's NIXL agent: registration, metadata exchange, WRITEs and notifications."""
 
     name = "nixl"
@@ -120,6 +121,11 @@ class NixlTransport(NixlReceiver):
         self._forget_at: dict[str, float] = {}
         #: remote agents whose metadata is loaded now (for status: what a departed peer leaves behind)
         self._loaded: set[str] = set()
+        #: prefill side: the blobs loaded of each decode agent (a stale one calls for a reload), and the
+        #: gate its WRITEs share with that reload
+        self._books: dict[str, RemoteBook] = {}
+        self._gates: dict[str, Gate] = {}
+        self._md_lock = threading.Lock()  # loading a remote agent's metadata, or reloading it
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -217,49 +223,28 @@ class NixlTransport(NixlReceiver):
         md, rows = self._describe(reg)
         return {"nixl_md": [md], "nixl_regions": rows}, reg.generation
 
-    # -- prefill side: remote agents -------------------------------------------------
-    def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], page_size: int,
-                 page_bytes: int, landing: list[int] | None = None) -> NixlPeer:
-        self.load(agent, metadata)
-        peer = NixlPeer(agent, page_size, page_bytes)
-        peer.update(regions)
-        if landing is not None:
-            info = RingInfo.from_wire(landing)
-            with self._lock:
-                credits = self._credits.get(agent)
-                if credits is None or credits.info != info:  # a new ring: every slot of it is free
-                    credits = self._credits[agent] = Credits(agent, info)
-            peer.credits = credits
-        return peer
-
-    def load(self, agent: str, metadata: list[bytes]) -> None:
-        with self._lock:
-            self._forget_at.pop(agent, None)  # back before it was dropped: keep it
-        for md in metadata:
-            try:
-                added = self.agent.add_remote_agent(md)
-            except Exception as exc:  # noqa: BLE001
-                raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
-                                    field="nixl_md", fix="check both daemons run NIXL with a common backend")
-            name = added.decode() if isinstance(added, bytes) else str(added)
-            with self._lock:
-                self._loaded.add(name)
-            if name != agent:
-                raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
-                                    field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
-
     # -- sending ---------------------------------------------------------------------
     def send(self, job: ChunkJob) -> Moved:
         peer = job.remote
         if not isinstance(peer, NixlPeer):
             raise TransferError("nixl chunk without a remote agent", field="transport", fix="handshake again")
+        gate = self._enter(peer.agent, time.monotonic() + self.timeout_s)
+        try:
+            return self._send(job, peer)
+        finally:
+            if gate is not None:
+                gate.leave()
+
+    def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
         if job.mode == "staged" and peer.credits is not None and self.staging is not None:
             return self._send_staged(job, peer, peer.credits, self.staging)
         if job.dst_pages is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
         kinds = job.kinds
-        dst_slots = slots(job.dst_pages, peer.page_size, job.start, job.end, 0)
+        # a cache group's chunk is addressed by the group's own destination table (its pages from
+        # token 0, or the request's state slot: one "page" of the slot's rows)
+        dst_slots = slots(job.dst_pages, peer.page_size_of(job.group), job.start, job.end, 0)
         segs = paired_segments(job.src_slots, dst_slots, w)
         src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
@@ -381,9 +366,10 @@ class NixlTransport(NixlReceiver):
         if reg is None or reg.rank is not rank:
             raise TransferError(f"rank {rank.id} is not registered with NIXL", field="transport",
                                 fix="see the daemon log for event=nixl_register_failed")
-        bases = np.array([reg.addresses[(layer, kind)] for layer in range(*layers) for kind in kinds],
-                         dtype=np.uint64)
-        return bases, min(r.nbytes for r in rank.regions.values()), reg.device
+        names = [(layer, kind) for layer in range(*layers) for kind in kinds]
+        bases = np.array([reg.addresses[name] for name in names], dtype=np.uint64)
+        # the bound of the regions written from (a cache group's regions differ in size from the rest)
+        return bases, min(rank.regions[name].nbytes for name in names), reg.device
 
     def _notify(self, agent: str, notif: bytes) -> None:
         try:
@@ -508,29 +494,6 @@ class NixlTransport(NixlReceiver):
                     "landing_rings": rings, "remote_agents": len(self._loaded),
                     "remote_agents_to_drop": len(self._forget_at), "credit_rings": len(self._credits),
                     "unreleased_notifications": len(self._unreleased)}
-
-    def forget(self, agent: str) -> None:
-        """A peer daemon went away: drop its remote agent (connections, metadata, landing credits)
-        once no WRITE to it can still be pending. A handshake that loads it again first keeps it."""
-        with self._lock:
-            self._forget_at[agent] = time.monotonic() + self.timeout_s + RELEASE_SETTLE_S
-
-    def _drop_forgotten(self) -> None:
-        now = time.monotonic()
-        with self._lock:
-            busy = {agent for _h, _a, agent in self._unreleased}
-            due = [a for a, t in self._forget_at.items() if t <= now and a not in busy]
-            for agent in due:
-                del self._forget_at[agent]
-                self._credits.pop(agent, None)
-        for agent in due:
-            with self._lock:
-                self._loaded.discard(agent)
-            try:
-                self.agent.remove_remote_agent(agent)
-                log.info("event=nixl_agent_removed agent=%s", q(agent))
-            except Exception as exc:  # noqa: BLE001 - never loaded, or already gone
-                log.info("event=nixl_agent_remove_failed agent=%s error=%s", q(agent), q(_why(exc)))
 
     def close(self) -> None:
         self._closed.set()

@@ -101,12 +101,17 @@ class NixlPeer:
 
     Holds the remote regions (base address, size, device) per decode rank, layer and
     kind; base arrays in wire order are built once per (destination rank, layer range).
+    A decode instance with cache groups has regions of each group (kinds ``<group>.<kind>``)
+    with the group's own page size and page bytes (``groups``: name -> (page_size,
+    page_bytes); a state group's "page" is one state slot).
     """
 
-    def __init__(self, agent: str, page_size: int, page_bytes: int) -> None:
+    def __init__(self, agent: str, page_size: int, page_bytes: int,
+                 groups: dict[str, tuple[int, int]] | None = None) -> None:
         self.agent = agent
         self.page_size = page_size
         self.page_bytes = page_bytes
+        self.units: dict[str, tuple[int, int]] = {"": (page_size, page_bytes), **(groups or {})}
         self.dead = ""  # set by the daemon when the peer stops answering heartbeats
         self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
         self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
@@ -119,11 +124,22 @@ class NixlPeer:
                 self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device)
             self._bases.clear()
 
-    def num_pages(self, dst: tuple[int, int]) -> int | None:
-        """Pages every region of a decode rank holds, or None if the rank is unknown."""
+    @property
+    def groups(self) -> list[str]:
+        """The decode instance's cache groups, by name."""
+        return [g for g in self.units if g]
+
+    def page_size_of(self, group: str = "") -> int:
+        """Tokens per page (rows per state slot) of a group's destination pages (``""``: the default group)."""
+        return self.units[group][0]
+
+    def num_pages(self, dst: tuple[int, int], group: str = "") -> int | None:
+        """Pages (state slots) every region of a group of a decode rank holds, or None if the rank
+        described none."""
         with self._lock:
-            sizes = [n for (tp, pp, _l, _k), (_a, n, _d) in self._regions.items() if (tp, pp) == tuple(dst)]
-        return min(sizes) // self.page_bytes if sizes else None
+            sizes = [n for (tp, pp, _l, kind), (_a, n, _d) in self._regions.items()
+                     if (tp, pp) == tuple(dst) and kind.rpartition(".")[0] == group]
+        return min(sizes) // self.units[group][1] if sizes else None
 
     def bases(self, dst: tuple[int, int], layers: tuple[int, int],
               kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:

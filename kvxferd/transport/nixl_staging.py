@@ -279,7 +279,10 @@ class Assemblies:
     def start_block(self, header: dict[str, Any], dest_rank: str, sender: str,
                     check: Callable[[Sink], None]) -> tuple[Assembly, list[Piece]]:
         """Reserve block ``header['block']`` of its chunk; raise RequestError/TransferError if it may not land."""
-        key = (header["request_id"], dest_rank, tuple(header["src"]), header["start"], header["end"])
+        # a cache group's chunk (and a state part) is a writer of its own: the same token range of the
+        # same prefill rank may be assembling for several groups at once
+        key = (header["request_id"], dest_rank, tuple(header["src"]), header.get("group") or "",
+               header.get("part") or 0, header["start"], header["end"])
         finish_failed: Sink | None = None
         try:
             with self._lock:

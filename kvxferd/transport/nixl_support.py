@@ -159,7 +159,10 @@ class NixlSupport:
         extra, generation = self.transport.describe_rank(entry.rank, self._sent.get(key))
         if generation is not None:
             self._sent[key] = generation
-        return {"dst_pages": entry.pages.tolist(), **extra}
+        fields: dict[str, Any] = {"dst_pages": entry.pages.tolist(), **extra}
+        if entry.groups:  # each cache group's own table: its pages from token 0, or [state slot]
+            fields["dst_groups"] = {name: table.tolist() for name, table in entry.groups.items()}
+        return fields
 
     # -- prefill side ----------------------------------------------------------------
     def choose(self, msg: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, NixlPeer | None]:
@@ -167,17 +170,14 @@ class NixlSupport:
         theirs = list(msg.get("transports") or [])
         mine = self.offered()
         layout = getattr(decode_spec, "layout", "NHD")
-        # cache groups' chunks have page tables of their own, which one-sided WRITEs are not wired to
-        tcp_only = (f"layout {layout}" if layout != "NHD" else
-                    "cache groups" if getattr(decode_spec, "groups", ()) else "")
+        tcp_only = f"layout {layout}" if layout != "NHD" else ""
         for name in mine:
             if name not in theirs:
                 continue
             if name != "nixl":
                 return name, None
             if tcp_only:
-                # its one-sided WRITEs address token rows of one page table; packed pages and cache
-                # groups are not wired into it
+                # its one-sided WRITEs address token rows; packed pages are not wired into it
                 log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
                          q(f"{tcp_only} is moved by tcp only; using the next transport"))
                 continue
@@ -191,7 +191,8 @@ class NixlSupport:
             assert transport is not None
             try:
                 peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
-                                          decode_spec.page_size, decode_spec.page_bytes, msg.get("nixl_landing"))
+                                          decode_spec.page_size, decode_spec.page_bytes, msg.get("nixl_landing"),
+                                          _group_units(decode_spec))
             except KvxferError as exc:
                 log.warning("event=nixl_peer_failed peer=%s reason=%s", msg["daemon"], q(str(exc)[:300]))
                 continue
@@ -214,7 +215,7 @@ class NixlSupport:
         if self.transport is None:
             raise TransferError("NIXL route without an agent", field="transport", fix="handshake again")
         if msg.get("nixl_md"):
-            self.transport.load(peer.agent, msg["nixl_md"])
+            self.transport.load(peer.agent, msg["nixl_md"], msg.get("nixl_regions") or [])
         if msg.get("nixl_regions"):
             if any((r[0], r[1]) != tuple(dst) for r in msg["nixl_regions"]):
                 raise ProtocolError("nixl_regions of an expect may only describe its dst rank",
@@ -233,6 +234,44 @@ class NixlSupport:
                                fix="register the decode rank before it expects requests")
         return as_pages(pages, num_pages, "dst_pages")
 
+    def expect_groups(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Check a peer expect's cache-group tables for a NIXL route (after :meth:`expect_pages`):
+        one per group of the decode instance, every page (state slot) inside the regions the decode
+        rank described for that group."""
+        raw = msg.get("dst_groups") or {}
+        unknown = sorted(set(raw) - set(peer.groups))
+        if unknown:
+            raise ProtocolError(f"dst_groups names {unknown[0]!r}, not a cache group of the decode instance "
+                                f"({peer.groups})", field=f"dst_groups.{unknown[0]}",
+                                fix="send tables only for the decode instance's groups")
+        out: dict[str, np.ndarray] = {}
+        for group in peer.groups:
+            if group not in raw:
+                raise ProtocolError(f"expect over NIXL without the table of cache group {group!r}",
+                                    field=f"dst_groups.{group}",
+                                    fix="send every group's destination table (one-sided writes need it)")
+            table = raw[group]
+            if len(table) > self.max_pages:
+                raise RequestError(f"{len(table)} pages of group {group!r} exceed limits.max_pages_per_request",
+                                   field=f"dst_groups.{group}", fix="split the request or raise the limit")
+            num_pages = peer.num_pages(dst, group)
+            if num_pages is None:
+                raise RequestError(f"decode rank {list(dst)} described no NIXL regions of cache group {group!r}",
+                                   field="nixl_regions", fix="register the decode rank's group regions "
+                                                             "before it expects requests")
+            out[group] = as_pages(table, num_pages, f"dst_groups.{group}")
+        return out
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+
+
+def _group_units(spec: Any) -> dict[str, tuple[int, int]]:
+    """(page size, page bytes) of every cache group of a decode instance, by name (a state
+    group's page is one state slot)."""
+    out = {}
+    for group in getattr(spec, "groups", ()):
+        g = spec.group_spec(group.name)
+        out[group.name] = (g.page_size, g.page_bytes)
+    return out

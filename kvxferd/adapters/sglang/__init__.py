@@ -9,7 +9,8 @@ Tested against sglang 0.5.23; the backend interfaces change between releases.
 - :mod:`.state`, :mod:`.window`, :mod:`.draft`: Mamba state, sliding-window layers and
   draft-model KV -> kvxferd cache groups (pure)
 - :mod:`.bootstrap`: the prefill side's bootstrap server (instance and daemon address)
-- :mod:`.conn`: the manager, sender, receiver and bootstrap server classes SGLang builds
+- :mod:`.manager`: the per-rank manager SGLang builds (regions, groups, registration)
+- :mod:`.conn`: the per-request sender and receiver and the bootstrap server SGLang builds
 - :mod:`.plugin`: the hooks that add the backend to SGLang
 """
 

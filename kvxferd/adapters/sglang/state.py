@@ -87,39 +87,41 @@ def mamba_groups(*, item_lens: Sequence[int], data_lens: Sequence[int], dims: Se
             raise RegistrationError(f"state buffer of {data} bytes (state_data_lens) is not whole slots of {item} "
                                     "bytes",
                                     field="state_data_lens", fix="register the pool's state buffers whole")
-        name = f"{GROUP_PREFIX}{t}"
-        dim = int(dim or 0)
-        outer = int(outer or 1)
-        if item % size:
-            raise RegistrationError(f"state slot of {item} bytes (state_item_lens) is not whole {dtype} elements",
-                                    field="state_item_lens", fix="register the pool's state buffers as they are")
-        elems = item // size
-        if dim == 0:
-            if parts:
-                raise RegistrationError(f"replicated state tensor {t} has state_conv_shard_groups {list(parts)}",
-                                        field="state_conv_shard_groups", fix="fill KVArgs with SGLang's own pool")
-            group = Group(name, "state", per, shape=(elems,), split_dim=None, dtype=dtype)
-        else:
-            if outer <= 0 or elems % (outer * dim):
-                raise RegistrationError(
-                    f"state tensor {t}: {elems} elements per slot are not {outer} rows (state_slice_outer_counts) x "
-                    f"{dim} split channels (state_dim_per_tensor) x an integer inner size",
-                    field="state_dim_per_tensor",
-                    fix="fill KVArgs with SGLang's setup_state_kv_args for this pool")
-            inner = elems // (outer * dim)
-            full = dim * tp_size
-            split_parts = tuple(int(p) for p in parts) or None
-            if split_parts is not None and sum(split_parts) != full:
-                raise RegistrationError(
-                    f"state tensor {t}: state_conv_shard_groups {list(split_parts)} add up to {sum(split_parts)}, "
-                    f"but {dim} local channels x attention TP {tp_size} are {full}",
-                    field="state_conv_shard_groups", fix="run every rank with the attention TP size the pool was "
-                                                         "built for")
-            shape = (full, inner) if outer == 1 else (outer, full, inner)
-            group = Group(name, "state", per, shape=shape, split_dim=0 if outer == 1 else 1,
-                          split_parts=split_parts, dtype=dtype)
+        group = _state_group(t, per, item, int(dim or 0), int(outer or 1), parts, dtype, size, tp_size)
         out.append(StateTensor(group, idx, data // item))
     return out
+
+
+def _state_group(t: int, per: int, item: int, dim: int, outer: int, parts: tuple, dtype: str, size: int,
+                 tp_size: int) -> Group:
+    """State tensor ``t`` as a kvxferd state group: replicated (``dim`` 0) or split on its channels."""
+    if item % size:
+        raise RegistrationError(f"state slot of {item} bytes (state_item_lens) is not whole {dtype} elements",
+                                field="state_item_lens", fix="register the pool's state buffers as they are")
+    elems = item // size
+    if dim == 0:
+        if parts:
+            raise RegistrationError(f"replicated state tensor {t} has state_conv_shard_groups {list(parts)}",
+                                    field="state_conv_shard_groups", fix="fill KVArgs with SGLang's own pool")
+        return Group(f"{GROUP_PREFIX}{t}", "state", per, shape=(elems,), split_dim=None, dtype=dtype)
+    if outer <= 0 or elems % (outer * dim):
+        raise RegistrationError(
+            f"state tensor {t}: {elems} elements per slot are not {outer} rows (state_slice_outer_counts) x "
+            f"{dim} split channels (state_dim_per_tensor) x an integer inner size",
+            field="state_dim_per_tensor",
+            fix="fill KVArgs with SGLang's setup_state_kv_args for this pool")
+    inner = elems // (outer * dim)
+    full = dim * tp_size
+    split_parts = tuple(int(p) for p in parts) or None
+    if split_parts is not None and sum(split_parts) != full:
+        raise RegistrationError(
+            f"state tensor {t}: state_conv_shard_groups {list(split_parts)} add up to {sum(split_parts)}, "
+            f"but {dim} local channels x attention TP {tp_size} are {full}",
+            field="state_conv_shard_groups", fix="run every rank with the attention TP size the pool was "
+                                                 "built for")
+    shape = (full, inner) if outer == 1 else (outer, full, inner)
+    return Group(f"{GROUP_PREFIX}{t}", "state", per, shape=shape, split_dim=0 if outer == 1 else 1,
+                 split_parts=split_parts, dtype=dtype)
 
 
 def state_slot(value: Any, state_type: str) -> int:
