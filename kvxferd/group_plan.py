@@ -36,7 +36,8 @@ class GroupPlan:
         spec = self.plan.decode
         kinds = len(spec.region_kinds)
         per_slot = spec.num_layers * kinds * spec.kv_heads * spec.head_slot_bits // 8
-        return per_slot * spec.page_size if self.kind == "state" else per_slot
+        # a packed slot is a whole page of tokens
+        return per_slot * spec.page_size if self.kind == "state" else per_slot // spec.slot_tokens
 
     def to_dict(self) -> dict[str, Any]:
         unit = "request" if self.kind == "state" else "token"
@@ -45,7 +46,10 @@ class GroupPlan:
                                "destinations": [d.to_dict() for d in self.plan.destinations]}
         if self.window is not None:
             out["window"] = self.window
-            out["max_bytes_per_request"] = self.bytes_per_unit() * self.window
+            # a packed layout moves whole pages: the window's tokens may touch one page more
+            unit = self.plan.decode.slot_tokens
+            tokens = self.window if unit == 1 else (-(-(self.window - 1) // unit) + 1) * unit
+            out["max_bytes_per_request"] = self.bytes_per_unit() * tokens
         return out
 
 

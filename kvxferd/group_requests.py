@@ -10,8 +10,9 @@ What moves of each group, the same on both daemons:
 
 - draft: the same tokens as the full-attention KV, ``[start, num_tokens)``;
 - window: the last ``window`` tokens of the prompt, ``[max(start, num_tokens - window),
-  num_tokens)``; the pages wholly before them are never read nor written (a real engine
-  may name any valid page there, e.g. its padding page);
+  num_tokens)`` (in a packed layout from the first token of the page that holds
+  ``num_tokens - window``: pages move whole); the pages wholly before them are never read
+  nor written (a real engine may name any valid page there, e.g. its padding page);
 - state: the slot's ``page_size`` rows, once, with the last chunk.
 
 Pure functions: the engine endpoint checks with them, the lifecycle and the inbox derive
@@ -115,7 +116,12 @@ def group_origin(spec: InstanceSpec, name: str, start: int, num_tokens: int | No
     if group.kind == "window":
         # num_tokens is required by an expect of an instance with a window group; unknown (0 or
         # None), the whole request moves
-        return window_origin(num_tokens, group.window or 0, start) if num_tokens else start
+        if not num_tokens:
+            return start
+        origin = window_origin(num_tokens, group.window or 0, start)
+        unit = spec.group_spec(name).slot_tokens
+        # packed layouts move whole pages: the window starts at its first page (start is page-aligned)
+        return max(start, origin // unit * unit)
     return start
 
 

@@ -14,11 +14,12 @@ Models in use no longer hold one uniform KV cache. An instance's full-attention 
   unsplit per-request tensor and ``split_dim`` the dimension TP splits (like KV heads),
   ``None`` when every TP rank holds it whole.
 
-Every group is mapped onto an ordinary :class:`~kvxferd.geometry.InstanceSpec` (NHD, the
+Every group is mapped onto an ordinary :class:`~kvxferd.geometry.InstanceSpec` (the
 instance's TP and PP, the group's own layers split over the stages), so the planner, the
 segment generator and the transports move it unchanged:
 
-- a KV group is that spec with its own layers, heads, head_dim, dtype and page size;
+- a KV group is that spec with its own layers, heads, head_dim, dtype and page size, in the
+  instance's layout (its pages sit in the same engine memory as the instance's own KV);
 - a state group of shape ``(d0, .., dk)`` split on ``s`` is attention ``state`` (one region
   kind, ``state``) with ``page_size = d0*..*d(s-1)`` rows per slot, ``total_kv_heads = ds``
   and ``head_dim = d(s+1)*..*dk``: a state slot is one "page", a TP split of ``ds`` is a
@@ -191,9 +192,11 @@ class Group:
             raise GeometryError(f"group {self.name!r} ({self.kind}) has no total_kv_heads",
                                 field=f"groups.{self.name}.total_kv_heads",
                                 fix="give the group's number of KV heads (num_key_value_heads)")
+        # a KV group lives in the same engine memory as the instance's own KV, so it has its
+        # layout (vLLM's CPU packed pages, its GPU NHD_kv); SGLang's NHD is the default
         return dict(attention=self.attention, num_layers=self.num_layers, head_dim=self.head_dim,
                     dtype=self.dtype or instance.dtype, page_size=self.page_size or instance.page_size,
-                    tp_size=tp, total_kv_heads=heads, **stages)
+                    tp_size=tp, total_kv_heads=heads, layout=instance.layout, **stages)
 
     @property
     def per_request(self) -> bool:

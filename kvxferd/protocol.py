@@ -177,14 +177,14 @@ NAME = text(MAX_NAME_LEN)
 ADDRESS = text(300)
 
 BASE_KINDS = ("k", "v", "latent", "kv")
-_GROUP_KIND = re.compile(r"^[a-z][a-z0-9_]{0,23}\.(k|v|latent|state)$")
+_GROUP_KIND = re.compile(r"^[a-z][a-z0-9_]{0,23}\.(k|v|latent|state|kv)$")
 
 
 def region_kind(name: str, value: Any) -> str:
     """A region's kind: a base kind, or ``<group>.<kind>`` for a cache group's region."""
     kind = text(40)(name, value)
     if kind not in BASE_KINDS and not _GROUP_KIND.match(kind):
-        raise ProtocolError(f"{name} = {kind!r} is not one of {BASE_KINDS} nor <group>.<k|v|latent|state>",
+        raise ProtocolError(f"{name} = {kind!r} is not one of {BASE_KINDS} nor <group>.<k|v|latent|state|kv>",
                             field=name, fix="use the kinds the rank's geometry names")
     return kind
 

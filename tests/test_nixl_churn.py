@@ -6,8 +6,11 @@ have other sizes and may be mapped at virtual addresses the previous ones used. 
 must pass on these daemons exactly as it would on fresh ones.
 
 Reported against real deployments: after several such instances, direct WRITEs failed with
-``NIXL_ERR_NOT_FOUND``. With nixl-cu12 1.5.1 and UCX over loopback TCP this sequence passes;
-it stays as the regression case for that report.
+``NIXL_ERR_NOT_FOUND``. The cause was stale remote descriptors hiding newer regions mapped at
+reused addresses (see ``kvxferd/transport/nixl_remote.py``); ``tests/test_nixl_remote.py``
+reproduces it deterministically. This sequence of geometries passes with or without that
+overlap, depending on where the decode daemon maps each engine's memory, and stays as the
+end-to-end regression case for the report.
 """
 
 from __future__ import annotations

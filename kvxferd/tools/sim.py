@@ -270,12 +270,18 @@ def free_port() -> int:
 
     Asking the kernel for port 0 and closing it races: the same number goes to the next outgoing
     connection or to a parallel test worker before the daemon binds it. So ports come from below
-    the ephemeral range, walked in order, from a block of their own per pytest-xdist worker."""
+    the ephemeral range, walked in order, from a block of their own: the lower half of the blocks
+    goes to pytest-xdist workers by number, the upper half to every other process (a tool, a
+    test run without workers) by its pid, so two such runs side by side rarely share a block."""
     if not _next_port:
         blocks = max(1, (_ephemeral_floor() - _PORT_FLOOR) // _PORT_BLOCK)
+        workers = max(1, blocks // 2)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-        index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else blocks - 1
-        _next_port.append(_PORT_FLOOR + (index % blocks) * _PORT_BLOCK + os.getpid() % (_PORT_BLOCK // 2))
+        if worker.startswith("gw") and worker[2:].isdigit():
+            index = int(worker[2:]) % workers
+        else:
+            index = workers + os.getpid() % max(1, blocks - workers) if blocks > 1 else 0
+        _next_port.append(_PORT_FLOOR + index * _PORT_BLOCK + os.getpid() % (_PORT_BLOCK // 2))
     start = _PORT_FLOOR + (_next_port[0] - _PORT_FLOOR) // _PORT_BLOCK * _PORT_BLOCK
     for _ in range(_PORT_BLOCK):
         port = _next_port[0]
@@ -289,6 +295,7 @@ def free_port() -> int:
     raise RuntimeError(f"no free loopback port in {start}..{start + _PORT_BLOCK - 1}")
 
 
+START_ATTEMPTS = 5  # a first start whose ports another run took moves to fresh ones this often
 _PORT_KEYS = re.compile(r'^(control_port = |data_port = |bind = "127\.0\.0\.1:)(\d+)', re.M)
 
 
@@ -317,11 +324,11 @@ class DaemonProc:
         """Start and wait until it answers. A first start that finds one of its ports taken (another
         run on the machine got there first) moves to fresh ports and tries again; a restart keeps its
         ports, because its peers know them."""
-        for attempt in range(3):
+        for attempt in range(START_ATTEMPTS):
             try:
                 return self._start_once(env)
             except RuntimeError as exc:
-                if "code=bind_failed" not in str(exc) or self.answered or attempt == 2:
+                if "code=bind_failed" not in str(exc) or self.answered or attempt == START_ATTEMPTS - 1:
                     raise
                 self._move_ports()
 

@@ -44,7 +44,7 @@ class RankFacts:
     tp_size: int  # attention TP size
     pp_rank: int
     pp_size: int
-    layer_splits: tuple[tuple[int, int], ...]  # [start, end) per PP stage, SGLang's partition
+    layer_splits: tuple[tuple[int, int], ...]  # [start, end) per PP stage (a hybrid pool: of its full layers)
     kv_head_num: int | None = None  # KVArgs.kv_head_num (unset on the decode side in 0.5.23)
     total_kv_head_num: int | None = None  # KVArgs.total_kv_head_num (likewise)
     model_total_kv_heads: int | None = None  # model_config.get_total_num_kv_heads()

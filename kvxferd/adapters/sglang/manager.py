@@ -10,6 +10,7 @@ server. The per-request classes in :mod:`.conn` go through it to the daemon.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import os
 import socket
@@ -32,8 +33,9 @@ from . import topology
 from .bootstrap import get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry
 from .draft import DRAFT_GROUP, draft_group
-from .pool import (CURRENT_POOL, PoolContext, dtype_name, full_pool, pool_buffers, pool_facts,
+from .pool import (CURRENT_POOL, PoolContext, composite_layer_ids, dtype_name, full_pool, pool_buffers, pool_facts,
                    pool_region_tensors, state_tensors, swa_pool)
+from .stages import Splits, own_splits, unique_in_order
 from .state import StateTensor, mamba_groups, state_slot
 from .window import WINDOW_GROUP, window_group, window_table
 
@@ -199,20 +201,35 @@ class KvxferdKVManager(BaseKVManager):
                                     "attention TP x PP group, and context parallel splits its tokens over "
                                     f"{cp} of them", field="attn_cp_size",
                                     fix="run with attn_cp_size 1 (no --attn-cp-size / context parallel)")
+        pp_rank = int(args.pp_rank)
+        # each stage's model layers, SGLang's partition (SGLANG_PP_LAYER_PARTITION included)
+        self.stage_ranges: Splits = tuple((int(a), int(b)) for a, b in (
+            get_pp_indices(ctx.num_hidden_layers, r, pp_size) for r in range(pp_size)))
+        splits = self.stage_ranges
         if full_pool(ctx.pool) is not ctx.pool:
-            if pp_size != 1:
-                raise RegistrationError(f"pp_size is {pp_size}; the kvxferd backend moves a hybrid (Mamba or SWA) "
-                                        "model with one PP stage only", field="pp_size", fix="run with pp_size 1")
             # a hybrid pool's KV lists only its full-attention layers, in their own numbering
-            splits: tuple[tuple[int, int], ...] = ((0, self.facts.num_layers),)
-        else:
-            splits = tuple(tuple(int(x) for x in get_pp_indices(ctx.num_hidden_layers, r, pp_size))
-                           for r in range(pp_size))
-        return RankFacts(tp_rank=int(args.engine_rank) % attn_tp, tp_size=attn_tp, pp_rank=int(args.pp_rank),
+            splits = ((0, self.facts.num_layers),)
+            if pp_size > 1 and 0 <= pp_rank < pp_size:
+                splits = self._full_splits(ctx, pp_rank)
+                self.facts = dataclasses.replace(self.facts, start_layer=splits[pp_rank][0])
+        return RankFacts(tp_rank=int(args.engine_rank) % attn_tp, tp_size=attn_tp, pp_rank=pp_rank,
                          pp_size=pp_size, layer_splits=splits,
                          kv_head_num=getattr(args, "kv_head_num", None),
                          total_kv_head_num=getattr(args, "total_kv_head_num", None),
                          model_total_kv_heads=ctx.model_total_kv_heads)
+
+    def _full_splits(self, ctx: PoolContext, pp_rank: int) -> Splits:
+        """A hybrid pool's full-attention layers per PP stage, in their own numbering (see .stages)."""
+        if swa_pool(ctx.pool) is not None:  # SWAKVPool: the model config's lists, as layer_setup filters them
+            return own_splits("full-attention", _attr(ctx.model_config, "full_attention_layer_ids"),
+                              "model_config.full_attention_layer_ids", self.stage_ranges, pp_rank,
+                              composite_layer_ids(ctx.pool, swa=False), "SWAKVPool.layers_mapping")
+        # HybridLinearKVPool: what SGLang's own _transfer_start_layer reads
+        text_config = _attr(ctx.model_config, "hf_text_config")
+        return own_splits("full-attention", _attr(text_config, "full_attention_layer_ids"),
+                          "hf_text_config.full_attention_layer_ids", self.stage_ranges, pp_rank,
+                          list(getattr(ctx.pool, "full_attention_layer_id_mapping", None) or {}),
+                          "full_attention_layer_id_mapping")
 
     @staticmethod
     def _parallel(name: str, default: Any) -> Any:
@@ -241,8 +258,6 @@ class KvxferdKVManager(BaseKVManager):
 
     def _with_groups(self, geometry: RankGeometry) -> RankGeometry:
         """The rank's geometry with its cache groups (draft KV, Mamba state)."""
-        import dataclasses
-
         groups = ([self.draft] if self.draft is not None else []) + [g.group for g in self.state_groups]
         pages = ([(DRAFT_GROUP, geometry.num_pages)] if self.draft is not None else []) + [
             (g.group.name, g.slots) for g in self.state_groups]
@@ -258,8 +273,13 @@ class KvxferdKVManager(BaseKVManager):
         if not count:
             return {}
         if rank.pp_size != 1:
-            raise RegistrationError(f"pp_size is {rank.pp_size}; the kvxferd backend moves draft-model KV with one "
-                                    "PP stage only", field="pp_size", fix="run with pp_size 1")
+            # sglang 0.5.23 (EAGLEWorkerV2._hosts_draft) runs the draft model on the last PP stage only:
+            # the other stages register no draft KV, and kvxferd builds no group that a stage lacks
+            raise RegistrationError(
+                f"pp_size is {rank.pp_size}: SGLang runs the draft model on the last PP stage only, so stages 0 to "
+                f"{rank.pp_size - 2} hold no draft-model KV (num_draft_entries 0), and the kvxferd backend moves a "
+                "cache group only when every PP stage holds some of its layers", field="pp_size",
+                fix="run instances with speculative decoding (a draft model) at pp_size 1")
         facts = pool_facts(ctx.draft_pool)
         self.draft = draft_group(facts, self.facts, rank.tp_size, count)
         _, buffers = pool_buffers(ctx.draft_pool)
@@ -282,7 +302,15 @@ class KvxferdKVManager(BaseKVManager):
         self.window = window_group(facts, self.facts, rank.tp_size, self.geometry.spec.total_kv_heads,
                                    ctx.sliding_window)
         self.window_pages = facts.rows // facts.page_size
-        return {(i, qualified_kind(WINDOW_GROUP, kind)): t for kind, ts in buffers.items() for i, t in enumerate(ts)}
+        first = 0
+        if rank.pp_size > 1:  # this stage's SWA layers in the window group's own numbering
+            splits = own_splits("sliding-window", _attr(ctx.model_config, "swa_attention_layer_ids"),
+                                "model_config.swa_attention_layer_ids", self.stage_ranges, rank.pp_rank,
+                                composite_layer_ids(ctx.pool, swa=True), "SWAKVPool.layers_mapping")
+            self.window = dataclasses.replace(self.window, num_layers=splits[-1][1], layer_splits=splits)
+            first = splits[rank.pp_rank][0]
+        return {(first + i, qualified_kind(WINDOW_GROUP, kind)): t
+                for kind, ts in buffers.items() for i, t in enumerate(ts)}
 
     def _state_regions(self, args: KVArgs, ctx: PoolContext, rank: RankFacts) -> dict[tuple[int, str], torch.Tensor]:
         """The pool's Mamba state regions, and :attr:`state_groups`."""
@@ -314,7 +342,16 @@ class KvxferdKVManager(BaseKVManager):
             shard_groups=field("state_conv_shard_groups"), layer_ids=field("state_layer_ids"),
             itemsizes=[t.element_size() for t in views],
             dtypes=[dtype_name(t, "state_data_ptrs") for t in views], tp_size=rank.tp_size)
-        return {(layer, qualified_kind(g.group.name, "state")): views[entry]
+        first = 0
+        if rank.pp_size > 1:  # this stage's Mamba layers in the state groups' own numbering
+            params = _attr(_attr(ctx.model_config, "hf_text_config"), "mamba2_cache_params")
+            splits = own_splits("Mamba", _attr(params, "layers"), "hf_text_config.mamba2_cache_params.layers",
+                                self.stage_ranges, rank.pp_rank, unique_in_order(field("state_layer_ids") or []),
+                                "state_layer_ids")
+            self.state_groups = [dataclasses.replace(g, group=dataclasses.replace(
+                g.group, num_layers=splits[-1][1], layer_splits=splits)) for g in self.state_groups]
+            first = splits[rank.pp_rank][0]
+        return {(first + layer, qualified_kind(g.group.name, "state")): views[entry]
                 for g in self.state_groups for layer, entry in enumerate(g.entries)}
 
     def request_groups(self, pages: list[int], state_indices: Any, *, with_state: bool) -> dict[str, Any]:
@@ -455,3 +492,13 @@ class KvxferdKVManager(BaseKVManager):
             except KvxferError:
                 pass
             self.client.close()
+
+
+def _attr(obj: Any, name: str) -> Any:
+    """A field of an SGLang config object; None where it has none (or its property cannot be computed)."""
+    if obj is None:
+        return None
+    try:
+        return getattr(obj, name, None)
+    except Exception:  # a config property (mamba2_cache_params) that fails here: the caller names the field
+        return None

@@ -94,7 +94,7 @@ def _init_kv_manager(original: Any, queue: Any) -> Any:
         total = None
     ctx = PoolContext(pool=pool, metadata_buffers=queue.metadata_buffers, model_total_kv_heads=total,
                       num_hidden_layers=int(model_config.num_hidden_layers), shared=shared,
-                      draft_pool=draft, sliding_window=_window(queue.scheduler))
+                      draft_pool=draft, sliding_window=_window(queue.scheduler), model_config=model_config)
     token = CURRENT_POOL.set(ctx)
     try:
         return original(queue)

@@ -32,6 +32,7 @@ class PoolContext:
     shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
     draft_pool: Any = None  # the speculative draft model's token pool (draft_token_to_kv_pool), if any
     sliding_window: int | None = None  # the scheduler's sliding_window_size (tokens), for an SWA pool
+    model_config: Any = None  # the scheduler's model config: every layer of each kind, for PP stages (see .stages)
 
 
 CURRENT_POOL: contextvars.ContextVar[Optional[PoolContext]] = contextvars.ContextVar("kvxferd_sglang_pool",
@@ -63,6 +64,15 @@ def mamba_pool(pool: Any) -> Any:
 def swa_pool(pool: Any) -> Any:
     """The sliding-window layers' token pool of an SWA pool (SWAKVPool.swa_kv_pool), else None."""
     return getattr(pool, "swa_kv_pool", None)
+
+
+def composite_layer_ids(pool: Any, *, swa: bool) -> list[int]:
+    """Model layers of an SWA pool's sliding-window (or full) sub-pool, in the sub-pool's dense order.
+
+    ``SWAKVPool.layers_mapping`` maps each model layer of the stage to ``(index, is_swa)``.
+    """
+    mapping = getattr(pool, "layers_mapping", None) or {}
+    return [layer for layer, (_, is_swa) in sorted(mapping.items(), key=lambda kv: kv[1][0]) if bool(is_swa) == swa]
 
 
 def state_tensors(pool: Any) -> list[torch.Tensor]:

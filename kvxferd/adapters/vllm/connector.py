@@ -28,13 +28,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from ...client import DaemonError, EngineClient
 from ...errors import ConfigError, KvxferError
 from ...geometry import RankGeometry
 from ...memory import SharedPool, describe_tensors, share_in_place
-from .layout import REQUIRED_LAYOUT, LayerLayout, decide, layer_span, rank_geometry, same_for_all
+from .groups import FULL, MAMBA, SLIDING, GroupMap, VllmGroup, map_groups, single_group
+from .layout import (
+    REQUIRED_LAYOUT,
+    HybridPart,
+    LayerLayout,
+    decide,
+    hybrid_geometry,
+    layer_span,
+    rank_geometry,
+    same_for_all,
+)
 from .logic import (
     ConnectorSettings,
     SchedulerBook,
@@ -42,6 +54,7 @@ from .logic import (
     TransferParams,
     WorkerBook,
     dp_of,
+    group_pages,
     load_error_blocks,
     next_chunk,
     pages_for,
@@ -75,23 +88,61 @@ def _settings(vllm_config: "VllmConfig") -> ConnectorSettings:
                                          engine_id=cfg.engine_id, dp=dp)
 
 
+def _spec_kind(spec: Any) -> tuple[str, Any]:
+    """(kind, a representative layer spec) of one vLLM KV cache group's spec."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec, UniformTypeKVCacheSpecs
+
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        kinds = {_spec_kind(s)[0] for s in spec.kv_cache_specs.values()}
+        first = next(iter(spec.kv_cache_specs.values()))
+        return (kinds.pop() if len(kinds) == 1 else type(spec).__name__), first
+    if isinstance(spec, SlidingWindowSpec):
+        return SLIDING, spec
+    if isinstance(spec, FullAttentionSpec):
+        return FULL, spec
+    if isinstance(spec, MambaSpec):
+        return MAMBA, spec
+    return type(spec).__name__, spec
+
+
+def group_map_of(kv_cache_config: "KVCacheConfig | None") -> GroupMap:
+    """kvxferd's view of vLLM's KV cache groups (groups.map_groups), read from the KVCacheConfig
+    vLLM builds the connector with; refuses (ConfigError) what it cannot move."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return single_group()
+    groups = []
+    for i, g in enumerate(kv_cache_config.kv_cache_groups):
+        kind, spec = _spec_kind(g.kv_cache_spec)
+        groups.append(VllmGroup(i, kind, tuple(g.layer_names), int(spec.block_size),
+                                getattr(spec, "sliding_window", None) if kind == SLIDING else None,
+                                int(getattr(spec, "extra_retained_tokens", 0) or 0),
+                                bool(getattr(g, "enable_kv_transfer", True))))
+    return map_groups(groups)
+
+
 def _describe(exc: KvxferError) -> str:
     return f"code={exc.code} reason={str(exc)!r}"
 
 
-class KvxferdConnector(KVConnectorBase_V1):
-    """See the module docstring; vLLM calls every method here from one thread per role."""
+class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
+    """See the module docstring; vLLM calls every method here from one thread per role.
+
+    ``SupportsHMA``: vLLM keeps its hybrid KV cache manager on, so a hybrid model's layers
+    come in several KV cache groups, each with its own block ids per request; ``groups``
+    says which kvxferd cache group each one is (adapters/vllm/groups.py).
+    """
 
     def __init__(self, vllm_config: "VllmConfig", role: KVConnectorRole,
                  kv_cache_config: "KVCacheConfig | None" = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self.settings = _settings(vllm_config)
+        self.groups = group_map_of(kv_cache_config)
         self.book: SchedulerBook | None = None
         self.worker: _Worker | None = None
         if role == KVConnectorRole.SCHEDULER:
             self.book = SchedulerBook(self.settings)
         else:
-            self.worker = _Worker(vllm_config, self.settings)
+            self.worker = _Worker(vllm_config, self.settings, self.groups)
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> str | None:
@@ -125,8 +176,9 @@ class KvxferdConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external_tokens: int) -> None:
         assert self.book is not None
         try:
-            self.book.after_alloc(request.request_id, request.kv_transfer_params, blocks.get_block_ids()[0],
-                                  request.num_prompt_tokens, num_external_tokens)
+            default, groups = self.groups.split(blocks.get_block_ids())
+            self.book.after_alloc(request.request_id, request.kv_transfer_params, default,
+                                  request.num_prompt_tokens, num_external_tokens, groups)
         except ConfigError as exc:
             log.error("event=bad_kv_transfer_params request=%s %s", request.request_id, _describe(exc))
 
@@ -136,18 +188,21 @@ class KvxferdConnector(KVConnectorBase_V1):
         counts = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
             if new.req_id in self.book.sends:
-                scheduled.append((new.req_id, new.block_ids[0], new.num_computed_tokens + counts.get(new.req_id, 0)))
+                default, groups = self.groups.split(new.block_ids)
+                scheduled.append((new.req_id, default, new.num_computed_tokens + counts.get(new.req_id, 0), groups))
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             if req_id in self.book.sends:
-                scheduled.append((req_id, self._block_ids(req_id),
-                                  cached.num_computed_tokens[i] + counts.get(req_id, 0)))
+                default, groups = self.groups.split(self._block_ids(req_id))
+                scheduled.append((req_id, default, cached.num_computed_tokens[i] + counts.get(req_id, 0), groups))
         plan = self.book.plan(scheduled, sorted(scheduler_output.preempted_req_ids or ()))
         return KvxferdMetadata(plan)
 
-    def _block_ids(self, req_id: str) -> list[int]:
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        """Every KV cache group's block ids of a running request (a sliding-window group's
+        blocks before the window are already vLLM's null block)."""
         assert self._kv_cache_manager is not None, "vLLM binds the KV cache manager before scheduling"
-        return list(self._kv_cache_manager.get_block_ids(req_id)[0])
+        return tuple(list(ids) for ids in self._kv_cache_manager.get_block_ids(req_id))
 
     def update_connector_output(self, connector_output: "KVConnectorOutput") -> None:
         assert self.book is not None
@@ -159,6 +214,12 @@ class KvxferdConnector(KVConnectorBase_V1):
 
         aborted = request.status in (RequestStatus.FINISHED_ABORTED, RequestStatus.FINISHED_ERROR)
         return self.book.finished(request.request_id, computed=request.num_computed_tokens, aborted=aborted)
+
+    def request_finished_all_groups(self, request: "Request",
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """The hybrid manager's ``request_finished``: True holds every group's blocks (the window
+        group's kept ones included) until the daemon says the send is terminal."""
+        return self.request_finished(request, list(block_ids[self.groups.default.index]) if block_ids else [])
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -195,11 +256,22 @@ class KvxferdConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker is not None
         sending, recving = self.worker.finished(finished_req_ids)
+        self.worker.book.take_failed(recving)  # this path reports failures by block id only
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """Failed loads come back by request (``failed_recving``) too: with several KV cache
+        groups block ids are unique per group only and vLLM refuses block-level errors."""
+        assert self.worker is not None
+        sending, recving = self.worker.finished(finished_req_ids)
+        failed = self.worker.book.take_failed(recving)
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving,
+                                          failed_recving=failed if self.groups.hybrid else set())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self.worker is not None
-        return self.worker.book.take_load_errors()
+        errors = self.worker.book.take_load_errors()
+        return set() if self.groups.hybrid else errors
 
     def shutdown(self) -> None:
         if self.worker is not None:
@@ -218,9 +290,10 @@ def _backend_name(vllm_config: "VllmConfig", layer_name: str) -> str:
 class _Worker:
     """One vLLM worker's link to its daemon: registration, then expect/send/abort per step."""
 
-    def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings) -> None:
+    def __init__(self, vllm_config: "VllmConfig", settings: ConnectorSettings, groups: GroupMap) -> None:
         self.vllm_config = vllm_config
         self.settings = settings
+        self.groups = groups
         self.book = WorkerBook()
         self.client: EngineClient | None = None
         self.pool: SharedPool | None = None
@@ -232,34 +305,68 @@ class _Worker:
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from vllm.model_executor.models.utils import extract_layer_index
 
-        by_layer: dict[int, torch.Tensor] = {}
-        for name, tensor in kv_caches.items():
-            by_layer.setdefault(extract_layer_index(name), tensor)
-        first = by_layer[min(by_layer)]
-        model = self.vllm_config.model_config
-        backend = _backend_name(self.vllm_config, next(iter(kv_caches)))
-        layout = same_for_all({layer: decide(tuple(t.shape), tuple(t.stride()), t.element_size(),
-                                             block_size=self.vllm_config.cache_config.block_size,
-                                             mla=bool(getattr(model, "use_mla", False)),
-                                             on_cpu=t.device.type == "cpu", backend=backend)
-                               for layer, t in by_layer.items()})
-        self.page_size = layout.page_size
-        self.on_cuda = first.device.type == "cuda"
-        geometry = self._geometry(layout, first.dtype)
+        if self.groups.hybrid:
+            geometry, spans = self._hybrid(kv_caches)
+        else:
+            by_layer: dict[int, torch.Tensor] = {}
+            for name, tensor in kv_caches.items():
+                by_layer.setdefault(extract_layer_index(name), tensor)
+            layout = self._layout(by_layer, next(iter(kv_caches)))
+            geometry = self._geometry(layout, by_layer[min(by_layer)].dtype)
+            spans = {(layer, layout.kind): (t, layout.span_bytes) for layer, t in sorted(by_layer.items())}
+        layout_name = geometry.spec.layout
+        self.page_size = geometry.spec.page_size
+        self.on_cuda = next(iter(spans.values()))[0].device.type == "cuda"
         if not self.on_cuda:
             # every tensor object vLLM's layers hold must be rebound, not just the dict's
             self.pool = share_in_place(self._cpu_holders(kv_caches),
                                        name=f"vllm-{self.settings.instance}-tp{geometry.tp_rank}-pp{geometry.pp_rank}")
-        regions = describe_tensors({(layer, layout.kind): layer_span(t, layout.span_bytes)
-                                    for layer, t in sorted(by_layer.items())})
+        # a hybrid cache's groups overlay one allocation (a block id belongs to one group at a
+        # time), so regions of different groups may span the same bytes
+        regions = describe_tensors({key: layer_span(t, nbytes) for key, (t, nbytes) in spans.items()})
         self.client = EngineClient(self.settings.socket_path, timeout=self.settings.call_timeout_s)
         for role in self.settings.roles:
             self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions,
                                                     rendezvous=self.settings.rendezvous, dp=self.settings.dp)
-        log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s vllm_layout=%s backend=%s "
-                 "pages=%d page_size=%d page_stride=%d", self.settings.instance, ",".join(self.settings.roles),
-                 geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size, layout.layout,
-                 layout.vllm_layout, backend, geometry.num_pages, layout.page_size, layout.page_stride)
+        log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s pages=%d page_size=%d "
+                 "groups=%s", self.settings.instance, ",".join(self.settings.roles), geometry.tp_rank,
+                 geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size, layout_name, geometry.num_pages,
+                 self.page_size, ",".join(f"{g.name}:{g.kind}:{g.window}" for g in geometry.spec.groups) or "-")
+
+    def _layout(self, by_layer: dict[int, torch.Tensor], any_name: str, block_size: int | None = None) -> LayerLayout:
+        """One layout for the given layers (decide + same_for_all), logged once."""
+        model = self.vllm_config.model_config
+        backend = _backend_name(self.vllm_config, any_name)
+        layout = same_for_all({layer: decide(tuple(t.shape), tuple(t.stride()), t.element_size(),
+                                             block_size=block_size or self.vllm_config.cache_config.block_size,
+                                             mla=bool(getattr(model, "use_mla", False)),
+                                             on_cpu=t.device.type == "cpu", backend=backend)
+                               for layer, t in by_layer.items()})
+        log.info("event=vllm_layout layers=%d layout=%s vllm_layout=%s backend=%s page_size=%d page_stride=%d",
+                 len(by_layer), layout.layout, layout.vllm_layout, backend, layout.page_size, layout.page_stride)
+        return layout
+
+    def _hybrid(self, kv_caches: dict[str, torch.Tensor]) -> tuple[RankGeometry, dict[tuple[int, str], Any]]:
+        """Several vLLM KV cache groups: each group's layers in model order, laid out, then
+        ``layout.hybrid_geometry`` (the default group numbered from 0, the others as groups)."""
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+        from vllm.model_executor.models.utils import extract_layer_index
+
+        parts = []
+        for g in self.groups.groups:
+            missing = [n for n in g.layer_names if n not in kv_caches]
+            if missing:
+                raise ConfigError(f"vLLM KV cache group {g.index} names layer {missing[0]!r}, which register_kv_caches "
+                                  "did not hand over", field="kv_caches", fix="report this model to kvxferd's "
+                                  "maintainers")
+            names = sorted(g.layer_names, key=extract_layer_index)
+            layers = [kv_caches[n] for n in names]
+            parts.append(HybridPart(g.name, g.index, g.kind, g.window,
+                                    self._layout(dict(enumerate(layers)), names[0], g.block_size), layers))
+        parallel = self.vllm_config.parallel_config
+        return hybrid_geometry(parts, total_kv_heads=self.vllm_config.model_config.get_total_num_kv_heads(),
+                               tp_size=parallel.tensor_parallel_size, tp_rank=get_tensor_model_parallel_rank(),
+                               pp_size=parallel.pipeline_parallel_size)
 
     def _cpu_holders(self, kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
         """The dict's tensors plus the ones bound to attention layers (other objects, same storage)."""
@@ -314,7 +421,8 @@ class _Worker:
                 pages = pages_for(load.block_ids, 0, p.num_tokens, self.page_size)
                 self.client.expect(self.ranks["decode"], p.transfer_id, source_instance=p.source_instance,
                                    source_address=p.source_address, pages=pages, num_tokens=p.num_tokens,
-                                   start=load.start, source_dp_rank=p.source_dp_rank)
+                                   start=load.start, source_dp_rank=p.source_dp_rank,
+                                   groups=group_pages(load.groups, 0, p.num_tokens, self.page_size))
             except KvxferError as exc:
                 log.warning("event=vllm_load_failed request=%s transfer=%s %s", load.req_id, p.transfer_id,
                             _describe(exc))
@@ -340,7 +448,7 @@ class _Worker:
             try:
                 self.client.send(self.ranks["prefill"], s.transfer_id,
                                  pages=pages_for(s.block_ids, start, end, self.page_size), start=start, end=end,
-                                 last=last)
+                                 last=last, groups=group_pages(s.groups, start, end, self.page_size))
             except KvxferError as exc:
                 log.warning("event=vllm_send_failed request=%s transfer=%s %s", s.req_id, s.transfer_id,
                             _describe(exc))

@@ -23,12 +23,13 @@ the one step that touches a tensor (a byte view of the layer's span, no copy).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ...errors import ConfigError
 from ...geometry import InstanceSpec, RankGeometry
+from ...groups import Group
 
 #: what the connector asks vLLM for (alias of LBNHC in vLLM 0.32): token rows, dense layers
 REQUIRED_LAYOUT = "NHD"
@@ -155,16 +156,70 @@ def layer_span(t: torch.Tensor, nbytes: int) -> torch.Tensor:
 
 def rank_geometry(layout: LayerLayout, dtype: str, *, num_layers: int, total_kv_heads: int, tp_size: int,
                   pp_size: int, layer_splits: tuple[tuple[int, int], ...] | None, tp_rank: int,
-                  pp_rank: int) -> RankGeometry:
-    """The geometry a rank registers: the model's numbers plus what :func:`decide` read."""
+                  pp_rank: int, groups: tuple[Group, ...] = (),
+                  group_pages: dict[str, int] | None = None) -> RankGeometry:
+    """The geometry a rank registers: the model's numbers plus what :func:`decide` read
+    (``groups``: vLLM's other KV cache groups as kvxferd cache groups, their page counts)."""
     mla = layout.kind == "latent"
     spec = InstanceSpec(attention="mla" if mla else "mha", num_layers=num_layers,
                         total_kv_heads=None if mla else total_kv_heads, head_dim=layout.head_dim, dtype=dtype,
                         page_size=layout.page_size, tp_size=tp_size, pp_size=pp_size, layer_splits=layer_splits,
-                        layout=layout.layout)
+                        layout=layout.layout, groups=groups)
     if spec.local_heads != layout.heads:
         raise ConfigError(f"vLLM's KV tensor holds {layout.heads} heads per rank, kvxferd expects "
                           f"{spec.local_heads} ({spec.kv_heads} KV heads over tp {tp_size})",
                           field="kv_caches.heads", fix="report this layout to kvxferd's maintainers")
     return RankGeometry(spec, tp_rank=tp_rank, pp_rank=pp_rank, num_pages=layout.num_pages,
-                        page_stride=layout.page_stride)
+                        page_stride=layout.page_stride, group_pages=tuple(sorted((group_pages or {}).items())))
+
+
+@dataclass(frozen=True)
+class HybridPart:
+    """One of vLLM's KV cache groups kvxferd moves, laid out: its layers' views in model order."""
+
+    name: str                 # kvxferd group name, "" for the default group
+    index: int                # vLLM's group index, for messages
+    kind: str                 # "" (default), "draft" or "window"
+    window: int | None
+    layout: LayerLayout
+    layers: Sequence[torch.Tensor]
+
+
+def hybrid_geometry(parts: Sequence[HybridPart], *, total_kv_heads: int, tp_size: int, tp_rank: int,
+                    pp_size: int) -> tuple[RankGeometry, dict[tuple[int, str], tuple[Any, int]]]:
+    """A rank of several vLLM KV cache groups -> (its geometry, ``{(layer, kind): (view, span bytes)}``).
+
+    The default group (``parts[0]``) is the instance's KV with its layers numbered from 0
+    among themselves; every other group a kvxferd cache group in the same layout (one
+    allocation, the same page size), registered as ``(layer, "<group>.<kind>")``. vLLM
+    overlays the groups on one allocation, so regions of different groups may span the same
+    bytes: a block id belongs to one group at a time, and only named pages are touched.
+    """
+    base = parts[0].layout
+    spans: dict[tuple[int, str], tuple[Any, int]] = {}
+    groups = []
+    for part in parts:
+        lay = part.layout
+        where = f"kv_cache_config.kv_cache_groups[{part.index}]"
+        if (lay.layout, lay.kind, lay.page_size) != (base.layout, base.kind, base.page_size):
+            raise ConfigError(f"vLLM KV cache group {part.index} is laid out as {lay.layout} with {lay.page_size}-token "
+                              f"pages, the full-attention group as {base.layout} with {base.page_size}", field=where,
+                              fix=LAYOUT_FIX)
+        if part.name and lay.page_stride != lay.page_bytes:
+            raise ConfigError(f"vLLM KV cache group {part.index}'s pages lie {lay.page_stride} bytes apart, not back "
+                              f"to back ({lay.page_bytes}); kvxferd's cache groups take dense pages",
+                              field="kv_caches.layout", fix=LAYOUT_FIX)
+        kind = f"{part.name}.{lay.kind}" if part.name else lay.kind
+        spans.update({(i, kind): (t, lay.span_bytes) for i, t in enumerate(part.layers)})
+        if part.name:
+            # the model's KV heads, unless this group's layers hold another count (heads x TP then)
+            heads = total_kv_heads if lay.heads == max(1, total_kv_heads // tp_size) else lay.heads * tp_size
+            groups.append(Group(name=part.name, kind=part.kind, num_layers=len(part.layers),
+                                dtype=str(part.layers[0].dtype).removeprefix("torch."), head_dim=lay.head_dim,
+                                total_kv_heads=heads, page_size=lay.page_size, window=part.window))
+    default = parts[0]
+    geometry = rank_geometry(base, str(default.layers[0].dtype).removeprefix("torch."),
+                             num_layers=len(default.layers), total_kv_heads=total_kv_heads, tp_size=tp_size,
+                             pp_size=pp_size, layer_splits=None, tp_rank=tp_rank, pp_rank=0, groups=tuple(groups),
+                             group_pages={p.name: p.layout.num_pages for p in parts[1:]})
+    return geometry, spans

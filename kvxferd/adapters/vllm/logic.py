@@ -217,6 +217,18 @@ def next_chunk(sent: int, computed: int, total: int, page_size: int) -> tuple[in
     return sent, end, end == total
 
 
+def group_pages(groups: Sequence[tuple[str, Sequence[int]]], start: int, end: int,
+                page_size: int) -> dict[str, list[int]] | None:
+    """Every other cache group's pages for ``[start, end)``, as :func:`pages_for` (None: no groups).
+
+    vLLM's block size is the same in every group the connector maps (groups.map_groups), so
+    one token range names the same page positions in each; a sliding-window group's entries
+    before its window are vLLM's null block, which the daemons never read nor write."""
+    if not groups:
+        return None
+    return {name: pages_for(blocks, start, end, page_size) for name, blocks in groups}
+
+
 def load_error_blocks(block_ids: Sequence[int], start: int, num_tokens: int, page_size: int) -> set[int]:
     """The blocks a failed load was to fill: vLLM recomputes (or fails) from the first of them."""
     return set(int(b) for b in block_ids[start // page_size:-(-num_tokens // page_size)])
@@ -232,6 +244,8 @@ class LoadSpec:
     params: TransferParams
     block_ids: tuple[int, ...]
     start: int
+    #: the other cache groups' block ids, by kvxferd group name (vLLM's hybrid KV cache manager)
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -243,6 +257,8 @@ class SaveSpec:
     block_ids: tuple[int, ...]
     computed: int
     num_tokens: int
+    #: the other cache groups' block ids, by kvxferd group name (vLLM's hybrid KV cache manager)
+    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -289,29 +305,30 @@ class SchedulerBook:
         return (count, True) if count > 0 else (0, False)
 
     def after_alloc(self, req_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[int],
-                    prompt_len: int, num_external: int) -> None:
+                    prompt_len: int, num_external: int,
+                    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
         if num_external > 0 and req_id not in self.loaded:
             transfer = TransferParams.from_request(params)
             if transfer is not None:
                 self.loaded.add(req_id)
                 self.loading[req_id] = transfer.transfer_id
                 self._loads.append(LoadSpec(req_id, transfer, tuple(int(b) for b in block_ids),
-                                            prompt_len - num_external))
+                                            prompt_len - num_external, groups))
         if self.settings.produces and wants_remote_decode(params) and req_id not in self.sends:
             self.sends[req_id] = _Send(self.new_id(), prompt_len)
 
     # both sides, once per step
-    def plan(self, scheduled: Sequence[tuple[str, Sequence[int], int]],
-             preempted: Sequence[str] = ()) -> StepPlan:
-        """``scheduled``: (req_id, block_ids, tokens computed once this step ran)."""
+    def plan(self, scheduled: Sequence[tuple[Any, ...]], preempted: Sequence[str] = ()) -> StepPlan:
+        """``scheduled``: (req_id, block_ids, tokens computed once this step ran[, other groups'
+        block ids by name])."""
         saves = []
-        for req_id, block_ids, computed in scheduled:
+        for req_id, block_ids, computed, *rest in scheduled:
             send = self.sends.get(req_id)
             if send is None:
                 continue
             send.scheduled = True
             saves.append(SaveSpec(req_id, send.transfer_id, tuple(int(b) for b in block_ids),
-                                  min(computed, send.num_tokens), send.num_tokens))
+                                  min(computed, send.num_tokens), send.num_tokens, rest[0] if rest else ()))
         gone = []
         for req_id in preempted:
             send = self.sends.pop(req_id, None)
@@ -377,6 +394,7 @@ class WorkerBook:
     loads: dict[str, _WorkerLoad] = field(default_factory=dict)   # transfer id -> state
     _finished: set[str] = field(default_factory=set)              # req ids vLLM finished, not reported
     _recv_terminal: set[str] = field(default_factory=set)         # req ids
+    _recv_failed: set[str] = field(default_factory=set)           # req ids whose load failed, not reported
     _load_errors: set[int] = field(default_factory=set)
 
     def send_state(self, transfer_id: str, req_id: str) -> _WorkerSend:
@@ -412,11 +430,13 @@ class WorkerBook:
             return None
         if not ok:
             self._load_errors |= load.error_blocks
+            self._recv_failed.add(load.req_id)
         self._recv_terminal.add(load.req_id)
         return load.req_id
 
     def load_failed_now(self, req_id: str, error_blocks: set[int]) -> None:
         self._load_errors |= error_blocks
+        self._recv_failed.add(req_id)
         self._recv_terminal.add(req_id)
 
     def take_finished(self, finished_req_ids: set[str]) -> tuple[set[str], set[str]]:
@@ -431,6 +451,13 @@ class WorkerBook:
                 sending.add(send.req_id)
         recving, self._recv_terminal = self._recv_terminal, set()
         return sending, recving
+
+    def take_failed(self, recving: set[str]) -> set[str]:
+        """The requests of ``recving`` (this step's finished_recving) whose load failed: vLLM's
+        ``failed_recving``, which a hybrid cache needs (its block ids are unique per group only)."""
+        failed = self._recv_failed & recving
+        self._recv_failed -= failed
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()

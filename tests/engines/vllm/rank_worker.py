@@ -41,12 +41,16 @@ def plan_from(data: dict[str, Any]) -> Any:
     from kvxferd.adapters.vllm.logic import LoadSpec, SaveSpec, StepPlan, TransferParams
 
     return StepPlan(
-        loads=tuple(LoadSpec(d["req_id"], TransferParams(**d["params"]), tuple(d["block_ids"]), d["start"])
-                    for d in data.get("loads", ())),
-        saves=tuple(SaveSpec(d["req_id"], d["transfer_id"], tuple(d["block_ids"]), d["computed"], d["num_tokens"])
-                    for d in data.get("saves", ())),
+        loads=tuple(LoadSpec(d["req_id"], TransferParams(**d["params"]), tuple(d["block_ids"]), d["start"],
+                             _groups(d)) for d in data.get("loads", ())),
+        saves=tuple(SaveSpec(d["req_id"], d["transfer_id"], tuple(d["block_ids"]), d["computed"], d["num_tokens"],
+                             _groups(d)) for d in data.get("saves", ())),
         aborts=tuple(tuple(a) for a in data.get("aborts", ())),
         preempted=tuple(tuple(p) for p in data.get("preempted", ())))
+
+
+def _groups(d: dict[str, Any]) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((name, tuple(ids)) for name, ids in sorted(d.get("groups", {}).items()))
 
 
 def main() -> int:
@@ -70,16 +74,28 @@ def main() -> int:
         kv_heads = vu.MODEL["num_key_value_heads"]
         local = max(1, kv_heads // tp)
         heads = (rank * local, rank * local + local)
-        spec = FullAttentionSpec(block, num_kv_heads=local, head_size=vu.HEAD, dtype=torch.float32)
-        names = [f"model.layers.{i}.self_attn.attn" for i in range(vu.MODEL["num_hidden_layers"])]
         num_blocks = cfg["num_blocks"]
-        page = spec.page_size_bytes
-        kv_cache_config = KVCacheConfig(
-            num_blocks=num_blocks,
-            kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(names), layers=names,
-                                            layer_stride=page * num_blocks, block_stride=page)],
-            kv_cache_groups=[KVCacheGroupSpec(names, spec)])
-        kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC, [block])
+        hybrid = cfg.get("hybrid")
+        if hybrid:
+            # vLLM's hybrid manager: a sliding-window group (layers 0, 2) and a full-attention
+            # group (1, 3) overlaid on one allocation, as get_kv_cache_config_from_groups lays them
+            names = [f"model.layers.{i}.self_attn.attn" for i in range(vu.HYBRID_LAYERS)]
+            kv_cache_config = vu.hybrid_kv_cache_config(config, num_blocks, local_heads=local,
+                                                        sliding_window=hybrid["sliding_window"])
+            layer_group = {i: ("swa0" if i % 2 == 0 else "") for i in range(vu.HYBRID_LAYERS)}
+            kernel_sizes = [block, block]
+        else:
+            spec = FullAttentionSpec(block, num_kv_heads=local, head_size=vu.HEAD, dtype=torch.float32)
+            names = [f"model.layers.{i}.self_attn.attn" for i in range(vu.MODEL["num_hidden_layers"])]
+            page = spec.page_size_bytes
+            kv_cache_config = KVCacheConfig(
+                num_blocks=num_blocks,
+                kv_cache_tensors=[KVCacheTensor(size=page * num_blocks * len(names), layers=names,
+                                                layer_stride=page * num_blocks, block_stride=page)],
+                kv_cache_groups=[KVCacheGroupSpec(names, spec)])
+            layer_group = {i: "" for i in range(len(names))}
+            kernel_sizes = [block]
+        kv_caches = allocate_kv_cache(kv_cache_config, torch.device("cpu"), KVCacheLayout.LBHNC, kernel_sizes)
         for t in kv_caches.values():
             kv_oracle.fill_canary(t)
         if cfg.get("dp"):
@@ -98,6 +114,10 @@ def main() -> int:
         layers = {i: kv_caches[name] for i, name in enumerate(names)}
         emit({"event": "registered", "shape": list(layers[0].shape), "ranks": connector.worker.ranks})
 
+        def blocks_of(cmd: dict[str, Any], layer: int) -> list[int]:
+            group = layer_group[layer]
+            return cmd["groups"][group] if group else cmd["blocks"]
+
         for line in sys.stdin:
             if not line.strip():
                 continue
@@ -106,8 +126,8 @@ def main() -> int:
                 op = cmd["cmd"]
                 if op == "fill":
                     for layer, t in layers.items():
-                        kv_oracle.write(t, layer, cmd["rid"], cmd["blocks"], cmd.get("start", 0), cmd["n"], heads,
-                                        kv_heads)
+                        kv_oracle.write(t, layer, cmd["rid"], blocks_of(cmd, layer), cmd.get("start", 0), cmd["n"],
+                                        heads, kv_heads)
                     emit({"event": "filled"})
                 elif op == "step":
                     meta = KvxferdMetadata(plan_from(cmd.get("plan", {})))
@@ -119,10 +139,13 @@ def main() -> int:
                     errors = connector.get_block_ids_with_load_errors()
                     connector.clear_connector_metadata()
                     emit({"event": "step", "sending": sorted(results.finished_sending),
-                          "recving": sorted(results.finished_recving), "errors": sorted(errors)})
+                          "recving": sorted(results.finished_recving), "errors": sorted(errors),
+                          "failed": sorted(results.failed_recving)})
                 elif op == "check":
-                    bad = sum(kv_oracle.mismatches(t, layer, cmd["rid"], cmd["blocks"], cmd["start"], cmd["n"],
-                                                   heads, kv_heads) for layer, t in layers.items())
+                    # a sliding-window layer is checked from the first token its group moves
+                    bad = sum(kv_oracle.mismatches(t, layer, cmd["rid"], blocks_of(cmd, layer),
+                                                   cmd["window_start"] if layer_group[layer] else cmd["start"],
+                                                   cmd["n"], heads, kv_heads) for layer, t in layers.items())
                     canary = set.intersection(*(kv_oracle.canary_blocks(t) for t in layers.values()))
                     emit({"event": "check", "mismatches": bad, "canary_blocks": sorted(canary)})
             except Exception as exc:  # noqa: BLE001 - reported to the test

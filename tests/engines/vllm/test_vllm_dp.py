@@ -79,4 +79,4 @@ def test_decode_loads_from_the_dp_rank_its_params_name(dp_rig):
     [report] = check(dec, tid, dst_blocks, n)
     assert report["mismatches"] == 0, report
     # DP rank 0 never saw the request: its step reports nothing sent
-    assert step_all(dp0, {}) == [{"event": "step", "sending": [], "recving": [], "errors": []}]
+    assert step_all(dp0, {}) == [{"event": "step", "sending": [], "recving": [], "errors": [], "failed": []}]
