@@ -53,6 +53,9 @@ class DestEntry:
     data_token: bytes | None = None  # data headers for this entry must carry it (remote sources)
     fence_until: float = 0.0  # failed over NIXL direct: wait (until then) for the source to say no WRITE is left
     rehandshakes: int = 0  # times a source answered no_handshake and the request handshook again
+    #: per source daemon, when this entry's expect last left for it: a restarted source fails only
+    #: the entries whose expect may have reached its old process (see ``SourceLost.sent_before``)
+    expects_sent: dict[str, float] = field(default_factory=dict)
     groups: dict[str, np.ndarray] = field(default_factory=dict)  # cache groups: page tables, [state slot]
     origins: dict[tuple[Any, ...], int] = field(default_factory=dict)  # per writer key: its first token that moves
     #: a source instance over several daemons: daemon address -> the writers of this rank it holds

@@ -11,6 +11,7 @@ import asyncio
 import logging
 import os
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
@@ -29,6 +30,8 @@ if TYPE_CHECKING:
     from .daemon import Daemon
 
 log = logging.getLogger("kvxferd.upstream")
+
+MAX_UNANSWERED = 256  # numbered messages a link remembers the sending time of
 
 
 def ignore_result(fut: asyncio.Future[Any]) -> None:
@@ -96,6 +99,9 @@ class PeerLink:
         self.peer_incarnation = ""  # learnt from its pongs and handshake answers
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: when each numbered message (ping, handshake) left, until answered: an answer that shows a
+        #: restart says which of this link's expects can have reached the old process
+        self.sent_at: OrderedDict[int, float] = OrderedDict()
         #: handshakes in progress or done, per (prefill instance, decode instance): waiters share one
         self.handshakes: dict[tuple[str, str], asyncio.Future[Plan]] = {}
         #: per pair, the rank map a rendezvous answered (an instance over several daemons)
@@ -133,9 +139,24 @@ class PeerLink:
         else:
             self.outgoing.max_parts = 1
 
-    async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
+    def _number(self) -> int:
         self.seq += 1
-        seq = self.seq
+        self.sent_at[self.seq] = time.monotonic()
+        while len(self.sent_at) > MAX_UNANSWERED:
+            self.sent_at.popitem(last=False)
+        return self.seq
+
+    def ping(self, message: messages.PeerPing) -> None:
+        """A numbered ping: its pong echoes the number, so a pong from a new process dates the restart."""
+        self.outgoing.put(b"", protocol.encode({**message.to_wire(), "seq": self._number()}))
+
+    def answered(self, msg: dict[str, Any]) -> float | None:
+        """When the message an answer answers left (None: not numbered, or too long ago)."""
+        seq = msg.get("seq")
+        return self.sent_at.pop(seq, None) if isinstance(seq, int) else None
+
+    async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
+        seq = self._number()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
         self.waiting[seq] = fut
         try:
@@ -143,6 +164,7 @@ class PeerLink:
             return await asyncio.wait_for(fut, timeout)
         finally:
             self.waiting.pop(seq, None)
+            self.sent_at.pop(seq, None)
 
     async def _read(self, upstream: "Upstream") -> None:
         received = upstream.app.metrics.peer_parts.labels("received")
@@ -316,12 +338,13 @@ class Upstream:
                 PROTOCOL_VERSION, app.address, app.data_address, prefill, decode, spec.to_dict(), app.cfg.peer.mode,
                 self._transports_for(decode), link.token, app.incarnation,
                 extra=app.transports.handshake_fields(link.address, prefill, decode))
+            asked = time.monotonic()
             try:
                 reply = await link.request(hello, timeout=min(remaining, max(1.0, app.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
-            if op == "handshake_ok" and self.note_incarnation(link, reply.get("incarnation")):
+            if op == "handshake_ok" and self.note_incarnation(link, reply.get("incarnation"), sent_before=asked):
                 continue  # a restarted source: what this handshake offered (a landing ring) went with the old one
             if op == "handshake_ok":
                 return self._accepted(link, prefill, decode, spec, reply)
@@ -386,7 +409,7 @@ class Upstream:
                 assert isinstance(m, messages.Fenced)
                 self.app.dispatch(events.UpstreamFenced(link.address, m.request_id))
             elif op == "pong":
-                self.note_incarnation(link, msg.get("incarnation"))
+                self.note_incarnation(link, msg.get("incarnation"), sent_before=link.answered(msg))
         except KvxferError:
             self.app.metrics.invalid_messages.labels("peer").inc()
 
@@ -395,13 +418,19 @@ class Upstream:
         if err.get("code") == "no_handshake":
             link.handshakes.clear()
             self.app.dispatch(events.NoHandshake(link.address, request_id))
-            self.note_incarnation(link, msg.get("incarnation"))
+            # that expect reached the new process: so did every one sent after it
+            sent = [e.expects_sent[link.address] for e in self.app.inbox.for_request(request_id)
+                    if link.address in e.expects_sent]
+            self.note_incarnation(link, msg.get("incarnation"), sent_before=max(sent) if sent else None)
         self.app.dispatch(events.UpstreamAbort(
             link.address, request_id, str(err.get("code", "peer_error"))[:64],
             f"source daemon {link.address}: {str(err.get('message'))[:300]}", started_only=True))
 
-    def note_incarnation(self, link: PeerLink, incarnation: Any) -> bool:
-        """A message of the source daemon named its incarnation; True if it changed (a restart)."""
+    def note_incarnation(self, link: PeerLink, incarnation: Any, sent_before: float | None = None) -> bool:
+        """A message of the source daemon named its incarnation; True if it changed (a restart).
+
+        ``sent_before``: when the message left that this one answers; expects sent later went to the
+        new process and are not failed (None: every entry that told the old process is)."""
         if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
             return False
         old, link.peer_incarnation = link.peer_incarnation, incarnation
@@ -415,7 +444,8 @@ class Upstream:
         app.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
         app.dispatch(events.SourceLost(link.address, "peer_restarted",
                                        f"source daemon {link.address} restarted (incarnation {old} -> "
-                                       f"{incarnation}); the request's source side went with the old process"))
+                                       f"{incarnation}); the request's source side went with the old process",
+                                       sent_before=sent_before))
         return True
 
     def auth_failed(self, link: PeerLink, message: str) -> None:
@@ -444,7 +474,7 @@ class Upstream:
         """Ping every source; a silent one is down (its requests fail); an idle down one is closed."""
         app = self.app
         for link in list(self.links.values()):
-            link.send(messages.PeerPing(app.address, app.incarnation))
+            link.ping(messages.PeerPing(app.address, app.incarnation))
             if link.state == "up" and now - link.last_seen > timeout:
                 self._link_down(link, now - link.last_seen)
             elif link.state == "connecting" and now - link.last_seen > timeout:

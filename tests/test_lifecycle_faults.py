@@ -220,6 +220,40 @@ def test_source_restart_spares_destinations_still_bootstrapping():
     assert dn.outcome("new", d).state == "done"
 
 
+def test_source_restart_spares_expects_sent_after_the_answer_that_showed_it():
+    """A source that restarted is noticed by an answer (a pong) from its new process. Expects sent
+    after the message that answer answers went over the same connection to the new process (it
+    answers them no_handshake and they handshake again); only earlier ones can have reached the
+    old process and fail peer_restarted."""
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "old", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    ping_left = c.now
+    c.now += 0.1
+    dn.expect(d, "new", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    [new] = [e for e in dn.life.inbox.for_request("new")]
+    assert new.expects_sent[pn.address] > ping_left and new.state == "waiting_for_input"
+    dn.handle(events.SourceLost(pn.address, "peer_restarted", "restarted", sent_before=ping_left))
+    c.run()
+    assert dn.outcome("old", d).code == "peer_restarted"
+    assert dn.outcome("new", d) is None  # the new process holds its expect
+    pn.send(p, "new", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("new", d).state == "done"
+
+
+def test_source_restart_without_a_date_fails_every_expect_sent():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "a", pages(4), "p", num_tokens=16, source_node=pn)
+    c.now += 0.1
+    dn.expect(d, "b", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    dn.handle(events.SourceLost(pn.address, "peer_restarted", "restarted"))
+    c.run()
+    assert dn.outcome("a", d).code == "peer_restarted" and dn.outcome("b", d).code == "peer_restarted"
+
+
 def test_no_handshake_answer_handshakes_again_once():
     c, pn, dn, p, d = _pair()
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)

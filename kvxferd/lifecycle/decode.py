@@ -45,6 +45,7 @@ class DecodeSide:
             self._expect_each_daemon(entry, ev)
             return
         if entry.source_address:
+            entry.expects_sent[entry.source_address] = self.now
             self.emit(effects.ExpectUpstream(entry.source_address, entry))
             return
         pair = self.routes.local(entry.source_instance, entry.rank.instance)
@@ -63,6 +64,7 @@ class DecodeSide:
         entry.writer_tokens = {w: ev.tokens[address] for address, ws in held.items() for w in ws
                                if address in ev.tokens}
         for address, writers in entry.source_daemons.items():
+            entry.expects_sent[address] = self.now
             self.emit(effects.ExpectUpstream(address, entry, writers))
 
     def _dest_changed(self: "Lifecycle", entry: DestEntry) -> None:
@@ -187,8 +189,11 @@ class DecodeSide:
                 if entry.state not in states.TERMINAL:
                     self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
             elif ev.code == "peer_restarted":
-                # an entry still bootstrapping has told the old process nothing: its handshake goes to the new one
-                if entry.failure is None and entry.state != states.BOOTSTRAPPING:
+                # an entry still bootstrapping has told the old process nothing: its handshake goes to the
+                # new one; nor has an entry whose expect left after the message the new process answered
+                # (one connection, in order): the new process answers it no_handshake, and it handshakes again
+                if (entry.failure is None and entry.state != states.BOOTSTRAPPING
+                        and (ev.sent_before is None or entry.expects_sent.get(ev.address, 0.0) <= ev.sent_before)):
                     self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
             elif entry.failure is None:
                 self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)

@@ -125,6 +125,10 @@ class SourceLost:
     address: str
     code: str
     message: str
+    #: peer_restarted: when the message left that the new process answered (None: unknown). Messages
+    #: to a source go over one connection in order, so an expect sent after it reached the new
+    #: process too, and only expects sent by then can have reached the old one.
+    sent_before: float | None = None
 
 
 # -- prefill side: decode daemons -----------------------------------------------------------
