@@ -373,8 +373,6 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
     every other byte of both pools (the window's first page before its first token included)
     stays as it was. The decode side goes through SGLang's real _send_kv_metadata (the
     plugin's hook hands the receiver the prompt's length)."""
-    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
-
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
@@ -396,26 +394,7 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         sbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in dswa]
         senders = new_senders(prefill, addr, req)
-        receivers = []
-        for d, sw in zip(decode, dswa):
-            recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
-                                                              bootstrap_room=req.room)
-            recv.init(0)
-            dslots = slots_of(d.take_pages(num_pages, rng), n, ps)
-            swa_table = [0] * (ws // ps) + sw.take_pages(num_pages - ws // ps, rng)
-            queue = d.queue
-            queue.__dict__.update(req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(16),
-                                  transfer_queue=types.SimpleNamespace(enable_staging=False),
-                                  _num_published_destinations=0)
-            decode_req = types.SimpleNamespace(
-                kv_receiver=recv, is_rebootstrap=False, metadata_buffer_index=None,
-                req=types.SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=req.room,
-                                          time_stats=types.SimpleNamespace(
-                                              set_decode_transfer_queue_entry_time=lambda: None)))
-            swa_payload = kv_to_page_indices(slots_of(swa_table, n, ps)[ws:], ps)
-            queue._send_kv_metadata(decode_req, dslots[prefix:], ps, [swa_payload], decode_prefix_len=prefix)
-            assert recv.prompt_len == n and recv.failure is None, recv.failure
-            receivers.append((recv, dslots, slots_of(swa_table, n, ps), decode_req.metadata_buffer_index))
+        receivers = swa_receivers(decode, dswa, addr, req, ps, prefix, rng)
         pslots, pswa_slots = [], []
         for p, sw, s in zip(prefill, pswa, senders):
             assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput
@@ -543,3 +522,35 @@ def test_hybrid_model_with_a_draft_model(cluster, gloo):
     finally:
         close_all(*prefill, *decode)
         server.close()
+
+
+def swa_receivers(decode, dswa, addr: str, req, ps: int, prefix: int, rng: random.Random) -> list:
+    """One SGLang receiver per decode rank of an SWA model, its metadata sent through SGLang's own
+    ``_send_kv_metadata`` (hooked by the plugin): full pages from token 0, SWA pages from the
+    window's first page on. Returns (receiver, full slots, SWA slots, metadata index) per rank."""
+    from sglang.srt.disaggregation.utils import ReqToMetadataIdxAllocator
+
+    n = req.n_tokens
+    ws = window_start(n, prefix, ps)
+    num_pages = -(-n // ps)
+    receivers = []
+    for d, sw in zip(decode, dswa):
+        recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
+                                                          bootstrap_room=req.room)
+        recv.init(0)
+        dslots = slots_of(d.take_pages(num_pages, rng), n, ps)
+        swa_table = [0] * (ws // ps) + sw.take_pages(num_pages - ws // ps, rng)
+        queue = d.queue
+        queue.__dict__.update(req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(16),
+                              transfer_queue=types.SimpleNamespace(enable_staging=False),
+                              _num_published_destinations=0)
+        decode_req = types.SimpleNamespace(
+            kv_receiver=recv, is_rebootstrap=False, metadata_buffer_index=None,
+            req=types.SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=req.room,
+                                      time_stats=types.SimpleNamespace(
+                                          set_decode_transfer_queue_entry_time=lambda: None)))
+        swa_payload = kv_to_page_indices(slots_of(swa_table, n, ps)[ws:], ps)
+        queue._send_kv_metadata(decode_req, dslots[prefix:], ps, [swa_payload], decode_prefix_len=prefix)
+        assert recv.prompt_len == n and recv.failure is None, recv.failure
+        receivers.append((recv, dslots, slots_of(swa_table, n, ps), decode_req.metadata_buffer_index))
+    return receivers

@@ -24,7 +24,7 @@ import torch
 
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
 from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
-from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, ReqToMetadataIdxAllocator, get_kv_class
+from sglang.srt.disaggregation.utils import KVClassType, MetadataBuffers, get_kv_class
 from sglang.srt.distributed.utils import get_pp_indices
 from sglang.srt.mem_cache.common import kv_to_page_indices
 from sglang.srt.mem_cache.memory_pool import HybridLinearKVPool, MambaPool, MHATokenToKVPool
@@ -34,7 +34,7 @@ from harness import (BACKEND, KVPoll, Rank, Request, assert_bytes_equal, bootstr
                      expected_decode, free_port, new_senders, published, set_metadata_row, sglang_wait, slots_of,
                      socket_of, wait_poll)
 from test_sglang_hybrid import (DRAFT, FULL_LAYERS, GDN, MAMBA_LAYERS, MAMBA_SLOTS, MODEL, SWA_MODEL, TARGET, W,
-                                fill, mamba_payload, window_start)
+                                fill, mamba_payload, swa_receivers, window_start)
 from kvxferd.adapters.sglang.stages import own_splits
 from kvxferd.client import EngineClient
 from kvxferd.errors import RegistrationError
@@ -310,26 +310,7 @@ def test_sliding_window_layers_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d,
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         sbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in dswa]
         senders = new_senders(prefill, addr, req)
-        receivers = []
-        for d, sw in zip(decode, dswa):
-            recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
-                                                              bootstrap_room=req.room)
-            recv.init(0)
-            dslots = slots_of(d.take_pages(num_pages, rng), n, PS)
-            swa_table = [0] * (ws // PS) + sw.take_pages(num_pages - ws // PS, rng)
-            queue = d.queue
-            queue.__dict__.update(req_to_metadata_buffer_idx_allocator=ReqToMetadataIdxAllocator(16),
-                                  transfer_queue=types.SimpleNamespace(enable_staging=False),
-                                  _num_published_destinations=0)
-            decode_req = types.SimpleNamespace(
-                kv_receiver=recv, is_rebootstrap=False, metadata_buffer_index=None,
-                req=types.SimpleNamespace(origin_input_ids=list(range(n)), output_ids=[], bootstrap_room=req.room,
-                                          time_stats=types.SimpleNamespace(
-                                              set_decode_transfer_queue_entry_time=lambda: None)))
-            swa_payload = kv_to_page_indices(slots_of(swa_table, n, PS)[ws:], PS)
-            queue._send_kv_metadata(decode_req, dslots, PS, [swa_payload], decode_prefix_len=prefix)
-            assert recv.prompt_len == n and recv.failure is None, recv.failure
-            receivers.append((recv, dslots, slots_of(swa_table, n, PS), decode_req.metadata_buffer_index))
+        receivers = swa_receivers(decode, dswa, addr, req, PS, prefix, rng)
         pslots, pswa_slots = [], []
         for p, sw, s in zip(prefill, pswa, senders):
             assert wait_poll(s, {KVPoll.WaitingForInput}) == KVPoll.WaitingForInput

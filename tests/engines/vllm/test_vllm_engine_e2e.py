@@ -12,17 +12,14 @@ which shows the decode engine computes from the KV kvxferd moved, not its own re
 
 from __future__ import annotations
 
-import glob
-import json
 import os
 import random
 
 import pytest
 
 import vllm_util as vu
-from kvxferd.tools.sim import Cluster
-from ops_support import close_cluster, in_parallel
-from procs import JsonProc, daemon_status, metric
+from engine_rig import disaggregated, engine_rig
+from procs import daemon_status, metric
 
 MAX_TOKENS = 8
 PAGE_BYTES = vu.BLOCK * vu.MODEL["num_key_value_heads"] * 2 * vu.HEAD * 4   # one layer's page, float32
@@ -45,49 +42,8 @@ def _pages(n_tokens: int, start: int = 0) -> int:
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("vllm-e2e")
-    model = vu.make_tiny_llama(root / "model")
-    shm_before = set(glob.glob("/dev/shm/kvxferd-vllm-*"))
-    cluster = Cluster()
-    pd = cluster.daemon("prefill-node", start=False)
-    dd = cluster.daemon("decode-node", start=False)
-    in_parallel(pd.start, dd.start)
-    cpus = sorted(os.sched_getaffinity(0))
-    pins = ([cpus[0]], [cpus[1]]) if len(cpus) >= 2 else (None, None)
-
-    def engine(name: str, kv: dict | None, cpus: list[int] | None, budget: int = 256) -> JsonProc:
-        return JsonProc("engine_proc.py", {"model_dir": str(model), "kv": kv, "cpus": cpus,
-                                           "max_num_batched_tokens": budget}, root / f"{name}.log")
-
-    plain = engine("plain", None, None)
-    prefill = engine("prefill", vu.kv_transfer_config(instance="prefill-a", address=pd.address,
-                                                      socket_path=pd.socket_path), pins[0], budget=64)
-    decode = engine("decode", vu.kv_transfer_config(instance="decode-a", address=dd.address,
-                                                    socket_path=dd.socket_path), pins[1])
-    engines = [plain, prefill, decode]
-    try:
-        for e in engines:
-            assert e.next(300)["event"] == "ready"
-        reference = {name: plain.call(cmd="generate", prompt=p, max_tokens=MAX_TOKENS)["tokens"]
-                     for name, p in PROMPTS.items()}
-        plain.close()
-        yield {"prefill": prefill, "decode": decode, "pd": pd, "dd": dd, "plain": reference, "pins": pins}
-    finally:
-        for e in engines:
-            e.close()
-        close_cluster(cluster)
-    # the engines unregistered and unlinked the shared-memory files their KV was moved into
-    assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
-
-
-def disaggregated(rig, prompt: list[int], params_from: list[int] | None = None) -> tuple[list[int], dict]:
-    """Prefill ``params_from`` (default: the prompt itself), decode ``prompt`` with its params."""
-    pre = rig["prefill"].call(cmd="generate", prompt=params_from or prompt, max_tokens=1,
-                              params={"do_remote_decode": True})
-    params = pre["kv_transfer_params"]
-    assert params and json.loads(json.dumps(params)) == params
-    dec = rig["decode"].call(cmd="generate", prompt=prompt, max_tokens=MAX_TOKENS, params=params)
-    return dec["tokens"], params
-
+    with engine_rig(root, vu.make_tiny_llama(root / "model"), PROMPTS, MAX_TOKENS, "a") as r:
+        yield r
 
 def test_both_engines_registered_vllm_kv_as_packed_pages(rig):
     for d, instance in ((rig["pd"], "prefill-a.prefill"), (rig["dd"], "decode-a.decode")):
