@@ -289,3 +289,20 @@ def run_case(cluster: Cluster, pspec: InstanceSpec, dspec: InstanceSpec, *, n_to
             check(d_workers, moved)
     finally:
         close(p_workers + d_workers)
+
+
+def disjoint_requests(rng: random.Random, tag: str, count: int, n: int, page_size: int) -> list[dict]:
+    """Requests on pages no two of them share (a batch fills every source before any moves)."""
+    per = -(-n // page_size)
+    pages = rng.sample(range(NUM_PAGES), count * per)
+    return [{"request_id": f"{tag}-{i}", "pages": pages[i * per:(i + 1) * per], "n": n} for i in range(count)]
+
+
+def sources_for(rng: random.Random, dst: list[dict]) -> list[dict]:
+    """The same requests on prefill pages of their own, as many per request as its destination has."""
+    pages = rng.sample(range(NUM_PAGES), sum(len(r["pages"]) for r in dst))
+    out, at = [], 0
+    for r in dst:
+        out.append({**r, "pages": pages[at:at + len(r["pages"])]})
+        at += len(r["pages"])
+    return out

@@ -12,7 +12,7 @@ import random
 import pytest
 import zmq
 
-from e2e_util import NUM_PAGES, Node, finished, module_cluster, spec, untouched_bytes
+from e2e_util import NUM_PAGES, Node, disjoint_requests, finished, module_cluster, sources_for, spec, untouched_bytes
 from kvxferd import protocol
 from kvxferd.client import DaemonError, EngineClient
 
@@ -25,29 +25,13 @@ def cluster(request):
                               Node("decode-node", f"[limits]\nmax_batch_calls = {MAX_BATCH}\n"))
 
 
-def _requests(rng: random.Random, tag: str, count: int, n: int, page_size: int) -> list[dict]:
-    """Requests on pages no two of them share (a batch fills every source before any moves)."""
-    per = -(-n // page_size)
-    pages = rng.sample(range(NUM_PAGES), count * per)
-    return [{"request_id": f"{tag}-{i}", "pages": pages[i * per:(i + 1) * per], "n": n} for i in range(count)]
-
-
-def _sources(rng: random.Random, dst: list[dict]) -> list[dict]:
-    pages = rng.sample(range(NUM_PAGES), sum(len(r["pages"]) for r in dst))
-    out, at = [], 0
-    for r in dst:
-        out.append({**r, "pages": pages[at:at + len(r["pages"])]})
-        at += len(r["pages"])
-    return out
-
-
 def test_many_requests_in_one_call_each_way_arrive_byte_exact(cluster):
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     sp = spec(tp_size=2)
     (p0, p1), (d0,) = cluster.instances((pd, "bp", "prefill", sp, NUM_PAGES), (dd, "bd", "decode", spec(), NUM_PAGES))
     rng = random.Random(3)
-    dst = _requests(rng, "many", MAX_BATCH, 10, 4)
-    src = _sources(rng, dst)
+    dst = disjoint_requests(rng, "many", MAX_BATCH, 10, 4)
+    src = sources_for(rng, dst)
     d0.command(cmd="expect_many", requests=dst, source_instance="bp", source_address=pd.address)
     for p in (p0, p1):
         p.command(cmd="send_many", requests=src)
@@ -65,13 +49,13 @@ def test_one_refused_call_does_not_hide_the_others(cluster):
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     (p0,), (d0,) = cluster.instances((pd, "rp", "prefill", spec(), NUM_PAGES), (dd, "rd", "decode", spec(), NUM_PAGES))
     rng = random.Random(4)
-    dst = _requests(rng, "mixed", 3, 8, 4)
+    dst = disjoint_requests(rng, "mixed", 3, 8, 4)
     dst[1] = {**dst[1], "pages": [NUM_PAGES + 5, 0]}  # out of range: refused, named
     d0.command(cmd="expect_many", requests=dst, source_instance="rp", source_address=pd.address)
     refused = finished(d0, dst[1]["request_id"])
     assert refused["event"] == "error" and refused["field"] == "pages", refused
     good = [dst[0], dst[2]]
-    p0.command(cmd="send_many", requests=_sources(rng, good))
+    p0.command(cmd="send_many", requests=sources_for(rng, good))
     for r in good:
         ev = finished(d0, r["request_id"])
         assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev

@@ -16,7 +16,8 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import NUM_PAGES, Node, finished, module_cluster, peer_socket, spec, untouched_bytes
+from e2e_util import (NUM_PAGES, Node, disjoint_requests, finished, module_cluster, peer_socket, sources_for, spec,
+                      untouched_bytes)
 from kvxferd.client import EngineClient
 from kvxferd.tools.procstats import scrape
 
@@ -39,21 +40,6 @@ def status(daemon) -> dict[str, Any]:
         return client.status()
 
 
-def _requests(rng: random.Random, tag: str, count: int, n: int, page_size: int) -> list[dict]:
-    per = -(-n // page_size)
-    pages = rng.sample(range(NUM_PAGES), count * per)
-    return [{"request_id": f"{tag}-{i}", "pages": pages[i * per:(i + 1) * per], "n": n} for i in range(count)]
-
-
-def _sources(rng: random.Random, dst: list[dict]) -> list[dict]:
-    pages = rng.sample(range(NUM_PAGES), sum(len(r["pages"]) for r in dst))
-    out, at = [], 0
-    for r in dst:
-        out.append({**r, "pages": pages[at:at + len(r["pages"])]})
-        at += len(r["pages"])
-    return out
-
-
 def _ping(seq: int) -> bytes:
     return msgpack.packb({"op": "ping", "daemon": "127.0.0.1:1", "seq": seq}, use_bin_type=True)
 
@@ -74,9 +60,9 @@ def test_many_small_requests_go_batched_and_arrive_byte_exact(cluster):
     before_sent = status(dd)["peer_messages"]["to_sources"]
     before_read = status(pd)["peer_messages"]["from_decode"]
     for rnd in range(3):  # the first round handshakes; the later ones find the plan and batch their expects
-        dst = _requests(rng, f"small{rnd}", 20, 3, 4)
+        dst = disjoint_requests(rng, f"small{rnd}", 20, 3, 4)
         d0.command(cmd="expect_many", requests=dst, source_instance="bp", source_address=pd.address)
-        p0.command(cmd="send_many", requests=_sources(rng, dst))
+        p0.command(cmd="send_many", requests=sources_for(rng, dst))
         for r in dst:
             ev = finished(d0, r["request_id"])
             assert ev["event"] == "finished" and ev["state"] == "done", ev
@@ -108,19 +94,19 @@ def test_answers_of_one_turn_reach_a_real_decode_daemon_as_one_message(cluster):
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     (p0,), (d0,) = cluster.instances((pd, "qp", "prefill", spec(), NUM_PAGES), (dd, "qd", "decode", spec(), NUM_PAGES))
     rng = random.Random(8)
-    warm = _requests(rng, "warm", 1, 3, 4)  # the handshake first: the rest leave batched
+    warm = disjoint_requests(rng, "warm", 1, 3, 4)  # the handshake first: the rest leave batched
     d0.command(cmd="expect_many", requests=warm, source_instance="qp", source_address=pd.address)
-    p0.command(cmd="send_many", requests=_sources(rng, warm))
+    p0.command(cmd="send_many", requests=sources_for(rng, warm))
     assert finished(d0, "warm-0")["state"] == "done" and finished(p0, "warm-0")["state"] == "done"
     before_sent = status(pd)["peer_messages"]["to_decode"]
     before_read = status(dd)["peer_messages"]["from_sources"]
-    dst = _requests(rng, "busy", SOURCE_INFLIGHT + SOURCE_PARTS, 1, 4)
+    dst = disjoint_requests(rng, "busy", SOURCE_INFLIGHT + SOURCE_PARTS, 1, 4)
     d0.command(cmd="expect_many", requests=dst, source_instance="qp", source_address=pd.address)
     held, refused = dst[:SOURCE_INFLIGHT], dst[SOURCE_INFLIGHT:]
     for r in refused:
         ev = finished(d0, r["request_id"])
         assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "busy", ev
-    p0.command(cmd="send_many", requests=_sources(rng, held))
+    p0.command(cmd="send_many", requests=sources_for(rng, held))
     for r in held:
         ev = finished(d0, r["request_id"])
         assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
@@ -262,7 +248,7 @@ def test_a_source_batches_reach_only_if_it_said_it_reads_them(cluster, batch):
     try:
         (d0,) = cluster.instances((dd, f"{tag}d", "decode", spec(), NUM_PAGES))[0]
         rng = random.Random(6)
-        first, second = _requests(rng, f"{tag}a", 6, 3, 4), _requests(rng, f"{tag}b", 12, 3, 4)
+        first, second = disjoint_requests(rng, f"{tag}a", 6, 3, 4), disjoint_requests(rng, f"{tag}b", 12, 3, 4)
         for group, total in ((first, 6), (second, 18)):  # the second finds the plan: its expects leave in one turn
             d0.command(cmd="expect_many", requests=group, source_instance=f"{tag}p", source_address=fake.address)
             fake.serve_until(total)
