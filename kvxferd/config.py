@@ -86,6 +86,7 @@ class DaemonSection:
     log_level: str = "info"
     log_format: str = "logfmt"  # or "json"
     data_threads: int = 2
+    data_batch_chunks: int = 64
 
 
 @dataclass
@@ -376,6 +377,7 @@ def _check_peer(cfg: Config) -> None:
 
 def _check_daemon(cfg: Config) -> None:
     _positive("daemon.data_threads", cfg.daemon.data_threads)
+    _positive("daemon.data_batch_chunks", cfg.daemon.data_batch_chunks)
     if cfg.daemon.log_format not in ("logfmt", "json"):
         raise ConfigError(f"daemon.log_format {cfg.daemon.log_format!r} is not logfmt or json",
                           field="daemon.log_format", fix="use logfmt or json")

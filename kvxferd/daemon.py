@@ -64,7 +64,7 @@ class Daemon:
         self._hurry = False
         self._stop: asyncio.Event | None = None  # created in run(), on the daemon's loop
         self.ctx = zmq.asyncio.Context()
-        self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch)
+        self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks)
         self.inbox = Inbox(self.data.dest_changed)
         self.staging = StagingPool(cfg.limits.staging_bytes, cfg.limits.staging_slot_bytes,
                                    self._staging_changed, self.metrics.staging_waits.inc)

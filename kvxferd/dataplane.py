@@ -3,52 +3,150 @@
 Transports block; they run here, never on the event loop. Whatever a thread learns (a job
 returned, a destination's accounting changed, a chunk was refused) reaches the lifecycle
 core as an event posted with ``loop.call_soon_threadsafe``.
+
+Small chunks travel together: a transport that can move several jobs in one go names a
+batch key for each small job (tcp: the destination's data address; local: one key), and a
+data thread takes every queued job of one key, up to ``batch_jobs`` of them and
+``BATCH_BYTES`` in all, in one hand-off. tcp sends them back to back on one connection and
+reads their acknowledgements after (:meth:`~kvxferd.transport.tcp.TcpTransport.send_many`);
+their outcomes come back to the loop in one post. Keys take turns, so one busy peer does not
+starve another.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
 
 from .inbox import DestEntry
 from .lifecycle import effects, events
 from .metrics import Metrics
-from .transport.base import ChunkJob, Moved, Transport
+from .transport.base import Moved, Transport
+
+BATCH_BYTES = 4 << 20  # bytes of small chunks one hand-off carries at most
+
+
+@dataclass
+class _Queued:
+    effect: effects.StartJob
+    transport: Transport
+    queued: float
 
 
 class DataPlane:
-    def __init__(self, threads: int, metrics: Metrics, dispatch: Callable[[Any], Any]) -> None:
-        self.executor = ThreadPoolExecutor(threads, thread_name_prefix="kvxferd-data")
+    def __init__(self, threads: int, metrics: Metrics, dispatch: Callable[[Any], Any],
+                 batch_jobs: int = 64) -> None:
         self.metrics = metrics
         self.dispatch = dispatch
+        self.batch_jobs = max(1, batch_jobs)
         self.loop: asyncio.AbstractEventLoop | None = None  # set once the daemon's loop runs
+        self._cond = threading.Condition()
+        self._queues: dict[Hashable, deque[_Queued]] = {}
+        self._turns: deque[Hashable] = deque()  # keys with queued jobs, in turn order
+        self._closed = False
+        self.threads = threads
+        self._started = False
+
+    def _start_threads(self) -> None:
+        """On the first job: an app that never moves a byte starts no thread. Daemon threads: a
+        send blocked on a dead peer ends with the process instead of holding its exit."""
+        self._started = True
+        for i in range(self.threads):
+            threading.Thread(target=self._work, name=f"kvxferd-data-{i}", daemon=True).start()
 
     def post(self, event: Any) -> None:
         """From any thread: hand ``event`` to the lifecycle on the loop."""
         if self.loop is not None and not self.loop.is_closed():
             self.loop.call_soon_threadsafe(self.dispatch, event)
 
+    def _post_all(self, found: list[Any]) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self._dispatch_all, found)
+
+    def _dispatch_all(self, found: list[Any]) -> None:
+        for event in found:
+            self.dispatch(event)
+
     def start(self, effect: effects.StartJob, transport: Transport) -> None:
-        queued = time.monotonic()
-        fut = self.executor.submit(self._run, transport, effect.job, queued)
-        fut.add_done_callback(lambda f: self._finished(effect, f))
+        item = _Queued(effect, transport, time.monotonic())
+        batch_key = getattr(transport, "batch_key", None)
+        key: Hashable = None
+        if batch_key is not None:
+            key = batch_key(effect.job)
+        key = (id(transport), key) if key is not None else object()  # a job of its own
+        with self._cond:
+            if self._closed:
+                queued = None
+            else:
+                queued = self._queues.get(key)
+                if queued is None:
+                    queued = self._queues[key] = deque()
+                    self._turns.append(key)
+                queued.append(item)
+                if not self._started:
+                    self._start_threads()
+                self._cond.notify()
+        if queued is None:
+            self._post_all([self._outcome(item, None, 0.0)])
 
-    def _run(self, transport: Transport, job: ChunkJob, queued: float) -> tuple[Moved, float]:
+    def _take(self) -> list[_Queued] | None:
+        """The next key's queued jobs (as many as one hand-off carries); None once closed."""
+        with self._cond:
+            while not self._turns:
+                if self._closed:
+                    return None
+                self._cond.wait()
+            key = self._turns.popleft()
+            queued = self._queues[key]
+            taken = [queued.popleft()]
+            nbytes = taken[0].effect.job.nbytes
+            while queued and len(taken) < self.batch_jobs:
+                nbytes += queued[0].effect.job.nbytes
+                if nbytes > BATCH_BYTES:
+                    break
+                taken.append(queued.popleft())
+            if queued:
+                self._turns.append(key)  # the rest waits its turn behind the other keys
+            else:
+                del self._queues[key]
+            return taken
+
+    def _work(self) -> None:
+        while True:
+            taken = self._take()
+            if taken is None:
+                return
+            self._run(taken)
+
+    def _run(self, taken: list[_Queued]) -> None:
         started = time.monotonic()
-        self.metrics.phase_latency.labels("queue").observe(started - queued)
-        moved = transport.send(job)
-        return moved, time.monotonic() - started
+        queue_phase = self.metrics.phase_latency.labels("queue")
+        for item in taken:
+            queue_phase.observe(started - item.queued)
+        self.metrics.handoff_jobs.observe(len(taken))
+        transport = taken[0].transport
+        jobs = [item.effect.job for item in taken]
+        try:
+            if len(jobs) == 1:
+                outcomes: list[Moved | BaseException] = [transport.send(jobs[0])]
+            else:
+                outcomes = transport.send_many(jobs)  # type: ignore[attr-defined]
+        except BaseException as exc:  # noqa: BLE001 - every job of the hand-off reports it
+            outcomes = [exc] * len(jobs)
+        seconds = time.monotonic() - started
+        self._post_all([self._outcome(item, outcome, seconds) for item, outcome in zip(taken, outcomes)])
 
-    def _finished(self, effect: effects.StartJob, fut: Future[tuple[Moved, float]]) -> None:
-        if fut.cancelled():
-            error: BaseException | None = None
-            moved, seconds = None, 0.0
-        else:
-            error = fut.exception()
-            moved, seconds = fut.result() if error is None else (None, 0.0)
-        self.post(events.JobFinished(effect.entry, effect.target, effect.index, effect.kind, moved, seconds, error))
+    @staticmethod
+    def _outcome(item: _Queued, outcome: Moved | BaseException | None, seconds: float) -> events.JobFinished:
+        """``outcome`` None: the job never ran (the daemon is stopping)."""
+        e = item.effect
+        if isinstance(outcome, BaseException):
+            return events.JobFinished(e.entry, e.target, e.index, e.kind, None, 0.0, outcome)
+        return events.JobFinished(e.entry, e.target, e.index, e.kind, outcome, seconds if outcome else 0.0)
 
     # -- what receiving threads report -------------------------------------------------------------
     def dest_changed(self, entry: DestEntry) -> None:
@@ -58,4 +156,12 @@ class DataPlane:
         self.post(events.ChunkRefused(entry, code, message))
 
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        """Queued jobs end as cancelled (the lifecycle fails them); running ones finish."""
+        with self._cond:
+            self._closed = True
+            dropped = [item for queued in self._queues.values() for item in queued]
+            self._queues.clear()
+            self._turns.clear()
+            self._cond.notify_all()
+        if dropped:
+            self._post_all([self._outcome(item, None, 0.0) for item in dropped])

@@ -79,6 +79,10 @@ class Metrics:
             "kvxferd_peer_message_parts", "Peer control messages per ZeroMQ multipart message between daemons "
             "(sent: leaving this daemon; received: read by it); above 1, messages of one loop turn left together.",
             ["direction"], buckets=PARTS_BUCKETS, registry=r)
+        self.handoff_jobs = Histogram(
+            "kvxferd_data_handoff_chunks", "Chunk jobs a data thread took in one hand-off (small chunks for one "
+            "peer go together: over tcp, back to back on one connection with one round trip).",
+            buckets=PARTS_BUCKETS, registry=r)
         self.staging_slots = Gauge(
             "kvxferd_staging_slots_in_use", "Staging (bounce) slots currently held.", registry=r)
         self.staging_bytes = Gauge(

@@ -19,6 +19,11 @@ from ..registry import Rank
 from ..segments import chunk_bytes, head_offset_bytes, slot_count
 
 
+#: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.dataplane`):
+#: small enough that the connection it shares is never held long by one
+SMALL_CHUNK = 256 * 1024
+
+
 @dataclass
 class ChunkJob:
     request_id: str
@@ -98,6 +103,10 @@ class Transport(Protocol):
     one_sided: bool
 
     def send(self, job: ChunkJob) -> Moved: ...
+
+    # optional, for transports that move several small chunks in one go:
+    # ``batch_key(job)`` -> a hashable shared by jobs that may go together (None: alone), and
+    # ``send_many(jobs)`` -> one ``Moved`` or exception per job, in order
 
     def stop_receiving(self, entry: Any) -> None: ...
 

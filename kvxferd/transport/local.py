@@ -6,13 +6,13 @@ chunk, then the bytes move region to region with no socket and no staging.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 from ..copier import copy_regions, settle
 from ..errors import KvxferError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
-from .base import ChunkJob, Moved
+from .base import SMALL_CHUNK, ChunkJob, Moved
 
 
 class LocalTransport:
@@ -42,6 +42,20 @@ class LocalTransport:
             raise TransferError(f"local copy failed: {exc}", field="transport") from exc
         finally:
             self.inbox.finish(sink, ok)
+
+    @staticmethod
+    def batch_key(job: ChunkJob) -> Hashable | None:
+        """Small copies go several to a data thread: one hand-off and one post back for all."""
+        return "local" if job.nbytes <= SMALL_CHUNK else None
+
+    def send_many(self, jobs: list[ChunkJob]) -> list[Moved | BaseException]:
+        outcomes: list[Moved | BaseException] = []
+        for job in jobs:
+            try:
+                outcomes.append(self.send(job))
+            except Exception as exc:  # noqa: BLE001 - each job reports its own failure
+                outcomes.append(exc)
+        return outcomes
 
     def stop_receiving(self, entry: Any) -> None:
         """Copies run on the sending thread, which the lifecycle already waits for."""

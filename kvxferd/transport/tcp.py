@@ -1,7 +1,12 @@
 """The built-in network transport: plain TCP data connections between daemons.
 
 One frame per chunk: a length-prefixed msgpack header, the payload in wire order, then a
-length-prefixed reply from the receiver once every byte is in place. Large contiguous runs
+length-prefixed reply from the receiver once every byte is in place. Small chunks to one
+peer go back to back on one connection before their replies are read (:meth:`TcpTransport.
+send_many`): the receiver handles frames in order either way, so a connection carries one
+round trip per batch instead of one per chunk. A receiver refuses a small chunk on its own
+(it reads past its payload and goes on with the next frame); a larger refused chunk ends
+the connection, since its payload is not worth reading. Large contiguous runs
 go straight between KV pages and the socket (``sendmsg`` of page views, ``recv_into`` page
 views); small fragments (head slices, tiny pages) are gathered into staging slots (see
 :mod:`kvxferd.staging`) with one index kernel per piece, so syscalls stay few.
@@ -14,7 +19,7 @@ import logging
 import select
 import socket
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Hashable
 
 import numpy as np
 import torch
@@ -27,7 +32,7 @@ from ..registry import rank_id
 from ..segments import Runs, side_runs
 from ..pipeline import receive_blocks, send_blocks
 from ..staging import Piece, StagingPool, block_bytes, pack
-from .base import ChunkJob, Moved
+from .base import SMALL_CHUNK, ChunkJob, Moved
 
 log = logging.getLogger("kvxferd.tcp")
 
@@ -58,6 +63,15 @@ def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
             i += 1
         if sent:
             buffers[i] = buffers[i][sent:]
+
+
+def _skip(sock: socket.socket, nbytes: int) -> None:
+    """Read past ``nbytes`` of a refused chunk's payload."""
+    scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
+    while nbytes:
+        n = min(nbytes, len(scratch))
+        _recv_exact(sock, scratch[:n])
+        nbytes -= n
 
 
 def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any]:
@@ -100,7 +114,7 @@ class TcpDataServer:
         self.max_header_bytes = min(max_header_bytes, MAX_HEADER_BYTES)
         self.max_per_host = max(2, max_connections // 4)  # one host cannot take every slot
         self._per_host: dict[str, int] = {}
-        self._receiving: dict[socket.socket, Any] = {}  # connection -> destination it is writing
+        self._receiving: dict[socket.socket, tuple[Any, int]] = {}  # connection -> destination, chunk bytes
         self.timeout_s = timeout_s
         self.staging = staging
         self.on_received = on_received
@@ -164,10 +178,13 @@ class TcpDataServer:
                     if self.on_invalid:
                         self.on_invalid(exc.code)
                     self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
-                    return  # the payload cannot be trusted: drop the connection
+                    if isinstance(header.get("nbytes"), int) and 0 <= header["nbytes"] <= SMALL_CHUNK:
+                        _skip(conn, header["nbytes"])  # chunks behind it on this connection go on
+                        continue
+                    return  # a large payload is not worth reading: drop the connection
                 ok = False
                 with self._lock:
-                    self._receiving[conn] = sink.entry
+                    self._receiving[conn] = (sink.entry, sink.nbytes)
                 try:
                     moved = self._receive(conn, sink)
                     ok = True
@@ -223,10 +240,13 @@ class TcpDataServer:
         return Moved(sink.nbytes, len(blocks), "staged")
 
     def cut(self, entry: Any) -> int:
-        """Break the connections writing into ``entry`` (it failed): their threads stop at once,
-        so the failure can be told without waiting for a dead sender's socket timeout."""
+        """Break the connections writing a large chunk into ``entry`` (it failed): their threads
+        stop at once, so the failure can be told without waiting for a dead sender's socket
+        timeout."""
         with self._lock:
-            conns = [c for c, e in self._receiving.items() if e is entry]
+            # a small chunk ends by itself at once; cutting its connection would also fail the
+            # chunks of other requests queued behind it there
+            conns = [c for c, (e, nbytes) in self._receiving.items() if e is entry and nbytes > SMALL_CHUNK]
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -321,12 +341,7 @@ class TcpTransport:
             sock.close()
             if refusal is not None:
                 raise refusal from None
-            # a timeout is a stalled peer; a reset or an end of stream is the receiver hanging up
-            # (it failed the request and says why on the control link, or it died)
-            error = PeerHungUp if isinstance(exc, ConnectionError) else TransferError
-            raise error(f"data connection to {job.data_address[0]}:{job.data_address[1]} "
-                        f"failed: {exc}", field="transport",
-                        fix="check the peer daemon; the request can be retried") from None
+            raise self._lost(job.data_address, exc) from None
         except BaseException:
             sock.close()
             raise
@@ -335,6 +350,86 @@ class TcpTransport:
             raise self._refused(reply)
         self._give_back(job.data_address, sock)
         return moved
+
+    @staticmethod
+    def batch_key(job: ChunkJob) -> Hashable | None:
+        """Small chunks to one data address may share a connection's round trip."""
+        return job.data_address if job.nbytes <= SMALL_CHUNK else None
+
+    def send_many(self, jobs: list[ChunkJob]) -> list[Moved | BaseException]:
+        """Chunks to one data address, each frame right behind the last on one connection, then
+        every reply: one outcome per job, in order. A chunk is reported moved only on its own
+        positive reply."""
+        outcomes: list[Moved | BaseException | None] = [None] * len(jobs)
+        todo = list(range(len(jobs)))
+        while todo:
+            todo = self._pipeline(jobs, todo, outcomes)
+        assert all(o is not None for o in outcomes)
+        return outcomes  # type: ignore[return-value]
+
+    def _pipeline(self, jobs: list[ChunkJob], todo: list[int],
+                  outcomes: list[Moved | BaseException | None]) -> list[int]:
+        """Send what goes of ``todo`` on one connection and read the replies; returns the jobs
+        to send on another (those behind a job that failed on its own, not by the socket)."""
+        address = jobs[todo[0]].data_address
+        assert address is not None
+        try:
+            sock = self._borrow(address)
+        except KvxferError as exc:
+            for i in todo:
+                outcomes[i] = exc
+            return []
+        sent: list[tuple[int, Moved]] = []
+        left: list[int] = []
+        broken = False
+        for k, i in enumerate(todo):
+            job = jobs[i]
+            try:
+                sock.sendall(protocol.frame(job.header()))
+                sent.append((i, self._send_payload(sock, job)))
+                continue
+            except (OSError, ConnectionError) as exc:  # the connection is gone: so are the jobs behind
+                outcomes[i] = self._lost(address, exc)
+                for j in todo[k + 1:]:
+                    outcomes[j] = outcomes[i]
+                sock.settimeout(0.5)  # the replies already on their way, not a stalled peer's
+            except BaseException as exc:  # noqa: BLE001 - this job's own fault: the rest go on another connection
+                outcomes[i] = exc
+                left = todo[k + 1:]
+            broken = True
+            try:  # the receiver ends at the broken frame; the replies to the frames before it still come
+                sock.shutdown(socket.SHUT_WR)
+            except OSError:
+                pass
+            break
+        keep = not broken
+        for n, (i, moved) in enumerate(sent):
+            try:
+                reply = read_frame(sock, self.max_reply_bytes)
+            except (OSError, ConnectionError, KvxferError) as exc:
+                lost = self._lost(address, exc if isinstance(exc, OSError) else ConnectionError(str(exc)))
+                for j, _ in sent[n:]:
+                    outcomes[j] = lost
+                keep = False
+                break
+            if reply.get("ok"):
+                outcomes[i] = moved
+            else:
+                outcomes[i] = self._refused(reply)
+                keep = False  # an older receiver hangs up after a refusal
+        if keep:
+            self._give_back(address, sock)
+        else:
+            sock.close()
+        return left
+
+    @staticmethod
+    def _lost(address: tuple[str, int], exc: BaseException) -> KvxferError:
+        # a timeout is a stalled peer; a reset or an end of stream is the receiver hanging up
+        # (it failed the request and says why on the control link, or it died)
+        error = PeerHungUp if isinstance(exc, ConnectionError) else TransferError
+        return error(f"data connection to {address[0]}:{address[1]} failed: {exc}", field="transport",
+                     fix="check the peer daemon; the request can be retried")
 
     @staticmethod
     def _refused(reply: dict[str, Any]) -> KvxferError:
