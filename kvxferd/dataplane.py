@@ -121,6 +121,9 @@ class DataPlane:
             if taken is None:
                 return
             self._run(taken)
+            # nothing of a finished job may stay referenced while the thread waits for the next:
+            # its regions would keep a departed engine's KV cache mapped
+            del taken
 
     def _run(self, taken: list[_Queued]) -> None:
         started = time.monotonic()
