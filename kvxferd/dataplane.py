@@ -16,6 +16,7 @@ starve another.
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -26,6 +27,8 @@ from .inbox import DestEntry
 from .lifecycle import effects, events
 from .metrics import Metrics
 from .transport.base import Moved, Transport
+
+log = logging.getLogger("kvxferd.data")
 
 BATCH_BYTES = 4 << 20  # bytes of small chunks one hand-off carries at most
 
@@ -48,6 +51,9 @@ class DataPlane:
         self._queues: dict[Hashable, deque[_Queued]] = {}
         self._turns: deque[Hashable] = deque()  # keys with queued jobs, in turn order
         self._closed = False
+        self._posted_lock = threading.Lock()
+        self._posted: list[Any] = []  # events from threads the loop has not taken yet
+        self._wake_due = False
         self.threads = threads
         self._started = False
 
@@ -60,16 +66,35 @@ class DataPlane:
 
     def post(self, event: Any) -> None:
         """From any thread: hand ``event`` to the lifecycle on the loop."""
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.dispatch, event)
+        self._post_all([event])
 
     def _post_all(self, found: list[Any]) -> None:
+        """Events posted while the loop has not yet taken the earlier ones join them: one wake-up
+        of the loop for a burst, not one per event."""
+        with self._posted_lock:
+            self._posted.extend(found)
+            if self._wake_due:
+                return
+            self._wake_due = True
         if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self._dispatch_all, found)
+            try:
+                self.loop.call_soon_threadsafe(self._dispatch_posted)
+                return
+            except RuntimeError:  # closed in between: nobody takes events any more
+                pass
+        with self._posted_lock:
+            self._posted.clear()
+            self._wake_due = False
 
-    def _dispatch_all(self, found: list[Any]) -> None:
+    def _dispatch_posted(self) -> None:
+        with self._posted_lock:
+            found, self._posted = self._posted, []
+            self._wake_due = False
         for event in found:
-            self.dispatch(event)
+            try:
+                self.dispatch(event)
+            except Exception:  # noqa: BLE001 - one bad event must not drop the others of the burst
+                log.exception("event=dispatch_failed what=%s", type(event).__name__)
 
     def start(self, effect: effects.StartJob, transport: Transport) -> None:
         item = _Queued(effect, transport, time.monotonic())

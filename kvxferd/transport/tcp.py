@@ -33,57 +33,50 @@ from ..segments import Runs, side_runs
 from ..pipeline import receive_blocks, send_blocks
 from ..staging import Piece, StagingPool, block_bytes, pack
 from .base import SMALL_CHUNK, ChunkJob, Moved
+from .framing import FrameReader, read_frame, sendmsg_all
 
 log = logging.getLogger("kvxferd.tcp")
 
-IOV_BATCH = 512
 SMALL_RUN = 8192  # average run below this goes through a staging slot
 IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
 FIRST_HEADER_TIMEOUT_S = 10.0  # ... and a new one that has not sent a good chunk yet, after this
 MAX_HEADER_BYTES = protocol.MAX_AUX_BYTES + 64 * 1024  # aux bytes ride in the header
 
 
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    n = len(view)
-    while got < n:
-        k = sock.recv_into(view[got:], n - got, socket.MSG_WAITALL)
-        if k == 0:
-            raise ConnectionError("peer closed the data connection mid-chunk")
-        got += k
+ACK_OK = protocol.frame({"op": "ack", "ok": True})
 
 
-def _sendmsg_all(sock: socket.socket, buffers: list[memoryview]) -> None:
-    i = 0
-    while i < len(buffers):
-        batch = buffers[i:i + IOV_BATCH]
-        sent = sock.sendmsg(batch)
-        while i < len(buffers) and sent >= len(buffers[i]):
-            sent -= len(buffers[i])
-            i += 1
-        if sent:
-            buffers[i] = buffers[i][sent:]
+class _Replies:
+    """Replies a receiver holds back while it has more frames in hand: they leave together when it
+    would wait for the socket, or when the connection ends."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.pending = bytearray()
+
+    def add(self, reply: bytes) -> None:
+        self.pending += reply
+
+    def flush(self) -> None:
+        if self.pending:
+            try:
+                self.conn.sendall(self.pending)
+            except OSError:
+                pass  # the sender went away: it reads no reply
+            self.pending.clear()
 
 
-def _skip(sock: socket.socket, nbytes: int) -> None:
-    """Read past ``nbytes`` of a refused chunk's payload."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 16)))
-    while nbytes:
-        n = min(nbytes, len(scratch))
-        _recv_exact(sock, scratch[:n])
-        nbytes -= n
+class _Timeouts:
+    """``settimeout`` only when the value changes (each call is a system call)."""
 
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.now: float | None = None
 
-def read_frame(sock: socket.socket, max_bytes: int) -> dict[str, Any]:
-    head = bytearray(protocol.FRAME_LEN.size)
-    _recv_exact(sock, memoryview(head))
-    (length,) = protocol.FRAME_LEN.unpack(head)
-    if length > max_bytes:
-        raise ProtocolError(f"frame of {length} bytes exceeds {max_bytes}", field="frame",
-                            fix="keep data headers small")
-    body = bytearray(length)
-    _recv_exact(sock, memoryview(body))
-    return protocol.decode(bytes(body), max_bytes)
+    def set(self, seconds: float) -> None:
+        if seconds != self.now:
+            self.conn.settimeout(seconds)
+            self.now = seconds
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -150,21 +143,20 @@ class TcpDataServer:
                              daemon=True).start()
 
     def _serve(self, conn: socket.socket, host: str) -> None:
+        replies = _Replies(conn)
+        reader = FrameReader(conn, before_wait=replies.flush)  # replies leave when nothing more is to read
+        timeouts = _Timeouts(conn)
         proven = False  # a connection earns the long idle allowance with its first good chunk
         try:
             while not self._closed.is_set():
                 try:
-                    conn.settimeout(IDLE_TIMEOUT_S if proven else FIRST_HEADER_TIMEOUT_S)
-                    header = read_frame(conn, self.max_header_bytes)
-                    conn.settimeout(self.timeout_s)
+                    timeouts.set(IDLE_TIMEOUT_S if proven else FIRST_HEADER_TIMEOUT_S)
+                    header = reader.frame(self.max_header_bytes)
+                    timeouts.set(self.timeout_s)
                 except (ConnectionError, OSError):
                     return  # peer closed between chunks, or timed out idle
                 except ProtocolError as exc:  # oversize length prefix or undecodable header: say so, hang up
-                    log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field,
-                                json.dumps(str(exc)[:300]))
-                    if self.on_invalid:
-                        self.on_invalid(exc.code)
-                    self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
+                    self._refuse(replies, exc)
                     return
                 try:
                     if header.get("op") != "data":
@@ -173,20 +165,16 @@ class TcpDataServer:
                     header = protocol.DATA_HEADER.check(header)
                     sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
                 except KvxferError as exc:
-                    log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field,
-                                json.dumps(str(exc)[:300]))
-                    if self.on_invalid:
-                        self.on_invalid(exc.code)
-                    self._reply(conn, {"op": "ack", "ok": False, "error": exc.to_wire()})
+                    self._refuse(replies, exc)
                     if isinstance(header.get("nbytes"), int) and 0 <= header["nbytes"] <= SMALL_CHUNK:
-                        _skip(conn, header["nbytes"])  # chunks behind it on this connection go on
+                        reader.skip(header["nbytes"])  # chunks behind it on this connection go on
                         continue
                     return  # a large payload is not worth reading: drop the connection
                 ok = False
                 with self._lock:
                     self._receiving[conn] = (sink.entry, sink.nbytes)
                 try:
-                    moved = self._receive(conn, sink)
+                    moved = self._receive(reader, sink)
                     ok = True
                 finally:
                     with self._lock:
@@ -197,11 +185,12 @@ class TcpDataServer:
                 # the connection may now wait idle for minutes: nothing of this chunk may stay referenced, or
                 # its sink (the destination rank's regions) keeps a departed engine's KV cache mapped
                 del sink, moved
-                self._reply(conn, {"op": "ack", "ok": True})
+                replies.add(ACK_OK)
                 proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
             log.info("event=data_conn_closed reason=%s msg=%s", type(exc).__name__, json.dumps(str(exc)[:300]))
         finally:
+            replies.flush()
             with self._lock:
                 self._conns.discard(conn)
                 self._per_host[host] -= 1
@@ -210,7 +199,13 @@ class TcpDataServer:
             conn.close()
             self._sem.release()
 
-    def _receive(self, conn: socket.socket, sink: Sink) -> Moved:
+    def _refuse(self, replies: "_Replies", exc: KvxferError) -> None:
+        log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field, json.dumps(str(exc)[:300]))
+        if self.on_invalid:
+            self.on_invalid(exc.code)
+        replies.add(protocol.frame({"op": "ack", "ok": False, "error": exc.to_wire()}))
+
+    def _receive(self, reader: FrameReader, sink: Sink) -> Moved:
         w = sink.writer
         regions = sink.regions()
         runs = _runs_for(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
@@ -220,13 +215,13 @@ class TcpDataServer:
             for region in regions:
                 view = region.view
                 for off, n in zip(offsets, lengths):
-                    _recv_exact(conn, view[off:off + n])
+                    reader.read_into(view[off:off + n])
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
         def receive(block: list[Piece], slot: torch.Tensor) -> None:
-            _recv_exact(conn, memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])
+            reader.read_into(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])
 
         def drain(block: list[Piece], slot: torch.Tensor) -> None:
             for piece in block:
@@ -253,13 +248,6 @@ class TcpDataServer:
             except OSError:
                 pass
         return len(conns)
-
-    @staticmethod
-    def _reply(conn: socket.socket, message: dict[str, Any]) -> None:
-        try:
-            conn.sendall(protocol.frame(message))
-        except OSError:
-            pass
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -403,9 +391,10 @@ class TcpTransport:
                 pass
             break
         keep = not broken
+        replies = FrameReader(sock, size=4096)  # one recv takes in the replies the receiver sent together
         for n, (i, moved) in enumerate(sent):
             try:
-                reply = read_frame(sock, self.max_reply_bytes)
+                reply = replies.frame(self.max_reply_bytes)
             except (OSError, ConnectionError, KvxferError) as exc:
                 lost = self._lost(address, exc if isinstance(exc, OSError) else ConnectionError(str(exc)))
                 for j, _ in sent[n:]:
@@ -417,7 +406,7 @@ class TcpTransport:
             else:
                 outcomes[i] = self._refused(reply)
                 keep = False  # an older receiver hangs up after a refusal
-        if keep:
+        if keep and not replies.buffered:  # (bytes past the last reply: the stream is not trusted)
             self._give_back(address, sock)
         else:
             sock.close()
@@ -457,7 +446,7 @@ class TcpTransport:
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             for region in regions:
                 view = region.view
-                _sendmsg_all(sock, [view[o:o + n] for o, n in zip(offsets, lengths)])
+                sendmsg_all(sock, [view[o:o + n] for o, n in zip(offsets, lengths)])
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
         n_tokens = job.src_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
