@@ -126,6 +126,30 @@ class FrameReader:
         self._fill(rest)
         dst[have:] = self._take(rest)
 
+    def read_into_many(self, views: list[memoryview]) -> None:
+        """Fill every view in order, as :meth:`read_into` would one by one, but with one
+        scattered ``recvmsg_into`` for as many views as the socket has bytes for."""
+        i = 0
+        while i < len(views) and self.buffered:  # what the buffer holds already
+            self.read_into(views[i])
+            i += 1
+        if i == len(views):
+            return
+        if self.before_wait is not None:
+            self.before_wait()
+        pending = views[i:]
+        while pending:
+            got = self.sock.recvmsg_into(pending[:IOV_BATCH])[0]
+            if got == 0:
+                raise ConnectionError("peer closed the data connection mid-chunk")
+            k = 0
+            while k < len(pending) and got >= len(pending[k]):
+                got -= len(pending[k])
+                k += 1
+            pending = pending[k:]
+            if got:
+                pending[0] = pending[0][got:]
+
     def skip(self, n: int) -> None:
         """Read past ``n`` bytes."""
         while n:

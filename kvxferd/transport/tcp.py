@@ -212,10 +212,8 @@ class TcpDataServer:
         cpu = all(r.is_cpu for r in regions)
         if not _use_staging(runs, cpu):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
-            for region in regions:
-                view = region.view
-                for off, n in zip(offsets, lengths):
-                    reader.read_into(view[off:off + n])
+            reader.read_into_many([region.view[off:off + n] for region in regions
+                                   for off, n in zip(offsets, lengths)])
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
