@@ -92,3 +92,22 @@ def test_plot_has_one_bar_per_measured_target_and_a_note_for_the_others():
     assert widths[0] > widths[1] > 0  # 2x the goal against 1/9 of it
     texts = [t.text for t in root.iter(f"{ns}text")]
     assert "a > b" in texts and "n/a: payload below 128 MiB" in texts
+
+
+def test_a_tcp_latency_row_reads_the_raw_round_trip_of_its_own_payload():
+    page, tiny = 2 * MiB, 8192
+    rows = [Row("limit tcp round trip 2 procs 2 MiB", "limit", bytes=page, p50_ms=1.5, p99_ms=2.0,
+                extra={"limit": "round_trip"}),
+            Row("limit tcp round trip 2 procs 8 KiB", "limit", bytes=tiny, p50_ms=0.05, p99_ms=0.1,
+                extra={"limit": "round_trip"}),
+            Row("latency 1 page tcp 8B", "latency", bytes=page, p50_ms=3.0, p99_ms=5.0, transport="tcp",
+                verified=True),
+            Row("latency 1 page tcp tiny", "latency", bytes=tiny, p50_ms=0.5, p99_ms=1.0, transport="tcp",
+                verified=True),
+            Row("latency 1 page local 8B", "latency", bytes=page, p50_ms=1.0, p99_ms=2.0, transport="local",
+                verified=True)]
+    compute(rows, Workload("8B", 1024), tp_workloads("quick"))
+    assert (rows[2].vs_limit, rows[2].limit) == (0.5, "round trip")  # 1.5 ms raw over 3.0 ms
+    assert rows[3].vs_limit == 0.1
+    assert rows[4].vs_limit is None  # no socket in a local request
+    assert "0.50 round trip" in render_table(rows)

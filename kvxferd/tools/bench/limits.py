@@ -71,6 +71,18 @@ def _sock_sink(port_q: Any, nbytes: int, repeats: int, streams: int) -> None:
 def socket_limit(nbytes: int, repeats: int, streams: int = 1) -> float:
     """Best GB/s of ``sendall`` of the payload to another process on loopback, acknowledged, cut
     over ``streams`` connections sent side by side (one thread each)."""
+    return nbytes / min(_socket_times(nbytes, repeats, streams)) / 1e9
+
+
+def socket_round_trip(nbytes: int, repeats: int) -> tuple[float, float]:
+    """(p50, p99) milliseconds of one payload to another process on loopback and its one-byte
+    acknowledgement: what a one-page request over tcp could take at best on this machine."""
+    times = sorted(_socket_times(nbytes, repeats, 1))
+    return 1e3 * times[len(times) // 2], 1e3 * times[min(len(times) - 1, int(len(times) * 0.99))]
+
+
+def _socket_times(nbytes: int, repeats: int, streams: int) -> list[float]:
+    """Seconds of each repeat (after one untimed) of the payload out and its acknowledgement back."""
     import numpy as np
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
@@ -109,7 +121,7 @@ def socket_limit(nbytes: int, repeats: int, streams: int = 1) -> float:
         proc.join(30)
         if proc.is_alive():
             proc.kill()
-    return nbytes / min(times) / 1e9
+    return times
 
 
 def _shm_reader(path: str, path2: str, nbytes: int, repeats: int, out_q: Any) -> None:

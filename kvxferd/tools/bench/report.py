@@ -47,6 +47,16 @@ def _row_ratios(rows: list[Row], limits: dict[tuple[Any, Any], float | None],
         r.vs_peer = _ratio(r.gbps, max(same)) if same else None
 
 
+def _latency_ratios(rows: list[Row]) -> None:
+    """A tcp latency row against the raw socket's round trip of the same payload: raw p50 over
+    kvxferd's p50 (1.0: as fast as a bare socket; like the throughput ratios, higher is better)."""
+    trips = {r.bytes: r for r in rows if r.group == "limit" and r.extra.get("limit") == "round_trip"}
+    for r in rows:
+        trip = trips.get(r.bytes)
+        if r.group == "latency" and r.transport == "tcp" and r.p50_ms and trip is not None and trip.p50_ms:
+            r.limit, r.vs_limit = "round trip", round(trip.p50_ms / r.p50_ms, 3)
+
+
 def compute(rows: list[Row], headline: Workload, tp_workloads: list[Workload]) -> dict[str, Any]:
     """The run's ratios (None where a row is missing, failed, or too small to say)."""
     limits = {(r.extra.get("limit"), r.bytes): r.gbps for r in rows if r.group == "limit"}
@@ -56,6 +66,7 @@ def compute(rows: list[Row], headline: Workload, tp_workloads: list[Workload]) -
         return r.gbps if r else None
 
     _row_ratios(rows, limits, peer_at)
+    _latency_ratios(rows)
     ok = [r for r in rows if r.group == "kvxferd" and r.verified and r.gbps and steady(r)]
 
     def best(transport: str, wl: Workload, mode: str | None = None) -> float | None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .limits import memcpy_limit, shm_limit, socket_limit
+from .limits import memcpy_limit, shm_limit, socket_limit, socket_round_trip
 from .machine import Noise, machine, wait_quiet
 from .model import GiB, STREAMS_BYTES, Row, Scenario, say, size_label
 from .peers import mooncake_tcp, nixl_raw, nixl_unavailable
@@ -56,6 +56,19 @@ def _limit_rows(sizes: list[int], size: str) -> list[Row]:
                             gbps=shm[key.split("_")[1]], extra={"limit": key, "others_cpu_pct": noise.pct}))
         for r in rows[-len(measures) - 2:]:
             say(f"  {r.name}: {r.gbps:.2f} GB/s")
+    return rows
+
+
+def _round_trip_rows(sizes: list[int], size: str) -> list[Row]:
+    """The raw socket's round trip at each one-page latency payload: what the latency rows are read against."""
+    rows = []
+    repeats = {"full": 400, "quick": 200, "smoke": 20}[size]
+    for nbytes in sizes:
+        with Noise() as noise:
+            p50, p99 = socket_round_trip(nbytes, repeats)
+        rows.append(Row(f"limit tcp round trip 2 procs {size_label(nbytes)}", "limit", bytes=nbytes, p50_ms=p50,
+                        p99_ms=p99, extra={"limit": "round_trip", "others_cpu_pct": noise.pct}))
+        say(f"  {rows[-1].name}: p50 {p50:.3f} ms, p99 {p99:.3f} ms")
     return rows
 
 
@@ -132,6 +145,8 @@ def run_all(size: str, only: str | None = None, seed: int = 1) -> tuple[dict[str
     say(f"{size} run: {len(scenarios)} kvxferd scenarios, limits at {', '.join(size_label(s) for s in sizes)}, "
         f"{os.cpu_count()} cores")
     rows = _limit_rows(sizes, size)
+    rows += _round_trip_rows(sorted({s.workload.nbytes for s in scenarios if s.kind == "latency"
+                                     and s.transport == "tcp"}), size)
     if sizes or not only:  # peer engines compare throughput: pointless when --only picked none
         rows += _peer_rows([headline.nbytes] if headline.nbytes in sizes or not sizes else [sizes[0]], size)
     rows += _kvxferd_rows(scenarios, size, seed)
