@@ -13,11 +13,25 @@ from __future__ import annotations
 import socket
 from typing import Any, Callable
 
+import numpy as np
+
 from .. import protocol
 from ..errors import ProtocolError
+from ..segments import Runs, side_runs
 
 IOV_BATCH = 512
 READ_BUFFER = 256 * 1024
+SMALL_RUN = 8192  # average run below this goes through a staging slot
+
+
+def payload_runs(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Runs:
+    """One side's byte runs of a chunk's payload in one region (the same in every region)."""
+    return side_runs(slots, row, head, slice_bytes)
+
+
+def use_staging(runs: Runs, cpu: bool) -> bool:
+    """Small runs (or device memory) go through a staging slot rather than one socket view each."""
+    return not cpu or (len(runs) > 0 and runs.nbytes // len(runs) < SMALL_RUN)
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

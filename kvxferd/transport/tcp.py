@@ -21,7 +21,6 @@ import socket
 import threading
 from typing import Any, Callable, Hashable
 
-import numpy as np
 import torch
 
 from .. import protocol
@@ -29,15 +28,14 @@ from ..copier import gather, scatter, settle
 from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
-from ..segments import Runs, side_runs
 from ..pipeline import receive_blocks, send_blocks
 from ..staging import Piece, StagingPool, block_bytes, pack
 from .base import SMALL_CHUNK, ChunkJob, Moved
-from .framing import FrameReader, read_frame, sendmsg_all
+from .framing import FrameReader, payload_runs, read_frame, sendmsg_all, use_staging
+from .tcp_batch import send_batch
 
 log = logging.getLogger("kvxferd.tcp")
 
-SMALL_RUN = 8192  # average run below this goes through a staging slot
 IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
 FIRST_HEADER_TIMEOUT_S = 10.0  # ... and a new one that has not sent a good chunk yet, after this
 MAX_HEADER_BYTES = protocol.MAX_AUX_BYTES + 64 * 1024  # aux bytes ride in the header
@@ -86,14 +84,6 @@ def _alive(sock: socket.socket) -> bool:
     except (OSError, ValueError):
         return False
     return not readable
-
-
-def _runs_for(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Runs:
-    return side_runs(slots, row, head, slice_bytes)
-
-
-def _use_staging(runs: Runs, cpu: bool) -> bool:
-    return not cpu or (len(runs) > 0 and runs.nbytes // len(runs) < SMALL_RUN)
 
 
 class TcpDataServer:
@@ -208,9 +198,9 @@ class TcpDataServer:
     def _receive(self, reader: FrameReader, sink: Sink) -> Moved:
         w = sink.writer
         regions = sink.regions()
-        runs = _runs_for(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
+        runs = payload_runs(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if not _use_staging(runs, cpu):
+        if not use_staging(runs, cpu):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             reader.read_into_many([region.view[off:off + n] for region in regions
                                    for off, n in zip(offsets, lengths)])
@@ -343,72 +333,8 @@ class TcpTransport:
         return job.data_address if job.nbytes <= SMALL_CHUNK else None
 
     def send_many(self, jobs: list[ChunkJob]) -> list[Moved | BaseException]:
-        """Chunks to one data address, each frame right behind the last on one connection, then
-        every reply: one outcome per job, in order. A chunk is reported moved only on its own
-        positive reply."""
-        outcomes: list[Moved | BaseException | None] = [None] * len(jobs)
-        todo = list(range(len(jobs)))
-        while todo:
-            todo = self._pipeline(jobs, todo, outcomes)
-        assert all(o is not None for o in outcomes)
-        return outcomes  # type: ignore[return-value]
-
-    def _pipeline(self, jobs: list[ChunkJob], todo: list[int],
-                  outcomes: list[Moved | BaseException | None]) -> list[int]:
-        """Send what goes of ``todo`` on one connection and read the replies; returns the jobs
-        to send on another (those behind a job that failed on its own, not by the socket)."""
-        address = jobs[todo[0]].data_address
-        assert address is not None
-        try:
-            sock = self._borrow(address)
-        except KvxferError as exc:
-            for i in todo:
-                outcomes[i] = exc
-            return []
-        sent: list[tuple[int, Moved]] = []
-        left: list[int] = []
-        broken = False
-        for k, i in enumerate(todo):
-            job = jobs[i]
-            try:
-                sock.sendall(protocol.frame(job.header()))
-                sent.append((i, self._send_payload(sock, job)))
-                continue
-            except (OSError, ConnectionError) as exc:  # the connection is gone: so are the jobs behind
-                outcomes[i] = self._lost(address, exc)
-                for j in todo[k + 1:]:
-                    outcomes[j] = outcomes[i]
-                sock.settimeout(0.5)  # the replies already on their way, not a stalled peer's
-            except BaseException as exc:  # noqa: BLE001 - this job's own fault: the rest go on another connection
-                outcomes[i] = exc
-                left = todo[k + 1:]
-            broken = True
-            try:  # the receiver ends at the broken frame; the replies to the frames before it still come
-                sock.shutdown(socket.SHUT_WR)
-            except OSError:
-                pass
-            break
-        keep = not broken
-        replies = FrameReader(sock, size=4096)  # one recv takes in the replies the receiver sent together
-        for n, (i, moved) in enumerate(sent):
-            try:
-                reply = replies.frame(self.max_reply_bytes)
-            except (OSError, ConnectionError, KvxferError) as exc:
-                lost = self._lost(address, exc if isinstance(exc, OSError) else ConnectionError(str(exc)))
-                for j, _ in sent[n:]:
-                    outcomes[j] = lost
-                keep = False
-                break
-            if reply.get("ok"):
-                outcomes[i] = moved
-            else:
-                outcomes[i] = self._refused(reply)
-                keep = False  # an older receiver hangs up after a refusal
-        if keep and not replies.buffered:  # (bytes past the last reply: the stream is not trusted)
-            self._give_back(address, sock)
-        else:
-            sock.close()
-        return left
+        """Chunks to one data address in one write, then their replies (:mod:`.tcp_batch`)."""
+        return send_batch(self, jobs)
 
     @staticmethod
     def _lost(address: tuple[str, int], exc: BaseException) -> KvxferError:
@@ -438,9 +364,9 @@ class TcpTransport:
     def _send_payload(self, sock: socket.socket, job: ChunkJob) -> Moved:
         w = job.writer
         regions = list(job.regions())
-        runs = _runs_for(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
+        runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if job.mode != "staged" and not _use_staging(runs, cpu):
+        if job.mode != "staged" and not use_staging(runs, cpu):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             for region in regions:
                 view = region.view
