@@ -38,6 +38,7 @@ class _Queued:
     effect: effects.StartJob
     transport: Transport
     queued: float
+    batched: bool  # the transport named a batch key for it: it goes through ``send_many``
 
 
 class DataPlane:
@@ -97,11 +98,9 @@ class DataPlane:
                 log.exception("event=dispatch_failed what=%s", type(event).__name__)
 
     def start(self, effect: effects.StartJob, transport: Transport) -> None:
-        item = _Queued(effect, transport, time.monotonic())
         batch_key = getattr(transport, "batch_key", None)
-        key: Hashable = None
-        if batch_key is not None:
-            key = batch_key(effect.job)
+        key: Hashable = batch_key(effect.job) if batch_key is not None else None
+        item = _Queued(effect, transport, time.monotonic(), key is not None)
         key = (id(transport), key) if key is not None else object()  # a job of its own
         with self._cond:
             if self._closed:
@@ -159,10 +158,10 @@ class DataPlane:
         transport = taken[0].transport
         jobs = [item.effect.job for item in taken]
         try:
-            if len(jobs) == 1:
-                outcomes: list[Moved | BaseException] = [transport.send(jobs[0])]
+            if taken[0].batched:  # even alone: a small chunk's frame leaves in one write
+                outcomes: list[Moved | BaseException] = transport.send_many(jobs)  # type: ignore[attr-defined]
             else:
-                outcomes = transport.send_many(jobs)  # type: ignore[attr-defined]
+                outcomes = [transport.send(jobs[0])]
         except BaseException as exc:  # noqa: BLE001 - every job of the hand-off reports it
             outcomes = [exc] * len(jobs)
         seconds = time.monotonic() - started

@@ -109,6 +109,16 @@ class FrameReader:
         self._start += n
         return view
 
+    @property
+    def capacity(self) -> int:
+        return len(self._buf)
+
+    def take(self, n: int) -> memoryview:
+        """The next ``n`` bytes (at most :attr:`capacity`) where they lie in the buffer: valid
+        until the next read."""
+        self._fill(n)
+        return self._take(n)
+
     def frame(self, max_bytes: int) -> dict[str, Any]:
         size = protocol.FRAME_LEN.size
         self._fill(size)

@@ -206,6 +206,15 @@ class TcpDataServer:
                                    for off, n in zip(offsets, lengths)])
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
+        n = sink.nbytes
+        if cpu and 0 < n <= reader.capacity // 2:  # small: scattered from where the reader holds it, no slot
+            data = torch.frombuffer(reader.take(n), dtype=torch.uint8)
+            (block,) = pack(len(regions), n_tokens, w.slice_bytes, max(n, w.slice_bytes))
+            for piece in block:
+                scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
+                        sink.head_offset, w.slice_bytes,
+                        data[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+            return Moved(n, 1, "staged")
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
         def receive(block: list[Piece], slot: torch.Tensor) -> None:
