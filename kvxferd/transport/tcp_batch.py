@@ -22,7 +22,7 @@ import torch
 from .. import protocol
 from ..copier import gather
 from ..errors import KvxferError
-from ..staging import pack
+from ..staging import pack, slices_per_slot
 from .base import ChunkJob, Moved
 from .framing import FrameReader, payload_runs, sendmsg_all, use_staging
 
@@ -55,6 +55,8 @@ class _Write:
             self.views.extend(r.view[o:o + n] for r in regions for o, n in zip(offsets, lengths))
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
         n = job.nbytes
+        if n > self.transport.staging.slot_bytes:  # (small slots configured) block by block, as when alone
+            return self._stream(head, job)
         room = self._room(n)
         (block,) = pack(len(regions), job.src_slots.size, w.slice_bytes, max(n, w.slice_bytes))
         for piece in block:
@@ -65,6 +67,20 @@ class _Write:
         self.views.append(self.slot_view[self.used:self.used + n])
         self.used += n
         return Moved(n, 1, "staged")
+
+    def _stream(self, head: memoryview, job: ChunkJob) -> Moved:
+        """Send what is laid out, then this job's frame on its own, through staging blocks. Past its
+        header, any failure breaks the stream: it is raised as a connection error."""
+        slices_per_slot(job.writer.slice_bytes, self.transport.staging.slot_bytes)  # a slice too big: its own error
+        self.flush()
+        self._release_slot()  # the blocks take slots of their own
+        self.sock.sendall(head)
+        try:
+            return self.transport._send_payload(self.sock, job)
+        except (OSError, ConnectionError):
+            raise
+        except BaseException as exc:  # noqa: BLE001 - part of its payload may have left
+            raise ConnectionError(f"chunk stream broken mid-payload: {exc}") from exc
 
     def _room(self, n: int) -> torch.Tensor:
         """``n`` free bytes of the slot; what is laid out goes first when the slot is full."""
@@ -83,6 +99,9 @@ class _Write:
 
     def release(self) -> None:
         self.views = []
+        self._release_slot()
+
+    def _release_slot(self) -> None:
         if self.slot is not None:
             self.transport.staging.release(self.slot)
             self.slot = self.slot_view = None
