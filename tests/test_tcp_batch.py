@@ -275,20 +275,28 @@ def test_a_job_that_fails_before_a_byte_of_it_is_written_fails_alone(rig):
         no_header = pair.jobs("nohead", [6], r.address)[0]
         no_header.aux = object()  # type: ignore[assignment] - msgpack cannot encode it
         bad += [no_region, no_header]
+    staged.expect("noslot", [9])
+    past_end = staged.jobs("noslot", [6], r.address)[1]
+    past_end.src_slots = past_end.src_slots + PAGES * PAGE  # rows past the region: its gather fails
+    bad.append(past_end)
     # bad jobs between good ones, the first and last places good
-    order = [jobs[0], bad[0], jobs[1], bad[1], jobs[2], jobs[3], bad[2], jobs[4], bad[3], *jobs[5:]]
+    order = [jobs[0], bad[0], jobs[1], bad[1], jobs[2], jobs[3], bad[2], jobs[4], bad[3], jobs[5], bad[4], *jobs[6:]]
     assert len(jobs) == 9
     outcomes = r.transport.send_many(order)
     for job, outcome in zip(order, outcomes):
         if job in bad:
-            want = KeyError if job.request_id == "nore" else TypeError
+            # (a gather past the region: IndexError from torch's index kernel, TransferError from the native copy)
+            want = {"nore": KeyError, "nohead": TypeError, "noslot": (IndexError, RuntimeError, KvxferError)}[
+                job.request_id]
             assert isinstance(outcome, want), (job.request_id, outcome)
         else:
             assert isinstance(outcome, Moved) and outcome.nbytes == job.nbytes, (job.request_id, outcome)
     for pair in (direct, staged):
         assert_regions(pair, expected_after(pair, [(s, d) for _, s, d in good]))  # pages 7, 8: canary
-        for rid in ("nore", "nohead"):
-            entry = pair.entries[(rid, 0)]
+        for rid in ("nore", "nohead", "noslot"):
+            entry = pair.entries.get((rid, 1 if rid == "noslot" else 0))
+            if entry is None:
+                continue
             assert entry.bytes_received == 0 and not any(entry.pending.values()) and not entry.inflight
     assert len(r.transport._idle[r.address]) == 1  # the stream stayed whole: pooled again
     assert r.staging.in_use == 0
@@ -415,3 +423,28 @@ def test_a_data_server_closed_mid_batch_fails_every_unanswered_job(rig):
     for o in outcomes:
         assert isinstance(o, (Moved, KvxferError)), o
     assert not r.transport._idle.get(r.address)
+
+
+def test_a_job_failing_after_part_of_its_frame_went_out_loses_the_connection(rig):
+    # a staged chunk larger than the slot whose second block cannot be gathered: its header and
+    # first block left already, so the stream is broken; no job may be reported moved, since no
+    # reply is read from a stream the receiver now parses wrongly.
+    # checked failing: with the ``k == 0`` guard dropped in ``_Write.add`` (every gather failure
+    # taken as the job's own) the job behind it came back Moved off a broken stream... or hung
+    # until the receiver's timeout
+    r = rig(slot_bytes=16 << 10, slots=1)
+    pair = r.pair("stg", 1, 2)
+    for rid, pages in (("ok0", [0]), ("half", [1, 2, 3]), ("ok1", [4])):
+        pair.expect(rid, pages)
+    before = pair.jobs("ok0", [5], r.address)
+    broken = pair.jobs("half", [6, 7, 8], r.address)[0]
+    broken.src_slots = broken.src_slots.copy()
+    broken.src_slots[32:] += PAGES * PAGE  # the third page's rows lie past the region: block 1 fails
+    after = pair.jobs("ok1", [9], r.address)
+    outcomes = r.transport.send_many([*before, broken, *after])
+    assert len(outcomes) == 5
+    for outcome in outcomes:
+        assert isinstance(outcome, KvxferError) and outcome.field == "transport", outcome
+    assert "gathering block 1" in str(outcomes[2]), outcomes[2]
+    assert not r.transport._idle.get(r.address)
+    assert r.staging.in_use == 0
