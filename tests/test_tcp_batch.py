@@ -239,7 +239,8 @@ def test_staged_payloads_larger_in_all_than_one_slot_go_out_slot_by_slot_and_lan
 def test_a_staged_payload_larger_than_one_slot_lands_byte_exact(rig):
     # a small chunk (<= SMALL_CHUNK) can still be larger than a configured staging slot: it goes
     # out block by block through the slot, as it would sent alone.
-    # checked failing: before the fix each such job failed with "buffer" too small for its gather
+    # checked failing: before the fix each such job failed on its own, its gather finding no room in the
+    # slot (a RuntimeError from torch's view, a TransferError "buffer of ... bytes cannot hold" natively)
     r = rig(slot_bytes=16 << 10, slots=1)
     pair = r.pair("stg", 1, 2)
     requests = [("big0", [2, 3], [9, 4]), ("big1", [7], [1]), ("big2", [0, 11, 5], [2, 6, 10])]
