@@ -177,7 +177,7 @@ def test_many_small_direct_and_staged_jobs_land_byte_exact_on_one_pooled_connect
     ]
     moves: dict[str, list] = {"dir": [], "stg": []}
     first_sock = None
-    for n, batch in enumerate(rounds):
+    for batch in rounds:
         jobs = []
         for rid, src_pages, dst_pages in batch:
             for pair in (direct, staged):
