@@ -4,12 +4,13 @@ A data thread hands tcp the small chunks queued for one peer together (see
 :mod:`kvxferd.dataplane`). Their frames (header, then payload) are laid out one behind the
 other as the views of one scattered ``sendmsg``: page views for direct payloads, and for
 staged ones the pieces gathered one behind the other into a single staging slot. Then the
-replies are read in order, one per frame. Frames are exactly those of a chunk sent alone,
+replies are read in order, one per frame. A staged payload larger than the slot goes in
+slot-sized blocks, the slot flushed between them. Frames are exactly those of a chunk sent alone,
 so the receiver needs nothing new; it answers frames it had in hand together.
 
 A job that fails before anything of it is written (its header, a gather) is left out of
-the write and reports its own error; the others go on. A socket error fails every job
-whose reply did not come.
+the write and reports its own error; the others go on. A socket error, or a job failing
+once part of its frame is laid out, fails every job whose reply did not come.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from .. import protocol
 from ..copier import gather
 from ..errors import KvxferError
-from ..staging import pack, slices_per_slot
+from ..staging import block_bytes, pack
 from .base import ChunkJob, Moved
 from .framing import FrameReader, payload_runs, sendmsg_all, use_staging
 
@@ -30,6 +31,10 @@ if TYPE_CHECKING:
     from .tcp import TcpTransport
 
 Outcome = Moved | BaseException
+
+
+class _Broken(OSError):
+    """A job failed after part of its frame was laid out (and maybe sent): the connection is lost."""
 
 
 class _Write:
@@ -54,33 +59,29 @@ class _Write:
             self.views.append(head)
             self.views.extend(r.view[o:o + n] for r in regions for o, n in zip(offsets, lengths))
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
-        n = job.nbytes
-        if n > self.transport.staging.slot_bytes:  # (small slots configured) block by block, as when alone
-            return self._stream(head, job)
-        room = self._room(n)
-        (block,) = pack(len(regions), job.src_slots.size, w.slice_bytes, max(n, w.slice_bytes))
-        for piece in block:
-            gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset,
-                   w.slice_bytes, room[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
-        assert self.slot_view is not None
-        self.views.append(head)
-        self.views.append(self.slot_view[self.used:self.used + n])
-        self.used += n
-        return Moved(n, 1, "staged")
-
-    def _stream(self, head: memoryview, job: ChunkJob) -> Moved:
-        """Send what is laid out, then this job's frame on its own, through staging blocks. Past its
-        header, any failure breaks the stream: it is raised as a connection error."""
-        slices_per_slot(job.writer.slice_bytes, self.transport.staging.slot_bytes)  # a slice too big: its own error
-        self.flush()
-        self._release_slot()  # the blocks take slots of their own
-        self.sock.sendall(head)
-        try:
-            return self.transport._send_payload(self.sock, job)
-        except (OSError, ConnectionError):
-            raise
-        except BaseException as exc:  # noqa: BLE001 - part of its payload may have left
-            raise ConnectionError(f"chunk stream broken mid-payload: {exc}") from exc
+        # a small chunk may still be larger than a staging slot: then it goes in slot-sized blocks
+        # (what it would be sent alone), the slot flushed between them
+        blocks = pack(len(regions), job.src_slots.size, w.slice_bytes,
+                      min(max(job.nbytes, w.slice_bytes), self.transport.staging.slot_bytes))
+        for k, block in enumerate(blocks):
+            n = block_bytes(block, w.slice_bytes)
+            room = self._room(n)
+            try:
+                for piece in block:
+                    gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
+                           job.head_offset, w.slice_bytes,
+                           room[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+            except BaseException as exc:
+                if k == 0:
+                    raise  # nothing of this job laid out: its own failure
+                # part of its frame may be out already: the stream cannot be trusted any more
+                raise _Broken(f"gathering block {k} of a chunk of {job.request_id!r} failed: {exc}") from exc
+            assert self.slot_view is not None
+            if k == 0:
+                self.views.append(head)
+            self.views.append(self.slot_view[self.used:self.used + n])
+            self.used += n
+        return Moved(job.nbytes, len(blocks), "staged")
 
     def _room(self, n: int) -> torch.Tensor:
         """``n`` free bytes of the slot; what is laid out goes first when the slot is full."""
@@ -99,9 +100,6 @@ class _Write:
 
     def release(self) -> None:
         self.views = []
-        self._release_slot()
-
-    def _release_slot(self) -> None:
         if self.slot is not None:
             self.transport.staging.release(self.slot)
             self.slot = self.slot_view = None
