@@ -34,7 +34,7 @@ SOURCE = Path(__file__).with_name("runcopy.c")
 LIBRARY = Path(__file__).with_name("_runcopy.so")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _ptr, _u64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64
 
 #: bytes per call from which destinations are written with non-temporal stores: past the
 #: caches they would be evicted unread anyway, and skipping the read-for-ownership of
@@ -70,10 +70,13 @@ def _int64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _bases(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, int]:
-    """Base addresses, and the smallest size: every region must hold every offset."""
-    return (np.fromiter((_pointer(t) for t in tensors), dtype=np.uint64, count=len(tensors)),
-            min((t.numel() for t in tensors), default=0))
+def _bases(tensors: Sequence[torch.Tensor]) -> tuple[ctypes.Array, int]:
+    """Base addresses, and the smallest size: every region must hold every offset.
+
+    A ctypes array straight from the Python ints: a numpy array would cost a generator and
+    an ``.ctypes`` object per call, more than the copy itself for a small chunk."""
+    return ((_u64 * len(tensors))(*map(torch.Tensor.data_ptr, tensors)),
+            min(map(torch.Tensor.numel, tensors), default=0))
 
 
 def _check_rows(slots: np.ndarray, row: int, head: int, slice_bytes: int, size: int, side: str) -> None:
@@ -91,6 +94,16 @@ def _check_runs(offsets: np.ndarray, lengths: np.ndarray, size: int, side: str) 
     else:
         end = int((offsets + lengths).max())
     if int(offsets.min()) < 0 or end > size:
+        raise TransferError(f"{side} runs reach byte {end}, outside a {size}-byte region", field="slots",
+                            fix="send page indices inside the registered regions")
+
+
+def _check_run_lists(offsets: list[int], lengths: list[int], size: int, side: str) -> None:
+    """:func:`_check_runs` for runs held as Python ints (the same refusal, the same message)."""
+    if not offsets:
+        return
+    end = max([o + n for o, n in zip(offsets, lengths)])
+    if min(offsets) < 0 or end > size:
         raise TransferError(f"{side} runs reach byte {end}, outside a {size}-byte region", field="slots",
                             fix="send page indices inside the registered regions")
 
@@ -135,9 +148,27 @@ class RunCopy:
         _check_runs(dst_off, lengths, dst_size, "destination")
         if not src_off.size:
             return
-        self._copy_runs(len(srcs), src_bases.ctypes.data, dst_bases.ctypes.data, src_off.size,
+        self._copy_runs(len(srcs), src_bases, dst_bases, src_off.size,
                         src_off.ctypes.data, dst_off.ctypes.data, lengths.ctypes.data, stride,
                         _streaming(int(lengths.sum()), len(srcs)))
+
+    def copy_run_lists(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: list[int],
+                       dst_off: list[int], lengths: list[int]) -> None:
+        """:meth:`copy_runs` for a few runs held as Python ints (a small chunk): bounds checked
+        on the ints, then the same one GIL-free call over every region pair, with no numpy."""
+        n = len(src_off)
+        if not (n == len(dst_off) == len(lengths)) or len(srcs) != len(dsts):
+            raise TransferError(f"{n} source runs, {len(dst_off)} destination runs, {len(lengths)} "
+                                f"lengths, {len(srcs)} and {len(dsts)} regions", field="segments")
+        src_bases, src_size = _bases(srcs)
+        dst_bases, dst_size = _bases(dsts)
+        _check_run_lists(src_off, lengths, src_size, "source")
+        _check_run_lists(dst_off, lengths, dst_size, "destination")
+        if not n:
+            return
+        runs = _i64 * n
+        self._copy_runs(len(srcs), src_bases, dst_bases, n, runs(*src_off), runs(*dst_off), runs(*lengths), 1,
+                        _streaming(sum(lengths), len(srcs)))
 
     def copy_rows(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_slots: np.ndarray,
                   src_row: int, src_head: int, dst_slots: np.ndarray, dst_row: int, dst_head: int,
@@ -151,7 +182,7 @@ class RunCopy:
         dst_bases, dst_size = _bases(dsts)
         _check_rows(src_slots, src_row, src_head, slice_bytes, src_size, "source")
         _check_rows(dst_slots, dst_row, dst_head, slice_bytes, dst_size, "destination")
-        self._copy_rows(len(srcs), src_bases.ctypes.data, dst_bases.ctypes.data, src_slots.size,
+        self._copy_rows(len(srcs), src_bases, dst_bases, src_slots.size,
                         src_slots.ctypes.data, src_row, src_head, dst_slots.ctypes.data, dst_row, dst_head,
                         slice_bytes, _streaming(slice_bytes * src_slots.size, len(srcs)))
 
