@@ -42,6 +42,12 @@ _i64, _ptr, _u64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64
 STREAM_BYTES = 1 << 20
 
 
+#: bytes per call up to which the copy keeps the GIL: a few microseconds of memcpy cost less
+#: than handing the GIL over and waiting to take it back from a busy event-loop thread
+#: (which can take up to the interpreter's switch interval, milliseconds, per call)
+HOLD_GIL_BYTES = 1 << 16
+
+
 def _streaming(run_bytes: int, regions: int) -> int:
     return int(run_bytes * regions >= STREAM_BYTES)
 
@@ -121,13 +127,16 @@ class RunCopy:
         lib = ctypes.CDLL(str(path))
         self._copy_runs = lib.kvx_copy_runs
         self._copy_runs.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
+        # the same function called through PyDLL: ctypes keeps the GIL for the call
+        self._copy_runs_held = ctypes.PyDLL(str(path)).kvx_copy_runs
+        self._copy_runs_held.argtypes = self._copy_runs.argtypes
         self._copy_rows = lib.kvx_copy_rows
         self._copy_rows.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
         self._gather = lib.kvx_gather_rows
         self._gather.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr]
         self._scatter = lib.kvx_scatter_rows
         self._scatter.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-        for f in (self._copy_runs, self._copy_rows, self._gather, self._scatter):
+        for f in (self._copy_runs, self._copy_runs_held, self._copy_rows, self._gather, self._scatter):
             f.restype = None
         self.path = path
 
@@ -155,7 +164,8 @@ class RunCopy:
     def copy_run_lists(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: list[int],
                        dst_off: list[int], lengths: list[int]) -> None:
         """:meth:`copy_runs` for a few runs held as Python ints (a small chunk): bounds checked
-        on the ints, then the same one GIL-free call over every region pair, with no numpy."""
+        on the ints, then the same one call over every region pair, with no numpy (GIL-free
+        unless the chunk is under :data:`HOLD_GIL_BYTES`)."""
         n = len(src_off)
         if not (n == len(dst_off) == len(lengths)) or len(srcs) != len(dsts):
             raise TransferError(f"{n} source runs, {len(dst_off)} destination runs, {len(lengths)} "
@@ -167,8 +177,10 @@ class RunCopy:
         if not n:
             return
         runs = _i64 * n
-        self._copy_runs(len(srcs), src_bases, dst_bases, n, runs(*src_off), runs(*dst_off), runs(*lengths), 1,
-                        _streaming(sum(lengths), len(srcs)))
+        total = sum(lengths)
+        call = self._copy_runs_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_runs
+        call(len(srcs), src_bases, dst_bases, n, runs(*src_off), runs(*dst_off), runs(*lengths), 1,
+             _streaming(total, len(srcs)))
 
     def copy_rows(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_slots: np.ndarray,
                   src_row: int, src_head: int, dst_slots: np.ndarray, dst_row: int, dst_head: int,
