@@ -34,6 +34,11 @@ SMALL_SLOTS = 64
 
 def as_pages(pages: object, num_pages: int, field: str) -> np.ndarray:
     """Validate a page table (list or array of ints) against a rank's page count."""
+    if type(pages) is list and len(pages) <= SMALL_SLOTS and all(type(p) is int for p in pages) \
+            and (not pages or (min(pages) >= 0 and max(pages) < num_pages)):
+        # a short list of valid ints (a small request): checked as ints, no numpy reductions;
+        # anything else, refusals included, takes the general path and its messages
+        return np.array(pages, dtype=INDEX_DTYPE)
     try:
         array = np.asarray(pages, dtype=INDEX_DTYPE)
     except (TypeError, ValueError, OverflowError) as exc:

@@ -238,3 +238,23 @@ def test_cached_label_children_export_exactly_what_prometheus_client_does() -> N
     assert ours.chunks.labels("tcp", "staged") is ours.chunks.labels(transport="tcp", mode="staged")
     ours.peers.clear()
     assert ours.peers.labels("up")._value.get() == 0.0
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pages=st.lists(st.one_of(st.integers(-3, 40), st.booleans(), st.integers(2**62, 2**70)), max_size=70),
+       num_pages=st.integers(1, 40))
+def test_as_pages_small_path_answers_like_the_numpy_path(pages: list, num_pages: int,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    def answer() -> tuple:
+        try:
+            array = as_pages(pages, num_pages, "pages")
+        except RequestError as exc:
+            return "refused", str(exc), exc.field
+        return "ok", array.dtype, array.tolist()
+
+    small = answer()
+    with monkeypatch.context() as m:
+        m.setattr(segments, "SMALL_SLOTS", -1)
+        general = answer()
+    assert small == general
+    assert (small[0] == "ok") == all(0 <= p < num_pages for p in pages)  # booleans are pages 0 and 1
