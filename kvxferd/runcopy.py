@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .errors import TransferError
+from .segments import SMALL_SLOTS
 
 log = logging.getLogger("kvxferd.runcopy")
 
@@ -92,6 +93,21 @@ def _check_rows(slots: np.ndarray, row: int, head: int, slice_bytes: int, size: 
                             field="slots", fix="send page indices inside the registered regions")
 
 
+def _few(slots: np.ndarray) -> bool:
+    """A slot array small enough that Python ints beat numpy's per-call cost (int64, 1-D)."""
+    return slots.dtype == np.int64 and slots.ndim == 1 and slots.size <= SMALL_SLOTS
+
+
+def _check_row_list(slots: list[int], row: int, head: int, slice_bytes: int, size: int, side: str) -> None:
+    """:func:`_check_rows` for slots held as Python ints (the same refusal, the same message)."""
+    if slots:
+        low, high = min(slots), max(slots)
+        if low < 0 or high * row + head + slice_bytes > size:
+            raise TransferError(f"{side} slots {low}..{high} of {row}-byte rows (slice {head}+{slice_bytes}) "
+                                f"fall outside a {size}-byte region", field="slots",
+                                fix="send page indices inside the registered regions")
+
+
 def _check_runs(offsets: np.ndarray, lengths: np.ndarray, size: int, side: str) -> None:
     if not offsets.size:
         return
@@ -121,14 +137,16 @@ def _check_buffer(buffer: torch.Tensor, n: int, slice_bytes: int) -> None:
 
 
 class RunCopy:
-    """The loaded library; every method checks bounds, then makes one GIL-free call."""
+    """The loaded library; every method checks bounds, then makes one call: GIL-free, except for a
+    small chunk (up to :data:`HOLD_GIL_BYTES`), which is copied before the GIL could change hands."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         self._copy_runs = lib.kvx_copy_runs
         self._copy_runs.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
         # the same function called through PyDLL: ctypes keeps the GIL for the call
-        self._copy_runs_held = ctypes.PyDLL(str(path)).kvx_copy_runs
+        held = ctypes.PyDLL(str(path))
+        self._copy_runs_held = held.kvx_copy_runs
         self._copy_runs_held.argtypes = self._copy_runs.argtypes
         self._copy_rows = lib.kvx_copy_rows
         self._copy_rows.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
@@ -136,7 +154,13 @@ class RunCopy:
         self._gather.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr]
         self._scatter = lib.kvx_scatter_rows
         self._scatter.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-        for f in (self._copy_runs, self._copy_runs_held, self._copy_rows, self._gather, self._scatter):
+        self._copy_rows_held = held.kvx_copy_rows
+        self._gather_held, self._scatter_held = held.kvx_gather_rows, held.kvx_scatter_rows
+        for f, general in ((self._copy_rows_held, self._copy_rows), (self._gather_held, self._gather),
+                           (self._scatter_held, self._scatter)):
+            f.argtypes = general.argtypes
+        for f in (self._copy_runs, self._copy_runs_held, self._copy_rows, self._gather, self._scatter,
+                  self._copy_rows_held, self._gather_held, self._scatter_held):
             f.restype = None
         self.path = path
 
@@ -192,6 +216,16 @@ class RunCopy:
                                 f"{len(srcs)} and {len(dsts)} regions", field="slots")
         src_bases, src_size = _bases(srcs)
         dst_bases, dst_size = _bases(dsts)
+        if _few(src_slots) and _few(dst_slots):  # a small chunk: checked as ints, copied keeping the GIL
+            src_list, dst_list = src_slots.tolist(), dst_slots.tolist()
+            _check_row_list(src_list, src_row, src_head, slice_bytes, src_size, "source")
+            _check_row_list(dst_list, dst_row, dst_head, slice_bytes, dst_size, "destination")
+            total = slice_bytes * len(src_list)
+            copy = self._copy_rows_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_rows
+            slots = _i64 * len(src_list)
+            copy(len(srcs), src_bases, dst_bases, len(src_list), slots(*src_list), src_row, src_head,
+                 slots(*dst_list), dst_row, dst_head, slice_bytes, _streaming(total, len(srcs)))
+            return
         _check_rows(src_slots, src_row, src_head, slice_bytes, src_size, "source")
         _check_rows(dst_slots, dst_row, dst_head, slice_bytes, dst_size, "destination")
         self._copy_rows(len(srcs), src_bases, dst_bases, src_slots.size,
@@ -200,6 +234,14 @@ class RunCopy:
 
     def gather_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                     out: torch.Tensor) -> None:
+        if _few(slots):
+            listed = slots.tolist()
+            _check_row_list(listed, row, head, slice_bytes, flat.numel(), "source")
+            _check_buffer(out, len(listed), slice_bytes)
+            gather = self._gather_held if len(listed) * slice_bytes <= HOLD_GIL_BYTES else self._gather
+            gather(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
+                   _pointer(out))
+            return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "source")
         _check_buffer(out, slots.size, slice_bytes)
@@ -207,6 +249,15 @@ class RunCopy:
 
     def scatter_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                      data: torch.Tensor) -> None:
+        if _few(slots):
+            listed = slots.tolist()
+            _check_row_list(listed, row, head, slice_bytes, flat.numel(), "destination")
+            _check_buffer(data, len(listed), slice_bytes)
+            total = len(listed) * slice_bytes
+            scatter = self._scatter_held if total <= HOLD_GIL_BYTES else self._scatter
+            scatter(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
+                    _pointer(data), _streaming(total, 1))
+            return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "destination")
         _check_buffer(data, slots.size, slice_bytes)

@@ -116,6 +116,7 @@ def way(request: pytest.FixtureRequest, lib: runcopy.RunCopy, monkeypatch: pytes
     monkeypatch.setattr(runcopy, "HOLD_GIL_BYTES", 0 if request.param == "small-released" else 1 << 62)
     if request.param == "numpy":
         monkeypatch.setattr(copier, "SMALL_SLOTS", -1)
+        monkeypatch.setattr(runcopy, "SMALL_SLOTS", -1)
     return request.param
 
 
@@ -137,6 +138,65 @@ def test_copy_regions_small_path_moves_the_reference_bytes(way: str, case: dict)
         assert np.array_equal(d.numpy(), ref)
     # the fragments count (a metric) is the same whichever path ran
     assert moved == len(ref_runs(src.tolist(), dst.tolist(), row, row, row)) * case["regions"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=copy_cases(), heads=st.tuples(st.integers(1, 3), st.integers(0, 2), st.integers(0, 2)),
+       offsets=st.tuples(st.integers(0, 2), st.integers(0, 2)))
+def test_head_slices_small_path_move_the_reference_bytes(way: str, case: dict, heads: tuple, offsets: tuple) -> None:
+    """Head slices (a TP mismatch): region to region, and gathered into / scattered from a staging slot."""
+    rng = np.random.default_rng(case["seed"])
+    src, dst, per_head = case["src"], case["dst"], case["row"]
+    moved, src_extra, dst_extra = heads
+    src_head, dst_head = min(offsets[0], src_extra) * per_head, min(offsets[1], dst_extra) * per_head
+    sb, src_row, dst_row = moved * per_head, (moved + src_extra) * per_head, (moved + dst_extra) * per_head
+    w = Writer(0, 0, (0, moved), (0, 1), src_head // per_head, dst_head // per_head, sb, src_row, dst_row)
+    top = int(max(src.max(initial=0), dst.max(initial=0))) + 2
+    srcs = [torch.from_numpy(rng.integers(0, 256, top * src_row, dtype=np.uint8)) for _ in range(case["regions"])]
+    dsts = [torch.from_numpy(rng.integers(0, 256, top * dst_row, dtype=np.uint8)) for _ in range(case["regions"])]
+    want = [d.numpy().copy() for d in dsts]
+    for s, ref in zip(srcs, want):
+        for a, b in zip(src.tolist(), dst.tolist()):
+            ref[b * dst_row + dst_head:b * dst_row + dst_head + sb] = s.numpy()[a * src_row + src_head:
+                                                                              a * src_row + src_head + sb]
+    if not w.whole_rows:
+        copier.copy_regions(srcs, dsts, src, dst, w, src_head, dst_head)
+        for d, ref in zip(dsts, want):
+            assert np.array_equal(d.numpy(), ref)
+    slot = torch.zeros(max(1, src.size) * sb + 5, dtype=torch.uint8)
+    copier.gather(srcs[0], src, src_row, src_head, sb, slot[:src.size * sb])
+    gathered = b"".join(srcs[0].numpy()[a * src_row + src_head:a * src_row + src_head + sb].tobytes()
+                        for a in src.tolist())
+    assert slot.numpy()[:src.size * sb].tobytes() == gathered and not slot.numpy()[src.size * sb:].any()
+    target = torch.zeros(top * dst_row, dtype=torch.uint8)
+    copier.scatter(target, dst, dst_row, dst_head, sb, slot[:src.size * sb])
+    ref = np.zeros(top * dst_row, dtype=np.uint8)
+    for i, b in enumerate(dst.tolist()):
+        ref[b * dst_row + dst_head:b * dst_row + dst_head + sb] = np.frombuffer(gathered[i * sb:(i + 1) * sb],
+                                                                                dtype=np.uint8)
+    assert np.array_equal(target.numpy(), ref)
+
+
+def test_small_row_copies_refuse_what_the_numpy_path_refuses(lib: runcopy.RunCopy,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    region = torch.zeros(1024, dtype=torch.uint8)
+    data = torch.ones(256, dtype=torch.uint8)
+    calls = (lambda: lib.scatter_rows(region, np.array([0, 8]), 128, 0, 128, data),
+             lambda: lib.scatter_rows(region, np.array([-1, 2]), 128, 0, 128, data),
+             lambda: lib.gather_rows(region, np.array([0, 1, 2]), 128, 0, 128, data),
+             lambda: lib.gather_rows(region, np.array([7]), 128, 64, 128, data),
+             lambda: lib.copy_rows([region], [torch.zeros(512, dtype=torch.uint8)], np.array([1]), 128, 0,
+                                   np.array([4]), 128, 0, 128),
+             lambda: lib.copy_rows([data], [region], np.array([3]), 64, 8, np.array([1]), 128, 0, 64))
+    for call in calls:
+        with pytest.raises(TransferError) as small:
+            call()
+        with monkeypatch.context() as m:
+            m.setattr(runcopy, "SMALL_SLOTS", -1)
+            with pytest.raises(TransferError) as general:
+                call()
+        assert str(small.value) == str(general.value) and small.value.field == general.value.field
+    assert not region.any()
 
 
 def test_copy_run_lists_refuses_what_copy_runs_refuses_and_writes_nothing(lib: runcopy.RunCopy) -> None:
