@@ -18,7 +18,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxferd import copier, runcopy, segments
+from kvxferd import copier, runcopy, segments, staging
 from kvxferd.errors import GeometryError, RequestError, TransferError
 from kvxferd.geometry import InstanceSpec, RankGeometry
 from kvxferd.inbox import DestEntry, Inbox
@@ -318,3 +318,22 @@ def test_as_pages_small_path_answers_like_the_numpy_path(pages: list, num_pages:
         general = answer()
     assert small == general
     assert (small[0] == "ok") == all(0 <= p < num_pages for p in pages)  # booleans are pages 0 and 1
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(regions=st.integers(1, 8), tokens=st.integers(0, 80), slice_bytes=st.sampled_from((1, 64, 128, 2048)),
+       per_slot=st.integers(1, 200))
+def test_pack_cached_for_small_chunks_equals_pack_uncached(regions: int, tokens: int, slice_bytes: int,
+                                                           per_slot: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    slot_bytes = per_slot * slice_bytes
+    first, again = (staging.pack(regions, tokens, slice_bytes, slot_bytes) for _ in range(2))
+    first.append([])  # a caller's lists are its own
+    if first[0]:
+        first[0].clear()
+    with monkeypatch.context() as m:
+        m.setattr(staging, "CACHED_BLOCKS", -1)
+        fresh = staging.pack(regions, tokens, slice_bytes, slot_bytes)
+    assert again == fresh == staging.pack(regions, tokens, slice_bytes, slot_bytes)
+    # every slice of the region-major sequence exactly once, in wire order
+    seen = [(p.region, t) for block in fresh for p in block for t in range(p.lo, p.hi)]
+    assert seen == [(r, t) for r in range(regions) for t in range(tokens)]
