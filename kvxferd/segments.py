@@ -224,6 +224,10 @@ def side_runs(slot_array: np.ndarray, row_bytes: int, head_offset_bytes: int,
               slice_bytes: int) -> Runs:
     """Runs for one side alone (what a socket sender or receiver touches)."""
     if slice_bytes == row_bytes:
+        if slot_array.size <= SMALL_SLOTS and slot_array.dtype == INDEX_DTYPE:
+            listed = slot_array.tolist()
+            offsets, _, lengths = paired_runs(listed, listed, row_bytes, row_bytes, row_bytes)
+            return Runs(np.array(offsets, dtype=INDEX_DTYPE), np.array(lengths, dtype=INDEX_DTYPE))
         starts = _run_starts(slot_array)
         counts = np.diff(np.append(starts, slot_array.size))
         return Runs(slot_array[starts] * row_bytes, counts * row_bytes)

@@ -73,6 +73,20 @@ def test_paired_segments_small_path_equals_numpy_path(case: tuple, monkeypatch: 
     assert got == ref_runs(src.tolist(), dst.tolist(), row, row, row)
 
 
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=slot_pairs())
+def test_side_runs_small_path_equals_numpy_path(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    slots_, _, row = case
+    small = segments.side_runs(slots_, row, 0, row)
+    with monkeypatch.context() as m:
+        m.setattr(segments, "SMALL_SLOTS", -1)
+        general = segments.side_runs(slots_, row, 0, row)
+    for a, b in ((small.offsets, general.offsets), (small.lengths, general.lengths)):
+        assert a.dtype == b.dtype == np.int64 and a.tolist() == b.tolist()
+    ref = ref_runs(slots_.tolist(), slots_.tolist(), row, row, row)
+    assert list(zip(small.offsets.tolist(), small.lengths.tolist())) == [(s, n) for s, _, n in ref]
+
+
 def test_paired_segments_small_path_refuses_unequal_slot_counts() -> None:
     w = Writer(0, 0, (0, 1), (0, 1), 0, 0, 64, 64, 64)
     with pytest.raises(RequestError) as err:
