@@ -16,7 +16,7 @@ import torch
 
 from .planner import Writer
 from .runcopy import native
-from .segments import paired_segments
+from .segments import SMALL_SLOTS, paired_runs, paired_segments
 
 WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 FEW_RUNS = 16  # below this many runs, plain slice copies beat index kernels
@@ -110,8 +110,14 @@ def copy_regions(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src
     """Region-to-region copy of a writer's slices for every (srcs[r], dsts[r]) pair; returns
     the number of runs moved. Whole rows move as coalesced runs, head slices per token."""
     lib = native()
-    cpu = all(t.device.type == "cpu" for t in (*srcs, *dsts))
+    cpu = all(t.is_cpu for t in srcs) and all(t.is_cpu for t in dsts)
     if writer.whole_rows:
+        if lib is not None and cpu and src_slots.size == dst_slots.size and src_slots.size <= SMALL_SLOTS:
+            # a small chunk: its runs as Python ints straight into the native call (no numpy)
+            runs = paired_runs(src_slots.tolist(), dst_slots.tolist(), writer.src_row_bytes,
+                               writer.dst_row_bytes, writer.slice_bytes)
+            lib.copy_run_lists(srcs, dsts, *runs)
+            return len(runs[2]) * len(srcs)
         segs = paired_segments(src_slots, dst_slots, writer)
         if lib is not None and cpu:
             lib.copy_runs(srcs, dsts, segs.src, segs.dst, segs.lengths)

@@ -372,6 +372,8 @@ class RankGeometry:
     group_pages: tuple[tuple[str, int], ...] = ()
     group_geometries: tuple[tuple[str, "RankGeometry"], ...] = field(init=False, repr=False, compare=False,
                                                                      default=())
+    #: kinds_of per group, derived once: asked for on every chunk moved
+    _kinds: dict[str, tuple[str, ...]] = field(init=False, repr=False, compare=False, default_factory=dict)
 
     def __post_init__(self) -> None:
         _require_int("tp_rank", self.tp_rank, 0)
@@ -419,7 +421,11 @@ class RankGeometry:
 
     def kinds_of(self, group: str = "") -> tuple[str, ...]:
         """Region kinds of a group, as registered (``swa.k``, ``conv.state``)."""
-        return tuple(qualified_kind(group, k) for k in self.spec.group_spec(group).region_kinds)
+        kinds = self._kinds.get(group)
+        if kinds is None:  # an unknown group raises here, and is never cached
+            kinds = self._kinds[group] = tuple(qualified_kind(group, k)
+                                               for k in self.spec.group_spec(group).region_kinds)
+        return kinds
 
     def region_nbytes(self, kind: str) -> int:
         """Bytes of one region of ``kind`` (a group's kinds are ``<group>.<kind>``)."""

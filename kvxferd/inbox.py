@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable
 
 import numpy as np
@@ -138,9 +139,15 @@ class Sink:
     aux: bytes | None
 
     def regions(self) -> list[Any]:
+        return list(self._regions)  # a fresh list each time: callers may keep or change theirs
+
+    @cached_property
+    def _regions(self) -> tuple[Any, ...]:
+        """Derived once: a transport asks for them more than once per chunk."""
         rank = self.entry.rank
         kinds = rank.geometry.kinds_of(self.writer.group)
-        return [rank.region(layer, kind) for layer in range(*self.writer.layers) for kind in kinds]
+        region = rank.region
+        return tuple(region(layer, kind) for layer in range(*self.writer.layers) for kind in kinds)
 
 
 class Inbox:
@@ -178,14 +185,16 @@ class Inbox:
             self._entries.pop((entry.request_id, entry.rank.id), None)
             lst = self._by_request.get(entry.request_id)
             if lst is not None:
-                if entry in lst:
-                    lst.remove(entry)
+                # by identity: ``in``/``remove`` would compare entries field by field, page tables included
+                for i, other in enumerate(lst):
+                    if other is entry:
+                        del lst[i]
+                        break
                 if not lst:
                     del self._by_request[entry.request_id]
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)  # one atomic read of a dict's size: no lock needed
 
     def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
         """Validate a chunk header and reserve its token range; raise RequestError if bad.

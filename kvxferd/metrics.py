@@ -7,13 +7,61 @@ transport, reason code, field, endpoint, peer state, phase; never request ids.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from typing import Any
+
+import prometheus_client
+from prometheus_client import CollectorRegistry
 
 LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
                    5.0, 10.0, 30.0)
 FRAGMENT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 PARTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 SIZE_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))
+
+
+class _BoundChildren:
+    """``labels(...)`` answered from a plain dict once a label tuple has been seen.
+
+    prometheus_client checks the label count, converts every value with ``str`` and takes a
+    lock on each call; the daemon asks for the same few children on every chunk. A child
+    found here is the very object prometheus_client made for that tuple, so names, labels
+    and values are exactly as without the cache. Only tuples of plain ``str`` are kept (what
+    ``str`` would return unchanged), and a ``remove`` or ``clear`` forgets them all.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._bound: dict[tuple[Any, ...], Any] = {}
+
+    def labels(self, *labelvalues: Any, **labelkwargs: Any) -> Any:
+        if not labelkwargs:
+            child = self._bound.get(labelvalues)
+            if child is not None:
+                return child
+        child = super().labels(*labelvalues, **labelkwargs)  # type: ignore[misc]
+        if not labelkwargs and all(type(v) is str for v in labelvalues):
+            self._bound[labelvalues] = child
+        return child
+
+    def remove(self, *labelvalues: Any) -> None:
+        super().remove(*labelvalues)  # type: ignore[misc]
+        self._bound.clear()
+
+    def clear(self) -> None:
+        super().clear()  # type: ignore[misc]
+        self._bound.clear()
+
+
+class Counter(_BoundChildren, prometheus_client.Counter):
+    pass
+
+
+class Gauge(_BoundChildren, prometheus_client.Gauge):
+    pass
+
+
+class Histogram(_BoundChildren, prometheus_client.Histogram):
+    pass
 
 
 class Metrics:

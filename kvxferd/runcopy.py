@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from .errors import TransferError
+from .segments import SMALL_SLOTS
 
 log = logging.getLogger("kvxferd.runcopy")
 
@@ -34,12 +35,18 @@ SOURCE = Path(__file__).with_name("runcopy.c")
 LIBRARY = Path(__file__).with_name("_runcopy.so")
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
 
-_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_i64, _ptr, _u64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64
 
 #: bytes per call from which destinations are written with non-temporal stores: past the
 #: caches they would be evicted unread anyway, and skipping the read-for-ownership of
 #: every destination line saves a third of the memory traffic
 STREAM_BYTES = 1 << 20
+
+
+#: bytes per call up to which the copy keeps the GIL: a few microseconds of memcpy cost less
+#: than handing the GIL over and waiting to take it back from a busy event-loop thread
+#: (which can take up to the interpreter's switch interval, milliseconds, per call)
+HOLD_GIL_BYTES = 1 << 16
 
 
 def _streaming(run_bytes: int, regions: int) -> int:
@@ -70,10 +77,13 @@ def _int64(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a, dtype=np.int64)
 
 
-def _bases(tensors: Sequence[torch.Tensor]) -> tuple[np.ndarray, int]:
-    """Base addresses, and the smallest size: every region must hold every offset."""
-    return (np.fromiter((_pointer(t) for t in tensors), dtype=np.uint64, count=len(tensors)),
-            min((t.numel() for t in tensors), default=0))
+def _bases(tensors: Sequence[torch.Tensor]) -> tuple[ctypes.Array, int]:
+    """Base addresses, and the smallest size: every region must hold every offset.
+
+    A ctypes array straight from the Python ints: a numpy array would cost a generator and
+    an ``.ctypes`` object per call, more than the copy itself for a small chunk."""
+    return ((_u64 * len(tensors))(*map(torch.Tensor.data_ptr, tensors)),
+            min(map(torch.Tensor.numel, tensors), default=0))
 
 
 def _check_rows(slots: np.ndarray, row: int, head: int, slice_bytes: int, size: int, side: str) -> None:
@@ -81,6 +91,21 @@ def _check_rows(slots: np.ndarray, row: int, head: int, slice_bytes: int, size: 
         raise TransferError(f"{side} slots {int(slots.min())}..{int(slots.max())} of {row}-byte rows "
                             f"(slice {head}+{slice_bytes}) fall outside a {size}-byte region",
                             field="slots", fix="send page indices inside the registered regions")
+
+
+def _few(slots: np.ndarray) -> bool:
+    """A slot array small enough that Python ints beat numpy's per-call cost (int64, 1-D)."""
+    return slots.dtype == np.int64 and slots.ndim == 1 and slots.size <= SMALL_SLOTS
+
+
+def _check_row_list(slots: list[int], row: int, head: int, slice_bytes: int, size: int, side: str) -> None:
+    """:func:`_check_rows` for slots held as Python ints (the same refusal, the same message)."""
+    if slots:
+        low, high = min(slots), max(slots)
+        if low < 0 or high * row + head + slice_bytes > size:
+            raise TransferError(f"{side} slots {low}..{high} of {row}-byte rows (slice {head}+{slice_bytes}) "
+                                f"fall outside a {size}-byte region", field="slots",
+                                fix="send page indices inside the registered regions")
 
 
 def _check_runs(offsets: np.ndarray, lengths: np.ndarray, size: int, side: str) -> None:
@@ -95,6 +120,16 @@ def _check_runs(offsets: np.ndarray, lengths: np.ndarray, size: int, side: str) 
                             fix="send page indices inside the registered regions")
 
 
+def _check_run_lists(offsets: list[int], lengths: list[int], size: int, side: str) -> None:
+    """:func:`_check_runs` for runs held as Python ints (the same refusal, the same message)."""
+    if not offsets:
+        return
+    end = max([o + n for o, n in zip(offsets, lengths)])
+    if min(offsets) < 0 or end > size:
+        raise TransferError(f"{side} runs reach byte {end}, outside a {size}-byte region", field="slots",
+                            fix="send page indices inside the registered regions")
+
+
 def _check_buffer(buffer: torch.Tensor, n: int, slice_bytes: int) -> None:
     if buffer.numel() < n * slice_bytes or not buffer.is_contiguous():
         raise TransferError(f"buffer of {buffer.numel()} bytes cannot hold {n} slices of {slice_bytes}",
@@ -102,19 +137,30 @@ def _check_buffer(buffer: torch.Tensor, n: int, slice_bytes: int) -> None:
 
 
 class RunCopy:
-    """The loaded library; every method checks bounds, then makes one GIL-free call."""
+    """The loaded library; every method checks bounds, then makes one call: GIL-free, except for a
+    small chunk (up to :data:`HOLD_GIL_BYTES`), which is copied before the GIL could change hands."""
 
     def __init__(self, path: Path) -> None:
         lib = ctypes.CDLL(str(path))
         self._copy_runs = lib.kvx_copy_runs
         self._copy_runs.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
+        # the same function called through PyDLL: ctypes keeps the GIL for the call
+        held = ctypes.PyDLL(str(path))
+        self._copy_runs_held = held.kvx_copy_runs
+        self._copy_runs_held.argtypes = self._copy_runs.argtypes
         self._copy_rows = lib.kvx_copy_rows
         self._copy_rows.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
         self._gather = lib.kvx_gather_rows
         self._gather.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr]
         self._scatter = lib.kvx_scatter_rows
         self._scatter.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-        for f in (self._copy_runs, self._copy_rows, self._gather, self._scatter):
+        self._copy_rows_held = held.kvx_copy_rows
+        self._gather_held, self._scatter_held = held.kvx_gather_rows, held.kvx_scatter_rows
+        for f, general in ((self._copy_rows_held, self._copy_rows), (self._gather_held, self._gather),
+                           (self._scatter_held, self._scatter)):
+            f.argtypes = general.argtypes
+        for f in (self._copy_runs, self._copy_runs_held, self._copy_rows, self._gather, self._scatter,
+                  self._copy_rows_held, self._gather_held, self._scatter_held):
             f.restype = None
         self.path = path
 
@@ -135,9 +181,30 @@ class RunCopy:
         _check_runs(dst_off, lengths, dst_size, "destination")
         if not src_off.size:
             return
-        self._copy_runs(len(srcs), src_bases.ctypes.data, dst_bases.ctypes.data, src_off.size,
+        self._copy_runs(len(srcs), src_bases, dst_bases, src_off.size,
                         src_off.ctypes.data, dst_off.ctypes.data, lengths.ctypes.data, stride,
                         _streaming(int(lengths.sum()), len(srcs)))
+
+    def copy_run_lists(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: list[int],
+                       dst_off: list[int], lengths: list[int]) -> None:
+        """:meth:`copy_runs` for a few runs held as Python ints (a small chunk): bounds checked
+        on the ints, then the same one call over every region pair, with no numpy (GIL-free
+        unless the chunk is under :data:`HOLD_GIL_BYTES`)."""
+        n = len(src_off)
+        if not (n == len(dst_off) == len(lengths)) or len(srcs) != len(dsts):
+            raise TransferError(f"{n} source runs, {len(dst_off)} destination runs, {len(lengths)} "
+                                f"lengths, {len(srcs)} and {len(dsts)} regions", field="segments")
+        src_bases, src_size = _bases(srcs)
+        dst_bases, dst_size = _bases(dsts)
+        _check_run_lists(src_off, lengths, src_size, "source")
+        _check_run_lists(dst_off, lengths, dst_size, "destination")
+        if not n:
+            return
+        runs = _i64 * n
+        total = sum(lengths)
+        call = self._copy_runs_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_runs
+        call(len(srcs), src_bases, dst_bases, n, runs(*src_off), runs(*dst_off), runs(*lengths), 1,
+             _streaming(total, len(srcs)))
 
     def copy_rows(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_slots: np.ndarray,
                   src_row: int, src_head: int, dst_slots: np.ndarray, dst_row: int, dst_head: int,
@@ -149,14 +216,32 @@ class RunCopy:
                                 f"{len(srcs)} and {len(dsts)} regions", field="slots")
         src_bases, src_size = _bases(srcs)
         dst_bases, dst_size = _bases(dsts)
+        if _few(src_slots) and _few(dst_slots):  # a small chunk: checked as ints, copied keeping the GIL
+            src_list, dst_list = src_slots.tolist(), dst_slots.tolist()
+            _check_row_list(src_list, src_row, src_head, slice_bytes, src_size, "source")
+            _check_row_list(dst_list, dst_row, dst_head, slice_bytes, dst_size, "destination")
+            total = slice_bytes * len(src_list)
+            copy = self._copy_rows_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_rows
+            slots = _i64 * len(src_list)
+            copy(len(srcs), src_bases, dst_bases, len(src_list), slots(*src_list), src_row, src_head,
+                 slots(*dst_list), dst_row, dst_head, slice_bytes, _streaming(total, len(srcs)))
+            return
         _check_rows(src_slots, src_row, src_head, slice_bytes, src_size, "source")
         _check_rows(dst_slots, dst_row, dst_head, slice_bytes, dst_size, "destination")
-        self._copy_rows(len(srcs), src_bases.ctypes.data, dst_bases.ctypes.data, src_slots.size,
+        self._copy_rows(len(srcs), src_bases, dst_bases, src_slots.size,
                         src_slots.ctypes.data, src_row, src_head, dst_slots.ctypes.data, dst_row, dst_head,
                         slice_bytes, _streaming(slice_bytes * src_slots.size, len(srcs)))
 
     def gather_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                     out: torch.Tensor) -> None:
+        if _few(slots):
+            listed = slots.tolist()
+            _check_row_list(listed, row, head, slice_bytes, flat.numel(), "source")
+            _check_buffer(out, len(listed), slice_bytes)
+            gather = self._gather_held if len(listed) * slice_bytes <= HOLD_GIL_BYTES else self._gather
+            gather(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
+                   _pointer(out))
+            return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "source")
         _check_buffer(out, slots.size, slice_bytes)
@@ -164,6 +249,15 @@ class RunCopy:
 
     def scatter_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                      data: torch.Tensor) -> None:
+        if _few(slots):
+            listed = slots.tolist()
+            _check_row_list(listed, row, head, slice_bytes, flat.numel(), "destination")
+            _check_buffer(data, len(listed), slice_bytes)
+            total = len(listed) * slice_bytes
+            scatter = self._scatter_held if total <= HOLD_GIL_BYTES else self._scatter
+            scatter(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
+                    _pointer(data), _streaming(total, 1))
+            return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "destination")
         _check_buffer(data, slots.size, slice_bytes)

@@ -27,10 +27,18 @@ from .geometry import InstanceSpec
 from .planner import Writer
 
 INDEX_DTYPE = np.int64
+#: up to this many slots a chunk's runs are found with plain Python ints: numpy's fixed cost
+#: per call (a dozen calls on arrays of a few elements) is most of the work for small chunks
+SMALL_SLOTS = 64
 
 
 def as_pages(pages: object, num_pages: int, field: str) -> np.ndarray:
     """Validate a page table (list or array of ints) against a rank's page count."""
+    if type(pages) is list and len(pages) <= SMALL_SLOTS and all(type(p) is int for p in pages) \
+            and (not pages or (min(pages) >= 0 and max(pages) < num_pages)):
+        # a short list of valid ints (a small request): checked as ints, no numpy reductions;
+        # anything else, refusals included, takes the general path and its messages
+        return np.array(pages, dtype=INDEX_DTYPE)
     try:
         array = np.asarray(pages, dtype=INDEX_DTYPE)
     except (TypeError, ValueError, OverflowError) as exc:
@@ -85,6 +93,10 @@ def token_offsets(pages: np.ndarray, page_size: int, start: int, end: int, origi
     """
     first, last = _window(pages, page_size, start, end, origin)
     n = end - start
+    if first == last and out is None and n and pages.dtype == INDEX_DTYPE:
+        # one page (a small request's common case): its in-page steps plus one base, one numpy call
+        skip = start % page_size
+        return _steps(page_size, scale)[skip:skip + n] + (int(pages[first]) * (pitch * scale) + add)
     if out is None:
         out = np.empty(n, dtype=INDEX_DTYPE)
     if n == 0:
@@ -92,7 +104,7 @@ def token_offsets(pages: np.ndarray, page_size: int, start: int, end: int, origi
     base = pages[first:last + 1].astype(INDEX_DTYPE, copy=False) * (pitch * scale)
     if add:
         base += add
-    steps = np.arange(0, page_size * scale, scale, dtype=INDEX_DTYPE)
+    steps = _steps(page_size, scale)
     skip = start % page_size
     at = 0
     k = 0
@@ -108,6 +120,20 @@ def token_offsets(pages: np.ndarray, page_size: int, start: int, end: int, origi
     if at < n:  # the last page, left part-way
         np.add(base[k], steps[:n - at], out=out[at:])
     return out
+
+
+_STEPS: dict[tuple[int, int], np.ndarray] = {}
+
+
+def _steps(page_size: int, scale: int) -> np.ndarray:
+    """``0, scale, 2 * scale, ...`` for one page, built once per (page size, scale) and read-only."""
+    steps = _STEPS.get((page_size, scale))
+    if steps is None:
+        steps = np.arange(0, page_size * scale, scale, dtype=INDEX_DTYPE)
+        steps.flags.writeable = False
+        if len(_STEPS) < 256:  # a daemon sees a handful of geometries; never grow without bound
+            _STEPS[(page_size, scale)] = steps
+    return steps
 
 
 def page_slots(pages: np.ndarray, page_size: int, start: int, end: int, origin: int = 0,
@@ -198,6 +224,10 @@ def side_runs(slot_array: np.ndarray, row_bytes: int, head_offset_bytes: int,
               slice_bytes: int) -> Runs:
     """Runs for one side alone (what a socket sender or receiver touches)."""
     if slice_bytes == row_bytes:
+        if slot_array.size <= SMALL_SLOTS and slot_array.dtype == INDEX_DTYPE:
+            listed = slot_array.tolist()
+            offsets, _, lengths = paired_runs(listed, listed, row_bytes, row_bytes, row_bytes)
+            return Runs(np.array(offsets, dtype=INDEX_DTYPE), np.array(lengths, dtype=INDEX_DTYPE))
         starts = _run_starts(slot_array)
         counts = np.diff(np.append(starts, slot_array.size))
         return Runs(slot_array[starts] * row_bytes, counts * row_bytes)
@@ -223,15 +253,42 @@ def paired_segments(src_slots: np.ndarray, dst_slots: np.ndarray, writer: Writer
         raise RequestError(f"source has {src_slots.size} tokens, destination {dst_slots.size}",
                            field="tokens", fix="send the same token range on both sides")
     head = writer.slice_bytes
-    src_off = head_offset_bytes(writer, "src")
-    dst_off = head_offset_bytes(writer, "dst")
     if writer.whole_rows:
+        if src_slots.size <= SMALL_SLOTS and src_slots.dtype == dst_slots.dtype == INDEX_DTYPE:
+            runs = paired_runs(src_slots.tolist(), dst_slots.tolist(), writer.src_row_bytes,
+                               writer.dst_row_bytes, head)
+            return Segments(*(np.array(r, dtype=INDEX_DTYPE) for r in runs))
         starts = _run_starts(src_slots, dst_slots)
         counts = np.diff(np.append(starts, src_slots.size))
         return Segments(src_slots[starts] * writer.src_row_bytes,
                         dst_slots[starts] * writer.dst_row_bytes, counts * head)
-    return Segments(src_slots * writer.src_row_bytes + src_off,
-                    dst_slots * writer.dst_row_bytes + dst_off, same_lengths(src_slots.size, head))
+    return Segments(src_slots * writer.src_row_bytes + head_offset_bytes(writer, "src"),
+                    dst_slots * writer.dst_row_bytes + head_offset_bytes(writer, "dst"),
+                    same_lengths(src_slots.size, head))
+
+
+def paired_runs(src_slots: list[int], dst_slots: list[int], src_row: int, dst_row: int,
+                row: int) -> tuple[list[int], list[int], list[int]]:
+    """Whole-row runs of :func:`paired_segments` as lists of ints (source offsets, destination
+    offsets, lengths), for chunks of a few slots where numpy's per-call cost would dominate."""
+    src_off: list[int] = []
+    dst_off: list[int] = []
+    lengths: list[int] = []
+    if not src_slots:
+        return src_off, dst_off, lengths
+    s0 = s_next = src_slots[0]
+    d0 = d_next = dst_slots[0]
+    for s, d in zip(src_slots, dst_slots):
+        if s != s_next or d != d_next:
+            src_off.append(s0 * src_row)
+            dst_off.append(d0 * dst_row)
+            lengths.append((s_next - s0) * row)
+            s0, d0 = s, d
+        s_next, d_next = s + 1, d + 1
+    src_off.append(s0 * src_row)
+    dst_off.append(d0 * dst_row)
+    lengths.append((s_next - s0) * row)
+    return src_off, dst_off, lengths
 
 
 def same_lengths(n: int, length: int) -> np.ndarray:

@@ -8,6 +8,7 @@ a data thread that finds no free slot waits (back-pressure) until the transfer d
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -35,8 +36,23 @@ def pack(n_regions: int, n_tokens: int, slice_bytes: int, slot_bytes: int) -> li
     direct mode's byte stream.
     """
     per_slot = slices_per_slot(slice_bytes, slot_bytes)
-    return [block_pieces(k, n_regions, n_tokens, per_slot, slice_bytes)
-            for k in range(block_count(n_regions, n_tokens, per_slot))]
+    count = block_count(n_regions, n_tokens, per_slot)
+    if count <= CACHED_BLOCKS:
+        return [list(block) for block in _packed(n_regions, n_tokens, per_slot, slice_bytes)]
+    return [block_pieces(k, n_regions, n_tokens, per_slot, slice_bytes) for k in range(count)]
+
+
+#: chunks of up to this many blocks have their pieces cached per shape (a few hundred bytes each)
+CACHED_BLOCKS = 4
+
+
+@functools.lru_cache(maxsize=1024)
+def _packed(n_regions: int, n_tokens: int, per_slot: int, slice_bytes: int) -> tuple[tuple[Piece, ...], ...]:
+    """:func:`pack` of a small chunk, computed once per shape: a daemon moves the same few shapes
+    over and over, and building the pieces cost more than moving them. Pieces are frozen, and
+    every caller gets lists of its own."""
+    return tuple(tuple(block_pieces(k, n_regions, n_tokens, per_slot, slice_bytes))
+                 for k in range(block_count(n_regions, n_tokens, per_slot)))
 
 
 def slices_per_slot(slice_bytes: int, slot_bytes: int) -> int:

@@ -9,6 +9,7 @@ all land, and return only once the destination has confirmed them.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Iterator, Protocol
 
 import numpy as np
@@ -43,25 +44,31 @@ class ChunkJob:
     remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
     group: str = ""  # a cache group's chunk: its regions, slots and writer are the group's
 
-    @property
+    # derived once per job (a job's fields are never reassigned): transports ask for them
+    # several times per chunk, and for a small chunk deriving them cost more than moving it
+
+    @cached_property
     def kinds(self) -> tuple[str, ...]:
         """Region kinds in wire order, as registered (a cache group's are ``<group>.<kind>``)."""
         return self.rank.geometry.kinds_of(self.group)
 
-    @property
+    @cached_property
     def nbytes(self) -> int:
         spec = self.rank.geometry.spec.group_spec(self.group)
         return chunk_bytes(self.writer, len(self.kinds), slot_count(spec, self.start, self.end))
 
-    @property
+    @cached_property
     def head_offset(self) -> int:
         return head_offset_bytes(self.writer, "src")
 
+    @cached_property
+    def _regions(self) -> tuple[MappedRegion, ...]:
+        region = self.rank.region
+        return tuple(region(layer, kind) for layer in range(*self.writer.layers) for kind in self.kinds)
+
     def regions(self) -> Iterator[MappedRegion]:
         """Source regions in wire order: layers ascending, then kinds."""
-        for layer in range(*self.writer.layers):
-            for kind in self.kinds:
-                yield self.rank.region(layer, kind)
+        return iter(self._regions)
 
     def header(self) -> dict[str, Any]:
         head: dict[str, Any] = {
