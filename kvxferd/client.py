@@ -135,9 +135,15 @@ class EngineClient(_Base):
         self.close()
 
     def _recv(self, timeout: float) -> dict[str, Any] | None:
-        if not self.sock.poll(max(0, int(timeout * 1000))):
-            return None
-        return protocol.decode(self.sock.recv(), MAX_REPLY)
+        # the daemon answers a batch (and a turn's events) as the parts of one message: every
+        # part after the first is already here, so look before paying for a poll
+        try:
+            raw = self.sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            if not self.sock.poll(max(0, int(timeout * 1000))):
+                return None
+            raw = self.sock.recv()
+        return protocol.decode(raw, MAX_REPLY)
 
     def call(self, op: str, **fields: Any) -> dict[str, Any]:
         msg = self._msg(op, **fields)
