@@ -306,3 +306,21 @@ def sources_for(rng: random.Random, dst: list[dict]) -> list[dict]:
         out.append({**r, "pages": pages[at:at + len(r["pages"])]})
         at += len(r["pages"])
     return out
+
+
+def move_batched_rounds(d0, p0, source_instance: str, source_address: str, rng: random.Random, tag: str,
+                        rounds: int = 3, count: int = 20) -> None:
+    """``rounds`` rounds of ``count`` one-page requests, each round one ``expect_many`` and one
+    ``send_many``: every request done on both sides, byte-exact, nothing written outside its pages."""
+    moved: set[int] = set()
+    for rnd in range(rounds):  # the first round handshakes; the later ones find the plan
+        dst = disjoint_requests(rng, f"{tag}{rnd}", count, 3, 4)
+        d0.command(cmd="expect_many", requests=dst, source_instance=source_instance, source_address=source_address)
+        p0.command(cmd="send_many", requests=sources_for(rng, dst))
+        for r in dst:
+            ev = finished(d0, r["request_id"])
+            assert ev["event"] == "finished" and ev["state"] == "done", ev
+            assert ev["mismatched_bytes"] == 0, ev
+            assert finished(p0, r["request_id"])["state"] == "done"
+        moved |= {p for r in dst for p in r["pages"]}
+        assert untouched_bytes(d0, sorted(set(range(NUM_PAGES)) - moved)) == 0  # nothing written elsewhere

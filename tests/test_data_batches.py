@@ -18,8 +18,7 @@ import time
 import msgpack
 import pytest
 
-from e2e_util import (NUM_PAGES, Node, cluster_run, disjoint_requests, finished, module_cluster, sources_for, spec,
-                      untouched_bytes)
+from e2e_util import NUM_PAGES, Node, cluster_run, finished, module_cluster, move_batched_rounds, spec
 from kvxferd.client import EngineClient
 from kvxferd.tools.procstats import scrape
 from test_fuzz_data import N_TOKENS, FakePrefillDaemon, _recv, frame, oracle_payload
@@ -45,19 +44,7 @@ def move_rounds(cluster, pd, tag: str, seed: int) -> None:
     dd = cluster.daemons["decode-node"]
     (p0,), (d0,) = cluster.instances((pd, f"{tag}p", "prefill", spec(), NUM_PAGES),
                                      (dd, f"{tag}d", "decode", spec(), NUM_PAGES))
-    rng = random.Random(seed)
-    moved: set[int] = set()
-    for rnd in range(3):  # the first round handshakes; in the later ones a send_many queues 20 chunks at once
-        dst = disjoint_requests(rng, f"{tag}{rnd}", 20, 3, 4)
-        d0.command(cmd="expect_many", requests=dst, source_instance=f"{tag}p", source_address=pd.address)
-        p0.command(cmd="send_many", requests=sources_for(rng, dst))
-        for r in dst:
-            ev = finished(d0, r["request_id"])
-            assert ev["event"] == "finished" and ev["state"] == "done", ev
-            assert ev["mismatched_bytes"] == 0, ev
-            assert finished(p0, r["request_id"])["state"] == "done"
-        moved |= {p for r in dst for p in r["pages"]}
-        assert untouched_bytes(d0, sorted(set(range(NUM_PAGES)) - moved)) == 0  # nothing written elsewhere
+    move_batched_rounds(d0, p0, f"{tag}p", pd.address, random.Random(seed), tag)
 
 
 def test_small_chunks_for_one_peer_go_several_to_a_handoff_and_arrive_byte_exact(cluster):

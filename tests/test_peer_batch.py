@@ -16,8 +16,8 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import (NUM_PAGES, Node, disjoint_requests, finished, module_cluster, peer_socket, sources_for, spec,
-                      untouched_bytes)
+from e2e_util import (NUM_PAGES, Node, disjoint_requests, finished, module_cluster, move_batched_rounds, peer_socket,
+                      sources_for, spec)
 from kvxferd.client import EngineClient
 from kvxferd.tools.procstats import scrape
 
@@ -55,21 +55,9 @@ def _read_message(sock: zmq.Socket) -> list[dict[str, Any]]:
 def test_many_small_requests_go_batched_and_arrive_byte_exact(cluster):
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     (p0,), (d0,) = cluster.instances((pd, "bp", "prefill", spec(), NUM_PAGES), (dd, "bd", "decode", spec(), NUM_PAGES))
-    rng = random.Random(5)
-    moved: set[int] = set()
     before_sent = status(dd)["peer_messages"]["to_sources"]
     before_read = status(pd)["peer_messages"]["from_decode"]
-    for rnd in range(3):  # the first round handshakes; the later ones find the plan and batch their expects
-        dst = disjoint_requests(rng, f"small{rnd}", 20, 3, 4)
-        d0.command(cmd="expect_many", requests=dst, source_instance="bp", source_address=pd.address)
-        p0.command(cmd="send_many", requests=sources_for(rng, dst))
-        for r in dst:
-            ev = finished(d0, r["request_id"])
-            assert ev["event"] == "finished" and ev["state"] == "done", ev
-            assert ev["mismatched_bytes"] == 0, ev
-            assert finished(p0, r["request_id"])["state"] == "done"
-        moved |= {p for r in dst for p in r["pages"]}
-        assert untouched_bytes(d0, sorted(set(range(NUM_PAGES)) - moved)) == 0  # nothing written elsewhere
+    move_batched_rounds(d0, p0, "bp", pd.address, random.Random(5), "small")
     d_status, p_status = status(dd), status(pd)
     link = next(p for p in d_status["peers"] if p["address"] == pd.address)
     assert link["batch"] == SOURCE_PARTS  # the source said it reads 8 parts; the decode side's own limit is 256
