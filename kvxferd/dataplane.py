@@ -173,7 +173,7 @@ class DataPlane:
         e = item.effect
         if isinstance(outcome, BaseException):
             return events.JobFinished(e.entry, e.target, e.index, e.kind, None, 0.0, outcome)
-        return events.JobFinished(e.entry, e.target, e.index, e.kind, outcome, seconds if outcome else 0.0)
+        return events.JobFinished(e.entry, e.target, e.index, e.kind, outcome, 0.0 if outcome is None else seconds)
 
     # -- what receiving threads report -------------------------------------------------------------
     def dest_changed(self, entry: DestEntry) -> None:

@@ -207,24 +207,21 @@ class TcpDataServer:
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
         n = sink.nbytes
-        if cpu and 0 < n <= reader.capacity // 2:  # small: scattered from where the reader holds it, no slot
-            data = torch.frombuffer(reader.take(n), dtype=torch.uint8)
-            (block,) = pack(len(regions), n_tokens, w.slice_bytes, max(n, w.slice_bytes))
+
+        def drain(block: list[Piece], data: torch.Tensor) -> None:
             for piece in block:
                 scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
                         sink.head_offset, w.slice_bytes,
                         data[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+
+        if cpu and 0 < n <= reader.capacity // 2:  # small: scattered from where the reader holds it, no slot
+            (block,) = pack(len(regions), n_tokens, w.slice_bytes, max(n, w.slice_bytes))
+            drain(block, torch.frombuffer(reader.take(n), dtype=torch.uint8))
             return Moved(n, 1, "staged")
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
         def receive(block: list[Piece], slot: torch.Tensor) -> None:
             reader.read_into(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])
-
-        def drain(block: list[Piece], slot: torch.Tensor) -> None:
-            for piece in block:
-                scatter(regions[piece.region].flat, sink.dst_slots[piece.lo:piece.hi], w.dst_row_bytes,
-                        sink.head_offset, w.slice_bytes,
-                        slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
 
         # scatters of one block overlap the receipt of the next (two slots when the pool has them)
         receive_blocks(blocks, receive, drain, self.staging, self.timeout_s)
