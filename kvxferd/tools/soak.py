@@ -43,6 +43,7 @@ POOL_PAGES = 96  # pages [POOL_PAGES, NUM_PAGES) are never a destination: they m
 MAX_TOKENS = 60
 WINDOW = 4  # requests in flight per pair
 TERMINAL_S = 180.0  # a request with no outcome this long after it was issued is stuck (phase timeouts: 20 s each)
+AFTER_RESTART_S = 120.0  # how much longer a phase with the restart may run for every transport to carry a request
 SETTLE_S = 120.0  # how long the end waits for quarantined rings and dropped agents to go
 CONFIG = ("[timeouts]\nbootstrap_s = 20.0\nwaiting_for_input_s = 20.0\ntransfer_s = 20.0\ndrain_grace_s = 1.0\n"
           "handshake_retry_s = 0.2\n")
@@ -88,6 +89,7 @@ class Request:
     src: list[int]
     dst: list[int]
     issued: float
+    epoch: int  # the prefill daemon's incarnation count when it was issued (0: before the restart)
     waiting: dict[int, str] = field(default_factory=dict)  # id(worker) -> role, events still due
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     killed: list[str] = field(default_factory=list)  # roles of ranks killed while it was in flight
@@ -101,6 +103,9 @@ class Tally:
         self.issued = 0
         self.by_outcome: dict[str, int] = {}
         self.by_transport: dict[str, dict[str, int]] = {}
+        #: outcomes by transport of requests issued after the prefill daemon's restart: what a "no byte
+        #: moved since the restart" finding is read against
+        self.after_restart: dict[str, dict[str, int]] = {}
         self.done_verified = 0
         self.chunked = 0
         self.tp_mismatched = 0
@@ -111,6 +116,10 @@ class Tally:
         self.instances = 0
         self.register_retries = 0
         self.tokens = 0
+
+    def done_after_restart(self, transports: list[str]) -> bool:
+        with self.lock:
+            return all(self.after_restart.get(t, {}).get("done", 0) > 0 for t in transports)
 
     def violation(self, what: str) -> None:
         with self.lock:
@@ -133,6 +142,9 @@ class Tally:
             self.by_outcome[key] = self.by_outcome.get(key, 0) + 1
             t = self.by_transport.setdefault(req.pair.transport, {})
             t[key] = t.get(key, 0) + 1
+            if req.epoch > 0:
+                t = self.after_restart.setdefault(req.pair.transport, {})
+                t[key] = t.get(key, 0) + 1
             if key == "done" and not wrong:
                 self.done_verified += 1
             if wrong:
@@ -212,7 +224,7 @@ class Pair:
             bounds = [0, *cuts, n]
             chunks = [[bounds[k], bounds[k + 1]] for k in range(len(bounds) - 1)]
         rid = f"{self.name}-r{i}"
-        req = Request(rid, self, n, chunks is not None, src, dst, time.monotonic())
+        req = Request(rid, self, n, chunks is not None, src, dst, time.monotonic(), self.epoch)
         req.waiting = {id(w): w.role for w in self.workers()}
         self.inflight[rid] = req
         expect_first = self.rng.random() < 0.7
@@ -286,10 +298,11 @@ class Pair:
             self.soak.tally.engine_kills += 1
         for req in self.inflight.values():
             self._gone(victim, req)
+        epoch = self.epoch
         self.drain()  # the other ranks' outcomes first: the rank is back only for the next requests
         daemon = self.soak.prefill_daemon if role == "prefill" else self.soak.decode_daemons[self.transport]
-        if role == "prefill" and self.epoch != self.soak.p_epoch:
-            return  # the prefill daemon restarted meanwhile: restart_prefill_side() replaces them all
+        if role == "prefill" and (epoch != self.epoch or self.epoch != self.soak.p_epoch):
+            return  # the prefill daemon restarted meanwhile: restart_prefill_side() replaced (or replaces) them all
         spec = self.pspec if role == "prefill" else self.dspec
         g = victim.geometry
         [replacement] = self._start(daemon, role, spec, [(g.tp_rank, g.pp_rank)])
@@ -301,13 +314,18 @@ class Pair:
             w.kill()
             for req in self.inflight.values():
                 self._gone(w, req)
-        self.drain()
         self.soak.p_ready.wait()
         self.epoch = self.soak.p_epoch
+        self.drain()  # the decode ranks' outcomes of what was in flight
         self.prefill = self._start(self.soak.prefill_daemon, "prefill", self.pspec)
 
     def drain(self) -> None:
+        """Wait for the outcomes of what is in flight; the prefill ranks' outcomes of requests at a daemon
+        that was killed never come, so a restart seen here replaces the prefill side first."""
         while self.inflight:
+            if self.epoch != self.soak.p_epoch:
+                self.restart_prefill_side()
+                continue
             if not self.poll():
                 time.sleep(0.01)
 
@@ -466,10 +484,16 @@ class Soak:
             t.start()
         started = time.monotonic()
         restarted = restart_at is None
-        while time.monotonic() - started < seconds and not stop.is_set():
-            if not restarted and time.monotonic() - started >= restart_at:
+        while not stop.is_set():
+            elapsed = time.monotonic() - started
+            if not restarted and elapsed >= restart_at:
                 self.restart_prefill_daemon()
                 restarted = True
+            # on a slow machine the pairs in flight at the restart may take the rest of the phase to recover:
+            # the phase goes on (boundedly) until every transport finished a request at the new daemon
+            if elapsed >= seconds and (restart_at is None or self.tally.done_after_restart(self.transports)
+                                       or elapsed >= seconds + AFTER_RESTART_S):
+                break
             time.sleep(0.2)
         stop.set()
         for t in threads:
@@ -544,7 +568,8 @@ class Soak:
                                   "transport")
         for tr in self.transports:
             if not sent.get(tr):
-                violations.append(f"no byte moved over {tr} since the restart ({sent})")
+                violations.append(f"no byte moved over {tr} since the restart ({sent}); outcomes of requests "
+                                  f"issued since: {t.after_restart.get(tr, {})}")
         return {
             "requested_duration_s": self.duration, "duration_s": round(time.monotonic() - self.t0, 1),
             "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "run_dir": str(self.cluster.root),
@@ -552,7 +577,7 @@ class Soak:
             "transports": self.transports, "nixl": self.nixl_note,
             "requests": {"issued": t.issued, "issued_in_warmup": warm_issued, "terminal": terminal,
                          "done_verified": t.done_verified, "by_outcome": dict(sorted(t.by_outcome.items())),
-                         "by_transport": t.by_transport, "chunked": t.chunked, "tp_mismatched": t.tp_mismatched,
+                         "by_transport": t.by_transport, "by_transport_after_restart": t.after_restart, "chunked": t.chunked, "tp_mismatched": t.tp_mismatched,
                          "tokens": t.tokens},
             "wrong_bytes": t.wrong_bytes, "bytes_outside_destinations": t.outside_bytes,
             "instances": t.instances, "engine_kills": t.engine_kills, "register_retries": t.register_retries,
