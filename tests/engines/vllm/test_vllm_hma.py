@@ -20,7 +20,6 @@ tokens (vLLM's null block, id 0, stands for the blocks before them).
 from __future__ import annotations
 
 import glob
-import time
 from pathlib import Path
 from typing import Any
 
@@ -33,11 +32,11 @@ from kvxferd.errors import ConfigError
 from kvxferd.tools.sim import Cluster, free_port
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status, metric
+from test_vllm_worker import step_all, steps_until
 
 ADDRESS = "10.0.0.7:5557"
 KEPT = vu.SLIDING_WINDOW - 1          # tokens vLLM keeps for a sliding-window layer: the window less the new token
 NUM_BLOCKS = 16
-WAIT = 180.0                          # bounds a stuck request, not a slow machine
 
 
 def window_start(n: int) -> int:
@@ -287,25 +286,6 @@ def rig(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
 
 
-def step_all(inst: Instance, plan: dict[str, Any], finished: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    return [r.call(cmd="step", plan=plan, finished=list(finished)) for r in inst.ranks]
-
-
-def steps_until(inst: Instance, key: str, req_id: str, *, finished: tuple[str, ...] = ()) -> list[dict[str, Any]]:
-    reports: list[dict[str, Any]] = [{"sending": [], "recving": [], "errors": [], "failed": []} for _ in inst.ranks]
-    deadline = time.monotonic() + WAIT
-    while True:
-        for rank, report in zip(inst.ranks, reports):
-            if req_id not in report[key]:
-                ev = rank.call(cmd="step", plan={}, finished=list(finished))
-                for k in report:
-                    report[k] += ev[k]
-        if all(req_id in r[key] for r in reports):
-            return reports
-        assert time.monotonic() < deadline, f"{inst.name} never reported {req_id} in {key}: {reports}"
-        time.sleep(0.05)
-
-
 def check(inst: Instance, tid: str, blocks: list[int], swa: list[int], n: int) -> list[dict[str, Any]]:
     return [r.call(cmd="check", rid=tid, blocks=blocks, groups={"swa0": swa}, n=n, start=0,
                    window_start=window_start(n)) for r in inst.ranks]
@@ -368,9 +348,9 @@ def test_tp1_prefill_to_tp2_decode(rig):
 
 def test_a_pair_whose_windows_differ_is_refused_naming_both(rig):
     src, dst = rig["X"], rig["H1"]                  # window 72 (71 kept) into window 40 (39 kept)
-    step_all(dst, {"loads": [{"req_id": "d-hx", "params": src.params("hx", 100), "block_ids": [1, 2, 3, 4],
-                              "groups": {"swa0": [0, 5, 6, 7]}, "start": 0}]})
-    got = steps_until(dst, "recving", "d-hx")
+    got = steps_until(dst, "recving", "d-hx", plan={"loads": [{
+        "req_id": "d-hx", "params": src.params("hx", 100), "block_ids": [1, 2, 3, 4],
+        "groups": {"swa0": [0, 5, 6, 7]}, "start": 0}]})
     # reported by request: with several KV cache groups vLLM takes no block-level errors
     assert got[0]["failed"] == ["d-hx"] and got[0]["errors"] == [], got
     failures = [f for f in daemon_status(dst.daemon)["recent_failures"] if f["request_id"] == "hx"]

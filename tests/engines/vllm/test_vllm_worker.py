@@ -103,8 +103,9 @@ def steps_until(inst: Instance, key: str, req_id: str, *, finished: tuple[str, .
                 plan: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Step every rank of ``inst`` (first with ``plan``) until each reports ``req_id`` under ``key``.
 
-    Returns each rank's accumulated report (errors included)."""
-    reports: list[dict[str, Any]] = [{"sending": [], "recving": [], "errors": []} for _ in inst.ranks]
+    Returns each rank's accumulated report (errors included). The step that starts a load is one
+    of them: a refusal can be reported by that very step."""
+    reports: list[dict[str, Any]] = [{"sending": [], "recving": [], "errors": [], "failed": []} for _ in inst.ranks]
     first = True
     deadline = time.monotonic() + WAIT
     while True:
@@ -112,7 +113,7 @@ def steps_until(inst: Instance, key: str, req_id: str, *, finished: tuple[str, .
             if req_id in report[key]:
                 continue
             ev = rank.call(cmd="step", plan=(plan or {}) if first else {}, finished=list(finished))
-            for k in ("sending", "recving", "errors"):
+            for k in report:
                 report[k] += ev[k]
         first = False
         if all(req_id in r[key] for r in reports):
@@ -234,8 +235,7 @@ def test_a_dead_prefill_daemon_fails_the_load_with_its_code(rig):
 
 def test_page_sizes_that_differ_are_refused_at_the_handshake_naming_both(rig):
     src, dst = rig["W"], rig["B"]          # 64-token pages into 32-token pages
-    step_all(dst, load("d-tpage", src, "tpage", 100, [1, 2, 3, 4]))
-    got = steps_until(dst, "recving", "d-tpage")
+    got = steps_until(dst, "recving", "d-tpage", plan=load("d-tpage", src, "tpage", 100, [1, 2, 3, 4]))
     assert set(got[0]["errors"]) == {1, 2, 3, 4}
     failures = [f for f in daemon_status(dst.daemon)["recent_failures"] if f["request_id"] == "tpage"]
     assert failures and failures[-1]["code"] == "incompatible", failures
