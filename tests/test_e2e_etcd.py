@@ -22,6 +22,7 @@ from kvxferd.client import EngineClient
 from kvxferd.errors import KvxferError
 from kvxferd.etcd import EtcdClient, EtcdError
 from kvxferd.lookup import daemons_of, lookup
+from kvxferd.tools import launch
 from kvxferd.tools.sim import free_port
 
 ETCD = shutil.which("etcd")
@@ -38,12 +39,12 @@ def etcd():
     client_port, peer_port = free_port(), free_port()
     url = f"http://127.0.0.1:{client_port}"
     log = open(f"{data}/etcd.log", "wb")
-    proc = subprocess.Popen([ETCD, "--name", "kvxferd-test", "--data-dir", f"{data}/data",
-                             "--listen-client-urls", url, "--advertise-client-urls", url,
-                             "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                             "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                             "--initial-cluster", f"kvxferd-test=http://127.0.0.1:{peer_port}"],
-                            stdout=log, stderr=subprocess.STDOUT)
+    proc = launch.popen([ETCD, "--name", "kvxferd-test", "--data-dir", f"{data}/data",
+                         "--listen-client-urls", url, "--advertise-client-urls", url,
+                         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
+                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
+                         "--initial-cluster", f"kvxferd-test=http://127.0.0.1:{peer_port}"],
+                        stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
         while True:

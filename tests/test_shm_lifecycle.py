@@ -16,6 +16,7 @@ import time
 
 from e2e_util import assert_verified, in_parallel, spec, transfer, wait_in_flight
 from kvxferd.client import EngineClient
+from kvxferd.tools import launch
 
 NUM_PAGES = 16
 WAIT_S = 60.0  # a bounded wait for the daemon to notice; never a speed assertion
@@ -146,7 +147,7 @@ time.sleep(600)
 def test_sigkilled_engine_with_its_own_tensors_leaves_no_memory(cluster):
     """share_in_place: an engine that allocated its KV itself, the way SGLang and vLLM do."""
     d = cluster.daemon("lo-node")
-    proc = subprocess.Popen([sys.executable, "-c", ENGINE, d.socket_path], stdout=subprocess.PIPE, text=True)
+    proc = launch.popen([sys.executable, "-c", ENGINE, d.socket_path], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout is not None
         name, rank = proc.stdout.readline().split()

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvxferd.tools import jsonlines
+from kvxferd.tools import jsonlines, launch
 from kvxferd.tools.jsonlines import read_events, send_command
 from kvxferd.tools.sim import DaemonProc
 
@@ -23,9 +23,9 @@ class JsonProc:
     def __init__(self, script: str, config: dict[str, Any], log_path: Path) -> None:
         self.log_path = log_path
         self._log = open(log_path, "ab")
-        self.proc = subprocess.Popen([sys.executable, str(HERE / script), json.dumps(config)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-                                     bufsize=1)
+        # dies with the test process even when that is killed before its fixtures' finally blocks run
+        self.proc = launch.popen([sys.executable, str(HERE / script), json.dumps(config)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True, bufsize=1)
         self.events = read_events(self.proc)
 
     def next(self, timeout: float = EVENT_TIMEOUT) -> dict[str, Any]:
