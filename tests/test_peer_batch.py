@@ -101,9 +101,11 @@ def test_answers_of_one_turn_reach_a_real_decode_daemon_as_one_message(cluster):
         assert finished(p0, r["request_id"])["state"] == "done"
     sent = {k: status(pd)["peer_messages"]["to_decode"][k] - before_sent[k] for k in before_sent}
     read = {k: status(dd)["peer_messages"]["from_sources"][k] - before_read[k] for k in before_read}
-    # eight "busy" answers (and pongs, one each): fewer messages than parts, both sides
-    assert sent["parts"] >= SOURCE_PARTS and sent["parts"] - sent["messages"] >= SOURCE_PARTS - 1, sent
-    assert read["parts"] >= SOURCE_PARTS and read["parts"] - read["messages"] >= SOURCE_PARTS - 1, read
+    # eight "busy" answers (and pongs, one each): fewer messages than parts, both sides. The
+    # expects leave in messages of SOURCE_PARTS; a heartbeat ping taking a part of one of them
+    # makes the eight refused expects (and so their answers) straddle two messages, not more
+    for counts in (sent, read):
+        assert counts["parts"] >= SOURCE_PARTS and counts["parts"] - counts["messages"] >= SOURCE_PARTS - 2, counts
 
 
 def test_a_batch_reads_part_by_part_and_each_part_is_answered_in_order(cluster):
