@@ -153,26 +153,35 @@ class FrameReader:
     def read_into_many(self, views: list[memoryview]) -> None:
         """Fill every view in order, as :meth:`read_into` would one by one, but with one
         scattered ``recvmsg_into`` for as many views as the socket has bytes for."""
-        i = 0
-        while i < len(views) and self.buffered:  # what the buffer holds already
-            self.read_into(views[i])
+        i, n = 0, len(views)
+        head: memoryview | None = None  # what is left of views[i] once part of it was filled
+        while i < n and self.buffered:  # what the buffer holds already, and not a byte more through it
+            view = views[i]
+            have = min(len(view), self.buffered)
+            view[:have] = self._take(have)
+            if have < len(view):
+                head = view[have:]
+                break
             i += 1
-        if i == len(views):
+        if i == n:
             return
         if self.before_wait is not None:
             self.before_wait()
-        pending = views[i:]
-        while pending:
-            got = self.sock.recvmsg_into(pending[:IOV_BATCH])[0]
+        # a chunk's views can be tens of thousands: walk them by index (slicing off the filled ones
+        # after each call would copy the rest of the list every time, quadratic in the chunk's size)
+        while i < n:
+            batch = views[i:i + IOV_BATCH]
+            if head is not None:
+                batch[0] = head
+            got = self.sock.recvmsg_into(batch)[0]
             if got == 0:
                 raise ConnectionError("peer closed the data connection mid-chunk")
             k = 0
-            while k < len(pending) and got >= len(pending[k]):
-                got -= len(pending[k])
+            while k < len(batch) and got >= len(batch[k]):
+                got -= len(batch[k])
                 k += 1
-            pending = pending[k:]
-            if got:
-                pending[0] = pending[0][got:]
+            i += k
+            head = batch[k][got:] if got else None
 
     def skip(self, n: int) -> None:
         """Read past ``n`` bytes."""
