@@ -13,6 +13,7 @@ loop, except the inbox's chunk accounting, which data threads do under its lock.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -214,6 +215,10 @@ class Daemon:
         self.tasks = [asyncio.ensure_future(c) for c in
                       (self.engine.serve(), self.downstream.serve(), timers.sweeper(self), timers.heartbeats(self),
                        timers.watchdog())]
+        # what start-up made (torch, numpy, the modules: some 170k objects) lives as long as the process:
+        # kept out of the cyclic collector's sweeps, which otherwise walk it every time a burst of objects
+        # survives (tens of thousands of page views of one large chunk), at a microsecond per view
+        gc.freeze()
         self.ready = True
         self.metrics.up.set(1)
         metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
