@@ -21,7 +21,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -136,32 +136,41 @@ def _check_buffer(buffer: torch.Tensor, n: int, slice_bytes: int) -> None:
                             field="staging", fix="size staging slots to whole blocks")
 
 
+class _Bound:
+    """One C function of the library bound twice: through ``CDLL``, which releases the GIL for the
+    call, and through ``PyDLL``, which keeps it (for copies up to :data:`HOLD_GIL_BYTES`)."""
+
+    def __init__(self, free: ctypes.CDLL, held: ctypes.PyDLL, name: str, argtypes: list[Any]) -> None:
+        self.free, self.held = getattr(free, name), getattr(held, name)
+        for f in (self.free, self.held):
+            f.argtypes, f.restype = argtypes, None
+
+    def for_bytes(self, nbytes: int) -> Any:
+        return self.held if nbytes <= HOLD_GIL_BYTES else self.free
+
+
+def _run_pairs(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], n_src: int, n_dst: int,
+               n_lengths: int) -> tuple[ctypes.Array, int, ctypes.Array, int]:
+    """Both sides' bases and sizes, once the run counts and region counts agree."""
+    if not (n_src == n_dst == n_lengths) or len(srcs) != len(dsts):
+        raise TransferError(f"{n_src} source runs, {n_dst} destination runs, {n_lengths} "
+                            f"lengths, {len(srcs)} and {len(dsts)} regions", field="segments")
+    return (*_bases(srcs), *_bases(dsts))
+
+
 class RunCopy:
     """The loaded library; every method checks bounds, then makes one call: GIL-free, except for a
     small chunk (up to :data:`HOLD_GIL_BYTES`), which is copied before the GIL could change hands."""
 
     def __init__(self, path: Path) -> None:
-        lib = ctypes.CDLL(str(path))
-        self._copy_runs = lib.kvx_copy_runs
-        self._copy_runs.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64, ctypes.c_int]
-        # the same function called through PyDLL: ctypes keeps the GIL for the call
-        held = ctypes.PyDLL(str(path))
-        self._copy_runs_held = held.kvx_copy_runs
-        self._copy_runs_held.argtypes = self._copy_runs.argtypes
-        self._copy_rows = lib.kvx_copy_rows
-        self._copy_rows.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _i64, ctypes.c_int]
-        self._gather = lib.kvx_gather_rows
-        self._gather.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr]
-        self._scatter = lib.kvx_scatter_rows
-        self._scatter.argtypes = [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int]
-        self._copy_rows_held = held.kvx_copy_rows
-        self._gather_held, self._scatter_held = held.kvx_gather_rows, held.kvx_scatter_rows
-        for f, general in ((self._copy_rows_held, self._copy_rows), (self._gather_held, self._gather),
-                           (self._scatter_held, self._scatter)):
-            f.argtypes = general.argtypes
-        for f in (self._copy_runs, self._copy_runs_held, self._copy_rows, self._gather, self._scatter,
-                  self._copy_rows_held, self._gather_held, self._scatter_held):
-            f.restype = None
+        free, held = ctypes.CDLL(str(path)), ctypes.PyDLL(str(path))
+        self._copy_runs = _Bound(free, held, "kvx_copy_runs", [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _i64,
+                                                              ctypes.c_int])
+        self._copy_rows = _Bound(free, held, "kvx_copy_rows", [_i64, _ptr, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64,
+                                                              _i64, _i64, ctypes.c_int])
+        self._gather = _Bound(free, held, "kvx_gather_rows", [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr])
+        self._scatter = _Bound(free, held, "kvx_scatter_rows", [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
+                                                               ctypes.c_int])
         self.path = path
 
     def copy_runs(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: np.ndarray,
@@ -172,18 +181,14 @@ class RunCopy:
             stride = 0  # one length for every run (a broadcast view)
         else:
             lengths, stride = _int64(lengths), 1
-        if not (src_off.size == dst_off.size == lengths.size) or len(srcs) != len(dsts):
-            raise TransferError(f"{src_off.size} source runs, {dst_off.size} destination runs, {lengths.size} "
-                                f"lengths, {len(srcs)} and {len(dsts)} regions", field="segments")
-        src_bases, src_size = _bases(srcs)
-        dst_bases, dst_size = _bases(dsts)
+        src_bases, src_size, dst_bases, dst_size = _run_pairs(srcs, dsts, src_off.size, dst_off.size, lengths.size)
         _check_runs(src_off, lengths, src_size, "source")
         _check_runs(dst_off, lengths, dst_size, "destination")
         if not src_off.size:
             return
-        self._copy_runs(len(srcs), src_bases, dst_bases, src_off.size,
-                        src_off.ctypes.data, dst_off.ctypes.data, lengths.ctypes.data, stride,
-                        _streaming(int(lengths.sum()), len(srcs)))
+        self._copy_runs.free(len(srcs), src_bases, dst_bases, src_off.size, src_off.ctypes.data,
+                             dst_off.ctypes.data, lengths.ctypes.data, stride,
+                             _streaming(int(lengths.sum()), len(srcs)))
 
     def copy_run_lists(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: list[int],
                        dst_off: list[int], lengths: list[int]) -> None:
@@ -191,20 +196,15 @@ class RunCopy:
         on the ints, then the same one call over every region pair, with no numpy (GIL-free
         unless the chunk is under :data:`HOLD_GIL_BYTES`)."""
         n = len(src_off)
-        if not (n == len(dst_off) == len(lengths)) or len(srcs) != len(dsts):
-            raise TransferError(f"{n} source runs, {len(dst_off)} destination runs, {len(lengths)} "
-                                f"lengths, {len(srcs)} and {len(dsts)} regions", field="segments")
-        src_bases, src_size = _bases(srcs)
-        dst_bases, dst_size = _bases(dsts)
+        src_bases, src_size, dst_bases, dst_size = _run_pairs(srcs, dsts, n, len(dst_off), len(lengths))
         _check_run_lists(src_off, lengths, src_size, "source")
         _check_run_lists(dst_off, lengths, dst_size, "destination")
         if not n:
             return
         runs = _i64 * n
         total = sum(lengths)
-        call = self._copy_runs_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_runs
-        call(len(srcs), src_bases, dst_bases, n, runs(*src_off), runs(*dst_off), runs(*lengths), 1,
-             _streaming(total, len(srcs)))
+        self._copy_runs.for_bytes(total * len(srcs))(len(srcs), src_bases, dst_bases, n, runs(*src_off),
+                                                     runs(*dst_off), runs(*lengths), 1, _streaming(total, len(srcs)))
 
     def copy_rows(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_slots: np.ndarray,
                   src_row: int, src_head: int, dst_slots: np.ndarray, dst_row: int, dst_head: int,
@@ -216,21 +216,21 @@ class RunCopy:
                                 f"{len(srcs)} and {len(dsts)} regions", field="slots")
         src_bases, src_size = _bases(srcs)
         dst_bases, dst_size = _bases(dsts)
-        if _few(src_slots) and _few(dst_slots):  # a small chunk: checked as ints, copied keeping the GIL
+        if _few(src_slots) and _few(dst_slots):  # a small chunk: checked as ints, no numpy
             src_list, dst_list = src_slots.tolist(), dst_slots.tolist()
             _check_row_list(src_list, src_row, src_head, slice_bytes, src_size, "source")
             _check_row_list(dst_list, dst_row, dst_head, slice_bytes, dst_size, "destination")
             total = slice_bytes * len(src_list)
-            copy = self._copy_rows_held if total * len(srcs) <= HOLD_GIL_BYTES else self._copy_rows
             slots = _i64 * len(src_list)
+            copy = self._copy_rows.for_bytes(total * len(srcs))
             copy(len(srcs), src_bases, dst_bases, len(src_list), slots(*src_list), src_row, src_head,
                  slots(*dst_list), dst_row, dst_head, slice_bytes, _streaming(total, len(srcs)))
             return
         _check_rows(src_slots, src_row, src_head, slice_bytes, src_size, "source")
         _check_rows(dst_slots, dst_row, dst_head, slice_bytes, dst_size, "destination")
-        self._copy_rows(len(srcs), src_bases, dst_bases, src_slots.size,
-                        src_slots.ctypes.data, src_row, src_head, dst_slots.ctypes.data, dst_row, dst_head,
-                        slice_bytes, _streaming(slice_bytes * src_slots.size, len(srcs)))
+        self._copy_rows.free(len(srcs), src_bases, dst_bases, src_slots.size, src_slots.ctypes.data, src_row,
+                             src_head, dst_slots.ctypes.data, dst_row, dst_head, slice_bytes,
+                             _streaming(slice_bytes * src_slots.size, len(srcs)))
 
     def gather_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                     out: torch.Tensor) -> None:
@@ -238,14 +238,14 @@ class RunCopy:
             listed = slots.tolist()
             _check_row_list(listed, row, head, slice_bytes, flat.numel(), "source")
             _check_buffer(out, len(listed), slice_bytes)
-            gather = self._gather_held if len(listed) * slice_bytes <= HOLD_GIL_BYTES else self._gather
+            gather = self._gather.for_bytes(len(listed) * slice_bytes)
             gather(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
                    _pointer(out))
             return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "source")
         _check_buffer(out, slots.size, slice_bytes)
-        self._gather(_pointer(flat), slots.size, slots.ctypes.data, row, head, slice_bytes, _pointer(out))
+        self._gather.free(_pointer(flat), slots.size, slots.ctypes.data, row, head, slice_bytes, _pointer(out))
 
     def scatter_rows(self, flat: torch.Tensor, slots: np.ndarray, row: int, head: int, slice_bytes: int,
                      data: torch.Tensor) -> None:
@@ -254,15 +254,15 @@ class RunCopy:
             _check_row_list(listed, row, head, slice_bytes, flat.numel(), "destination")
             _check_buffer(data, len(listed), slice_bytes)
             total = len(listed) * slice_bytes
-            scatter = self._scatter_held if total <= HOLD_GIL_BYTES else self._scatter
+            scatter = self._scatter.for_bytes(total)
             scatter(_pointer(flat), len(listed), (_i64 * len(listed))(*listed), row, head, slice_bytes,
                     _pointer(data), _streaming(total, 1))
             return
         slots = _int64(slots)
         _check_rows(slots, row, head, slice_bytes, flat.numel(), "destination")
         _check_buffer(data, slots.size, slice_bytes)
-        self._scatter(_pointer(flat), slots.size, slots.ctypes.data, row, head, slice_bytes, _pointer(data),
-                      _streaming(slice_bytes * slots.size, 1))
+        self._scatter.free(_pointer(flat), slots.size, slots.ctypes.data, row, head, slice_bytes, _pointer(data),
+                           _streaming(slice_bytes * slots.size, 1))
 
 
 _loaded: list[RunCopy | None] = []
