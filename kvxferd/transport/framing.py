@@ -16,8 +16,10 @@ from typing import Any, Callable
 import numpy as np
 
 from .. import protocol
+from ..copier import gather
 from ..errors import ProtocolError
 from ..segments import Runs, side_runs
+from ..staging import Piece
 
 IOV_BATCH = 512
 READ_BUFFER = 256 * 1024
@@ -32,6 +34,15 @@ def payload_runs(slots: np.ndarray, row: int, head: int, slice_bytes: int) -> Ru
 def use_staging(runs: Runs, cpu: bool) -> bool:
     """Small runs (or device memory) go through a staging slot rather than one socket view each."""
     return not cpu or (len(runs) > 0 and runs.nbytes // len(runs) < SMALL_RUN)
+
+
+def gather_block(job: Any, regions: list[Any], block: list[Piece], out: Any) -> None:
+    """One staged block of a chunk job's payload laid out in ``out``: each piece's token slices
+    of its region, at the piece's offset (the byte stream of :func:`~kvxferd.staging.pack`)."""
+    w = job.writer
+    for piece in block:
+        gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset,
+               w.slice_bytes, out[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
 
 
 def recv_exact(sock: socket.socket, view: memoryview) -> None:

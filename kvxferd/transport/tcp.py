@@ -24,14 +24,14 @@ from typing import Any, Callable, Hashable
 import torch
 
 from .. import protocol
-from ..copier import gather, scatter, settle
+from ..copier import scatter, settle
 from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
 from ..inbox import Inbox, Sink
 from ..registry import rank_id
 from ..pipeline import receive_blocks, send_blocks
 from ..staging import Piece, StagingPool, block_bytes, pack
 from .base import SMALL_CHUNK, ChunkJob, Moved
-from .framing import FrameReader, payload_runs, read_frame, sendmsg_all, use_staging
+from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
 
 log = logging.getLogger("kvxferd.tcp")
@@ -382,10 +382,7 @@ class TcpTransport:
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
         def fill(block: list[Piece], slot: torch.Tensor) -> None:
-            for piece in block:
-                gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
-                       job.head_offset, w.slice_bytes,
-                       slot[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+            gather_block(job, regions, block, slot)
 
         def send(block: list[Piece], slot: torch.Tensor) -> None:
             sock.sendall(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])

@@ -21,11 +21,10 @@ from typing import TYPE_CHECKING
 import torch
 
 from .. import protocol
-from ..copier import gather
 from ..errors import KvxferError
 from ..staging import block_bytes, pack
 from .base import ChunkJob, Moved
-from .framing import FrameReader, payload_runs, sendmsg_all, use_staging
+from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
 
 if TYPE_CHECKING:
     from .tcp import TcpTransport
@@ -67,10 +66,7 @@ class _Write:
             n = block_bytes(block, w.slice_bytes)
             room = self._room(n)
             try:
-                for piece in block:
-                    gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
-                           job.head_offset, w.slice_bytes,
-                           room[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+                gather_block(job, regions, block, room)
             except BaseException as exc:
                 if k == 0:
                     raise  # nothing of this job laid out: its own failure
