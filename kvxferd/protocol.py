@@ -247,14 +247,16 @@ MAX_NIXL_MD = 1 << 22  # one rank's partial NIXL agent metadata
 
 
 def nixl_region(name: str, value: Any) -> list[Any]:
-    """``[tp_rank, pp_rank, layer, kind, address, nbytes, device]``: one decode region for NIXL WRITEs."""
-    if not isinstance(value, (list, tuple)) or len(value) != 7:
-        raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device]", field=name,
-                            fix="send one 7-entry list per region")
+    """``[tp_rank, pp_rank, layer, kind, address, nbytes, device, page_stride]``: one decode region
+    for NIXL WRITEs; ``page_stride`` is the bytes between page starts (0, or left out: dense pages)."""
+    if not isinstance(value, (list, tuple)) or len(value) not in (7, 8):
+        raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device, page_stride]",
+                            field=name, fix="send one 8-entry list per region (page_stride 0 when dense)")
     tp, pp = pair(name, value[:2])
+    stride = integer(0, 1 << 48)(name, value[7]) if len(value) == 8 else 0
     return [tp, pp, integer(0, 1 << 16)(name, value[2]), region_kind(name, value[3]),
             integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
-            integer(-1, 1 << 10)(name, value[6])]
+            integer(-1, 1 << 10)(name, value[6]), stride]
 
 
 MAX_INSTANCE_RANKS = 1 << 12  # ranks of one instance a directory message may name

@@ -319,10 +319,8 @@ class Upstream:
             fut.add_done_callback(ignore_result)  # every waiter sees the outcome; none may be left unretrieved
         return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
 
-    def _transports_for(self, decode: str) -> list[str]:
-        registry = self.app.registry
-        return self.app.transports.offered(
-            strided=any(r.instance == decode and r.geometry.page_stride is not None for r in registry))
+    def _transports_for(self) -> list[str]:
+        return self.app.transports.offered()
 
     async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                          deadline: float) -> Plan:
@@ -336,7 +334,7 @@ class Upstream:
                 raise asyncio.TimeoutError
             hello = messages.Handshake(
                 PROTOCOL_VERSION, app.address, app.data_address, prefill, decode, spec.to_dict(), app.cfg.peer.mode,
-                self._transports_for(decode), link.token, app.incarnation,
+                self._transports_for(), link.token, app.incarnation,
                 extra=app.transports.handshake_fields(link.address, prefill, decode))
             asked = time.monotonic()
             try:

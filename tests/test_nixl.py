@@ -278,7 +278,8 @@ def test_peer_schemas_bound_the_nixl_fields():
 
 
 def test_remote_bases_and_descriptors_are_built_in_wire_order():
-    peer = nixl_mod.NixlPeer("agent", page_size=4, page_bytes=4 * 256)
+    peer = nixl_mod.NixlPeer("agent", spec(page_size=4, head_dim=32))
+    assert peer.spec.page_bytes == 4 * 256
     peer.update([[1, 0, layer, kind, 1 << 20 | (layer << 12) | (kind == "v") << 8, 64 * 1024, -1]
                  for layer in range(3) for kind in ("k", "v")])
     assert peer.num_pages((1, 0)) == 64 and peer.num_pages((0, 0)) is None
@@ -315,7 +316,8 @@ def test_expect_over_nixl_is_checked_before_any_write():
     loaded = []
     support.transport = type("Loader", (), {
         "load": lambda self, agent, mds, regions=None: loaded.append((agent, mds))})()
-    peer = nixl_mod.NixlPeer("agent-d", page_size=4, page_bytes=1024)
+    peer = nixl_mod.NixlPeer("agent-d", spec(page_size=4, head_dim=32))
+    assert peer.spec.page_bytes == 1024
     peer.update([[0, 0, 0, "k", 1 << 20, 16 * 1024, -1], [0, 0, 0, "v", 2 << 20, 16 * 1024, -1]])
     assert support.expect_pages(peer, (0, 0), {"dst_pages": [0, 15]}).tolist() == [0, 15]
     cases = [({"dst_pages": [0, 16]}, RequestError, "dst_pages"),  # past the 16 pages of the region

@@ -131,14 +131,14 @@ def test_a_nixl_expect_must_carry_every_groups_table_inside_its_regions():
     described for that group (a state group's regions hold its slots), before any WRITE."""
     from kvxferd.errors import ProtocolError, RequestError
     from kvxferd.transport.nixl_api import NixlPeer
-    from kvxferd.transport.nixl_support import NixlSupport, _group_units
+    from kvxferd.transport.nixl_support import NixlSupport
 
     dspec = qwen_next(1)
     support = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20, max_pages=8)
-    peer = NixlPeer("agent-d", dspec.page_size, dspec.page_bytes, _group_units(dspec))
+    peer = NixlPeer("agent-d", dspec)
     conv, ssm = dspec.group_spec("conv"), dspec.group_spec("ssm")
     # both states split along their first dimension: a slot is one row (of 32 x 3 and 4 x 8 x 16 entries)
-    assert peer.page_size_of("conv") == 1 and peer.page_size_of("ssm") == 1 and peer.page_size_of() == 4
+    assert peer.units["conv"].page_size == 1 and peer.units["ssm"].page_size == 1 and peer.units[""].page_size == 4
     assert (conv.page_bytes, ssm.page_bytes) == (32 * 3 * 2, 4 * 8 * 16 * 4)
     peer.update([[0, 0, 0, "k", 1 << 20, 16 * dspec.page_bytes, -1], [0, 0, 0, "v", 2 << 20, 16 * dspec.page_bytes, -1],
                  [0, 0, 0, "conv.state", 3 << 20, 5 * conv.page_bytes, -1],
@@ -156,5 +156,5 @@ def test_a_nixl_expect_must_carry_every_groups_table_inside_its_regions():
             support.expect_groups(peer, (0, 0), msg)
         assert err.value.field == field, msg
     with pytest.raises(RequestError) as err:  # a rank that described no region of the group
-        support.expect_groups(NixlPeer("agent-d", 4, 64, {"conv": (32, 64)}), (0, 0), {"dst_groups": {"conv": [0]}})
+        support.expect_groups(NixlPeer("agent-d", dspec), (0, 0), {"dst_groups": {"conv": [0]}})
     assert err.value.field == "nixl_regions" and "conv" in str(err.value)

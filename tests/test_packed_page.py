@@ -15,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from e2e_util import Node, close, cluster_run, finished, module_cluster, start_nodes
+from e2e_util import close, finished, module_cluster
 from e2e_util import run_case as _run_case
 from kvxferd.client import DaemonError, EngineClient
 from kvxferd.errors import GeometryError, PlanRefusal, RequestError
@@ -345,32 +345,3 @@ def test_vllm_cpu_cache_shared_and_described_moves_byte_exact(cluster):
         dc.close()
         src_pool.close()
         dst_pool.close()
-
-
-# -- NIXL is not wired for packed pages: negotiation falls back to tcp, or refuses ---------
-
-def test_packed_over_nixl_daemons_moves_by_tcp_or_is_refused():
-    from nixl_util import NIXL_ENV, NIXL_MISSING, metric
-    from nixl_util import run_case as nixl_case
-
-    if NIXL_MISSING:
-        pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    with cluster_run() as c:
-        only = {**NIXL_ENV, "KVXFERD_PEER_TRANSPORTS": "nixl"}
-        pd, *_ = start_nodes(c, Node("prefill-nixl", env=NIXL_ENV),  # offers nixl first, then tcp
-                             Node("decode-nixl", env=NIXL_ENV), Node("prefill-only", env=only),
-                             Node("decode-only", env=only))
-        nixl_case(c, packed(tp_size=2), packed(), n_tokens=27, chunks=[[0, 16], [16, 27]])
-        assert metric(pd, "kvxferd_sent_bytes_total", transport="tcp") > 0
-        assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == 0
-        tag = next(_ids)
-        prefill = c.instance(c.daemons["prefill-only"], f"po{tag}", "prefill", packed(), NUM_PAGES)
-        decode = c.instance(c.daemons["decode-only"], f"do{tag}", "decode", packed(), NUM_PAGES)
-        try:
-            decode[0].command(cmd="expect", request_id="pk-nx", pages=[0, 1], n=10, source_instance=f"po{tag}",
-                              source_address=c.daemons["prefill-only"].address)
-            ev = finished(decode[0], "pk-nx")
-            assert ev["state"] == "failed" and ev["code"] == "incompatible", ev
-            assert "layout packed_page is moved by tcp only" in ev["reason"]
-        finally:
-            close(prefill + decode)

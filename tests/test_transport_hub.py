@@ -36,7 +36,7 @@ def test_both_directions_are_found_by_the_name_a_route_recorded():
         assert hub.get("local").name == "local" and hub.get("tcp").name == "tcp"
         assert hub.find("nixl") is None  # not configured: no agent, nothing to find
         assert not any(hub.get(k).one_sided for k in ("local", "tcp"))
-        assert hub.offered(strided=False) == ["tcp"]
+        assert hub.offered() == ["tcp"]
     finally:
         hub.close()
 

@@ -77,11 +77,9 @@ class Transports:
         return bool(entry.source_address) and own is not None and own.one_sided
 
     # -- negotiation (decode side) ---------------------------------------------------------
-    def offered(self, strided: bool) -> list[str]:
-        """What a decode instance can be written by: NIXL addresses pages as dense, so a rank
-        whose pages are strided is offered tcp only."""
-        offered = self.nixl.offered()
-        return [t for t in offered if t != "nixl"] if strided else offered
+    def offered(self) -> list[str]:
+        """What a decode instance can be written by, in this daemon's preference order."""
+        return self.nixl.offered()
 
     def handshake_fields(self, source: str, prefill: str, decode: str) -> dict[str, Any]:
         return self.nixl.handshake_fields(source, prefill, decode)

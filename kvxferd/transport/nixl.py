@@ -54,7 +54,7 @@ from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank
 from ..copier import gather
-from ..segments import paired_segments, slots
+from ..segments import paired_segments
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
 from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
@@ -167,7 +167,9 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if reg.metadata is None:
             reg.metadata = bytes(self.agent.get_partial_agent_metadata(reg.reg_descs, True))
         tp, pp = reg.rank.coords
-        return reg.metadata, [[tp, pp, layer, kind, addr, reg.rank.regions[(layer, kind)].nbytes, reg.device]
+        geometry = reg.rank.geometry
+        return reg.metadata, [[tp, pp, layer, kind, addr, reg.rank.regions[(layer, kind)].nbytes, reg.device,
+                               geometry.group(kind.rpartition(".")[0]).page_stride or 0]
                               for (layer, kind), addr in reg.addresses.items()]
 
     def offer(self, decode_instance: str, source: str) -> tuple[dict[str, Any], dict[str, int]]:
@@ -242,9 +244,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
         kinds = job.kinds
-        # a cache group's chunk is addressed by the group's own destination table (its pages from
+        # the decode side's own slot arithmetic (token rows or packed pages, dense or strided); a
+        # cache group's chunk is addressed by the group's own destination table (its pages from
         # token 0, or the request's state slot: one "page" of the slot's rows)
-        dst_slots = slots(job.dst_pages, peer.page_size_of(job.group), job.start, job.end, 0)
+        dst_slots = peer.dst_slots(job.dst, job.group, job.dst_pages, job.start, job.end)
         segs = paired_segments(job.src_slots, dst_slots, w)
         src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
@@ -283,10 +286,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         the receiver derives every block's pieces from the header (``block``, ``pack``) alone."""
         w = job.writer
         regions = list(job.regions())
-        n_tokens = job.end - job.start
+        n_slots = job.src_slots.size  # tokens, or whole pages of a packed layout
         pack_bytes = min(pool.slot_bytes, credits.info.slot_bytes)
         per_slot = slices_per_slot(w.slice_bytes, pack_bytes)
-        n_blocks = block_count(len(regions), n_tokens, per_slot)
+        n_blocks = block_count(len(regions), n_slots, per_slot)
         if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
             self._notify(peer.agent, protocol.encode(job.header()))
             return Moved(0, 0, "staged")
@@ -297,7 +300,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             self._sending += 1
         try:
             for k in range(n_blocks):
-                pieces = block_pieces(k, len(regions), n_tokens, per_slot, w.slice_bytes)
+                pieces = block_pieces(k, len(regions), n_slots, per_slot, w.slice_bytes)
                 nbytes = block_bytes(pieces, w.slice_bytes)
                 # wait for a slot only while holding none: threads that each hold a slot on the wire
                 # and wait for another would starve each other until the deadline

@@ -13,6 +13,7 @@ import time
 from typing import Any
 
 from ..errors import ProtocolError, TransferError
+from ..geometry import InstanceSpec
 from ..logutil import q
 from .nixl_api import NixlPeer
 from .nixl_receive import _why
@@ -38,11 +39,11 @@ class RemoteAgents:
     _credits: dict[str, Credits]
     _unreleased: list[Any]
 
-    def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], page_size: int,
-                 page_bytes: int, landing: list[int] | None = None,
-                 groups: dict[str, tuple[int, int]] | None = None) -> NixlPeer:
+    def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], spec: InstanceSpec,
+                 landing: list[int] | None = None) -> NixlPeer:
+        """A decode agent as one route sees it; ``spec`` is the decode instance's."""
         self.load(agent, metadata, regions, landing)
-        peer = NixlPeer(agent, page_size, page_bytes, groups)
+        peer = NixlPeer(agent, spec)
         peer.update(regions)
         if landing is not None:
             info = RingInfo.from_wire(landing)

@@ -14,7 +14,9 @@ from typing import Any, Iterable
 import numpy as np
 
 from ..errors import TransferError
+from ..geometry import InstanceSpec
 from ..registry import Rank
+from ..segments import unit_slots
 from .nixl_staging import Credits
 
 log = logging.getLogger("kvxferd.nixl")
@@ -99,29 +101,33 @@ class _Registered:
 class NixlPeer:
     """A decode daemon's agent as one (prefill, decode) route of this daemon sees it.
 
-    Holds the remote regions (base address, size, device) per decode rank, layer and
-    kind; base arrays in wire order are built once per (destination rank, layer range).
-    A decode instance with cache groups has regions of each group (kinds ``<group>.<kind>``)
-    with the group's own page size and page bytes (``groups``: name -> (page_size,
-    page_bytes); a state group's "page" is one state slot).
+    Holds the remote regions (base address, size, device, page stride) per decode rank,
+    layer and kind; base arrays in wire order are built once per (destination rank, layer
+    range). ``spec`` is the decode instance's spec: a chunk's destination slots come from it
+    through :func:`~kvxferd.segments.unit_slots`, the same function the decode side's inbox
+    uses for tcp and local, so every layout (token rows, packed pages, strided pages) is
+    addressed alike on every transport. A decode instance with cache groups has regions of
+    each group (kinds ``<group>.<kind>``) moved as the group's own spec.
     """
 
-    def __init__(self, agent: str, page_size: int, page_bytes: int,
-                 groups: dict[str, tuple[int, int]] | None = None) -> None:
+    def __init__(self, agent: str, spec: InstanceSpec) -> None:
         self.agent = agent
-        self.page_size = page_size
-        self.page_bytes = page_bytes
-        self.units: dict[str, tuple[int, int]] = {"": (page_size, page_bytes), **(groups or {})}
+        self.spec = spec
+        self.units: dict[str, InstanceSpec] = {"": spec, **{g.name: spec.group_spec(g.name) for g in spec.groups}}
         self.dead = ""  # set by the daemon when the peer stops answering heartbeats
         self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
-        self._regions: dict[tuple[int, int, int, str], tuple[int, int, int]] = {}
+        self._regions: dict[tuple[int, int, int, str], tuple[int, int, int, int]] = {}
         self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
         self._lock = threading.Lock()
 
     def update(self, entries: Iterable[list[Any]]) -> None:
+        """Regions as the decode side describes them (:func:`kvxferd.protocol.nixl_region`): a
+        row without the eighth entry (page stride) is a dense rank's."""
         with self._lock:
-            for tp, pp, layer, kind, addr, nbytes, device in entries:
-                self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device)
+            for row in entries:
+                tp, pp, layer, kind, addr, nbytes, device = row[:7]
+                stride = int(row[7]) if len(row) > 7 else 0
+                self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device, stride)
             self._bases.clear()
 
     @property
@@ -129,17 +135,33 @@ class NixlPeer:
         """The decode instance's cache groups, by name."""
         return [g for g in self.units if g]
 
-    def page_size_of(self, group: str = "") -> int:
-        """Tokens per page (rows per state slot) of a group's destination pages (``""``: the default group)."""
-        return self.units[group][0]
+    def _stride(self, dst: tuple[int, int], group: str) -> int:
+        """Bytes between page starts in a decode rank's regions of a group (0: dense)."""
+        with self._lock:
+            strides = {s for (tp, pp, _l, kind), (_a, _n, _d, s) in self._regions.items()
+                       if (tp, pp) == tuple(dst) and kind.rpartition(".")[0] == group}
+        if len(strides) > 1:
+            raise TransferError(f"decode rank {list(dst)} described regions with page strides {sorted(strides)}",
+                                field="nixl_regions", fix="register every region of a rank with one page stride")
+        return strides.pop() if strides else 0
+
+    def dst_slots(self, dst: tuple[int, int], group: str, pages: np.ndarray, start: int, end: int) -> np.ndarray:
+        """Destination slots of tokens ``[start, end)``: what the decode side's inbox computes for
+        the same chunk (token rows or whole packed pages, dense or strided pages)."""
+        spec = self.units[group]
+        stride = self._stride(dst, group)
+        return unit_slots(spec, pages, start, end, 0, stride // spec.row_bytes if stride else None)
 
     def num_pages(self, dst: tuple[int, int], group: str = "") -> int | None:
         """Pages (state slots) every region of a group of a decode rank holds, or None if the rank
         described none."""
         with self._lock:
-            sizes = [n for (tp, pp, _l, kind), (_a, n, _d) in self._regions.items()
-                     if (tp, pp) == tuple(dst) and kind.rpartition(".")[0] == group]
-        return min(sizes) // self.units[group][1] if sizes else None
+            rows = [(n, s) for (tp, pp, _l, kind), (_a, n, _d, s) in self._regions.items()
+                    if (tp, pp) == tuple(dst) and kind.rpartition(".")[0] == group]
+        if not rows:
+            return None
+        page = self.units[group].page_bytes
+        return min((n - page) // s + 1 if s else n // page for n, s in rows)
 
     def bases(self, dst: tuple[int, int], layers: tuple[int, int],
               kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
@@ -158,11 +180,11 @@ class NixlPeer:
                                             f"kind {kind}", field="nixl_regions",
                                             fix="check the decode rank registered with a NIXL-enabled daemon")
                     rows.append(region)
-            devices = {d for _a, _n, d in rows}
+            devices = {d for _a, _n, d, _s in rows}
             if len(devices) != 1:
                 raise TransferError(f"decode rank {list(dst)} regions span devices {sorted(devices)}",
                                     field="nixl_regions", fix="register each rank's regions on one device")
-            found = (np.array([a for a, _n, _d in rows], dtype=np.uint64), min(n for _a, n, _d in rows),
+            found = (np.array([a for a, _n, _d, _s in rows], dtype=np.uint64), min(n for _a, n, _d, _s in rows),
                      devices.pop())
             self._bases[key] = found
             return found

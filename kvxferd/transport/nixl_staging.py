@@ -293,7 +293,7 @@ class Assemblies:
                         check(sink)
                         per_slot = slices_per_slot(sink.writer.slice_bytes, header["pack"])
                         regions = sink.regions()
-                        n_blocks = block_count(len(regions), sink.end - sink.start, per_slot)
+                        n_blocks = block_count(len(regions), sink.dst_slots.size, per_slot)
                         if n_blocks > MAX_BLOCKS:
                             raise RequestError(f"chunk cut into {n_blocks} blocks of {header['pack']} bytes; at "
                                                f"most {MAX_BLOCKS} are accepted", field="pack",
@@ -320,7 +320,7 @@ class Assemblies:
             if finish_failed is not None:
                 self.inbox.finish(finish_failed, False)
         sink = asm.sink
-        return asm, block_pieces(k, len(asm.regions), sink.end - sink.start, asm.per_slot, sink.writer.slice_bytes)
+        return asm, block_pieces(k, len(asm.regions), sink.dst_slots.size, asm.per_slot, sink.writer.slice_bytes)
 
     def end_block(self, asm: Assembly, ok: bool) -> bool | None:
         """A block is scattered (or failed): True when it completed its chunk, False when the chunk failed

@@ -169,18 +169,11 @@ class NixlSupport:
         """Pick the transport for a handshake: the first of ours the peer offers too."""
         theirs = list(msg.get("transports") or [])
         mine = self.offered()
-        layout = getattr(decode_spec, "layout", "NHD")
-        tcp_only = f"layout {layout}" if layout != "NHD" else ""
         for name in mine:
             if name not in theirs:
                 continue
             if name != "nixl":
                 return name, None
-            if tcp_only:
-                # its one-sided WRITEs address token rows; packed pages are not wired into it
-                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
-                         q(f"{tcp_only} is moved by tcp only; using the next transport"))
-                continue
             if mode == "staged" and not msg.get("nixl_landing"):
                 log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
                          q("staged mode needs a landing ring the decode daemon did not offer; using tcp"))
@@ -191,15 +184,12 @@ class NixlSupport:
             assert transport is not None
             try:
                 peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
-                                          decode_spec.page_size, decode_spec.page_bytes, msg.get("nixl_landing"),
-                                          _group_units(decode_spec))
+                                          decode_spec, msg.get("nixl_landing"))
             except KvxferError as exc:
                 log.warning("event=nixl_peer_failed peer=%s reason=%s", msg["daemon"], q(str(exc)[:300]))
                 continue
             return "nixl", peer
         unusable = f" (NIXL here: {self.unavailable})" if self.unavailable and "nixl" in self.preference else ""
-        if tcp_only and "nixl" in mine and "nixl" in theirs:
-            unusable += f" ({tcp_only} is moved by tcp only, not nixl)"
         raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}{unusable}, the "
                           f"decode daemon offers {theirs}", field="peer.transports", prefill=mine, decode=theirs,
                           fix="list a common transport in both daemons' peer.transports (tcp works everywhere)")
@@ -266,12 +256,3 @@ class NixlSupport:
         if self.transport is not None:
             self.transport.close()
 
-
-def _group_units(spec: Any) -> dict[str, tuple[int, int]]:
-    """(page size, page bytes) of every cache group of a decode instance, by name (a state
-    group's page is one state slot)."""
-    out = {}
-    for group in getattr(spec, "groups", ()):
-        g = spec.group_spec(group.name)
-        out[group.name] = (g.page_size, g.page_bytes)
-    return out

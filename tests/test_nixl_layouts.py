@@ -1,0 +1,214 @@
+"""Every layout the engine adapters register, moved over NIXL alone.
+
+The daemons here accept NIXL only (``peer.transports = ["nixl"]``), so a pair negotiated
+to any other transport would be refused and its request fail: every case below proves
+NIXL carried it, and the metrics count the exact bytes on NIXL and none on tcp.
+
+- ``NHD_kv`` (vLLM GPU LBNHC), ``HND_kv`` (LBHNC) and ``packed_page`` (vLLM CPU) through
+  simulated engines and the shared byte oracle, direct and staged, matched and TP-mismatched.
+- Strided decode ranks (``page_stride``: vLLM's block-outer layouts keep every layer's page
+  of a block together) and a decode side that already holds a prefix (``expect start``),
+  through hand-registered tensors checked with index arithmetic written here: a destination
+  unit (token row, or packed page) is the prefill TP ranks' units side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+import torch
+
+from e2e_util import Node, module_cluster
+from e2e_util import run_case as e2e_run_case
+from kvxferd.client import EngineClient
+from kvxferd.engine_memory import describe_tensors, share_in_place
+from kvxferd.geometry import InstanceSpec, RankGeometry
+from kvxferd.segments import slot_count
+from nixl_util import NIXL_ENV, NIXL_MISSING, metric
+
+ONLY_NIXL = {**NIXL_ENV, "KVXFERD_PEER_TRANSPORTS": "nixl"}
+NUM_PAGES = 24
+_ids = itertools.count()
+
+
+@pytest.fixture(scope="module")
+def cluster(request):
+    if NIXL_MISSING:
+        pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
+    yield from module_cluster(
+        request, Node("decode-nx", env=ONLY_NIXL),
+        Node("prefill-direct", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct"}),
+        Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}))
+
+
+def kv(layout: str, **overrides) -> InstanceSpec:
+    base = dict(attention="mha", num_layers=3, total_kv_heads=4, head_dim=8, dtype="float16", page_size=8,
+                layout=layout)
+    base.update(overrides)
+    return InstanceSpec(**base)
+
+
+def request_bytes(dspec: InstanceSpec, start: int, end: int) -> int:
+    """KV bytes of tokens ``[start, end)`` over every head and layer (whole pages when packed)."""
+    whole = replace(dspec, tp_size=1)
+    return slot_count(whole, start, end) * whole.row_bytes * len(whole.region_kinds) * whole.num_layers
+
+
+class Carried:
+    """What the prefill and decode daemons counted on each transport around one case."""
+
+    def __init__(self, cluster, prefill: str) -> None:
+        self.pd, self.dd = cluster.daemons[prefill], cluster.daemons["decode-nx"]
+        self.before = self._read()
+
+    def _read(self) -> dict[str, float]:
+        return {f"{side}-{t}": metric(d, name, transport=t)
+                for side, d, name in (("sent", self.pd, "kvxferd_sent_bytes_total"),
+                                      ("received", self.dd, "kvxferd_received_bytes_total"))
+                for t in ("nixl", "tcp")}
+
+    def delta(self) -> dict[str, float]:
+        now = self._read()
+        return {k: now[k] - self.before[k] for k in now}
+
+
+def assert_nixl_carried(carried: Carried, nbytes: int) -> None:
+    assert carried.delta() == {"sent-nixl": nbytes, "received-nixl": nbytes, "sent-tcp": 0, "received-tcp": 0}
+
+
+# -- simulated engines, the shared byte oracle ------------------------------------------------
+
+CASES = {
+    "nhd_kv-tp1": (kv("NHD_kv"), kv("NHD_kv"), 37, None),
+    "nhd_kv-tp2to1-pages4to16": (kv("NHD_kv", tp_size=2, page_size=4), kv("NHD_kv", page_size=16), 37,
+                                 [[0, 13], [13, 37]]),
+    "hnd_kv-tp1to2": (kv("HND_kv"), kv("HND_kv", tp_size=2), 29, [[0, 16], [16, 29]]),
+    "packed-tp2to1": (kv("packed_page", tp_size=2), kv("packed_page"), 37, [[0, 16], [16, 37]]),
+    "packed-tp1": (kv("packed_page"), kv("packed_page"), 20, None),
+}
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_layout_moves_byte_exact_over_nixl_alone(cluster, case, mode):
+    pspec, dspec, n, chunks = CASES[case]
+    carried = Carried(cluster, f"prefill-{mode}")
+    e2e_run_case(cluster, pspec, dspec, prefill=f"prefill-{mode}", decode="decode-nx", n_tokens=n, chunks=chunks,
+                 requests=2, aux=b"nx", tag=f"nl{mode[0]}-", num_pages=NUM_PAGES)
+    assert_nixl_carried(carried, 2 * request_bytes(dspec, 0, n))
+    sent = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode)
+    assert sent >= 2 * request_bytes(dspec, 0, n)  # the mode the prefill daemon was told to move in
+
+
+# -- strided decode pages and a prefix already held, hand-registered ------------------------
+
+class Engine:
+    """One instance's ranks, each a client and its pages in shared memory, ``[block, layer, page]``.
+
+    ``strided``: registered as the decode side of vLLM's block-outer layout, each layer a region
+    whose pages lie ``layers`` pages apart (``page_stride``); otherwise each layer is a dense
+    tensor of its own."""
+
+    def __init__(self, daemon, name: str, role: str, spec: InstanceSpec, blocks: int, strided: bool,
+                 seed: int | None) -> None:
+        self.spec = spec
+        self.clients: list[EngineClient] = []
+        self.ranks: list[str] = []
+        self.pools = []
+        self.pages: list = []  # per rank: (block, layer) -> the page's bytes, as they are now
+        page = spec.page_bytes
+        g = torch.Generator().manual_seed(seed) if seed is not None else None
+        try:
+            for tp in range(spec.tp_size):
+                if strided:
+                    raw = torch.zeros((blocks, spec.num_layers, page), dtype=torch.uint8)
+                    self.pools.append(share_in_place([raw], name=f"{name}-{tp}"))
+                    geo = RankGeometry(spec, tp, 0, blocks, page_stride=spec.num_layers * page)
+                    flat = raw.view(-1)
+                    regions = {(layer, "kv"): flat[layer * page:layer * page + geo.region_bytes]
+                               for layer in range(spec.num_layers)}
+                    self.pages.append(lambda b, layer, raw=raw: raw[b, layer])
+                else:
+                    layers = [torch.randint(0, 256, (blocks, page), dtype=torch.uint8, generator=g)
+                              for _ in range(spec.num_layers)]
+                    self.pools.append(share_in_place(layers, name=f"{name}-{tp}"))
+                    geo = RankGeometry(spec, tp, 0, blocks)
+                    regions = {(layer, "kv"): t for layer, t in enumerate(layers)}
+                    self.pages.append(lambda b, layer, layers=layers: layers[layer][b])
+                client = EngineClient(daemon.socket_path, timeout=30)
+                self.clients.append(client)
+                self.ranks.append(client.register(name, role, geo, describe_tensors(regions)))
+        except BaseException:
+            self.close()
+            raise
+
+    def page(self, tp: int, block: int, layer: int) -> torch.Tensor:
+        return self.pages[tp](block, layer)
+
+    def units(self, tp: int, block: int, layer: int) -> torch.Tensor:
+        """The page cut into units (token rows, or one packed page): ``[units, unit bytes]``."""
+        per_page = self.spec.page_size // self.spec.slot_tokens
+        return self.page(tp, block, layer).view(per_page, -1)
+
+    def close(self) -> None:
+        for c in self.clients:
+            c.close()
+        for p in self.pools:
+            p.close()
+
+
+def _strided_case(cluster, mode: str, layout: str, tp: int, start: int) -> None:
+    n, blocks = 37, 8
+    pspec, dspec = kv(layout, tp_size=tp), kv(layout)
+    tag = next(_ids)
+    pd, dd = cluster.daemons[f"prefill-{mode}"], cluster.daemons["decode-nx"]
+    prefill = Engine(pd, f"ns-p{tag}", "prefill", pspec, blocks, strided=False, seed=tag)
+    decode = Engine(dd, f"ns-d{tag}", "decode", dspec, blocks, strided=True, seed=None)
+    src, dst = [6, 1, 4, 2, 7], [3, 0, 5, 7, 2]
+    try:
+        for layer in range(dspec.num_layers):  # the prefix the decode side already holds
+            decode.page(0, dst[0], layer).fill_(0xAB)
+        carried = Carried(cluster, f"prefill-{mode}")
+        rid = f"ns-{tag}"
+        decode.clients[0].expect(decode.ranks[0], rid, source_instance=f"ns-p{tag}", source_address=pd.address,
+                                 pages=dst, num_tokens=n, start=start)
+        ps = pspec.page_size
+        for client, rank in zip(prefill.clients, prefill.ranks):  # the whole prompt, cut on a page boundary
+            client.send(rank, rid, pages=src[:2], start=0, end=2 * ps, last=False)
+            client.send(rank, rid, pages=src[2:], start=2 * ps, end=n, last=True)
+        assert decode.clients[0].wait(decode.ranks[0], rid, timeout=60)["state"] == "done"
+        for client, rank in zip(prefill.clients, prefill.ranks):
+            assert client.wait(rank, rid, timeout=60)["state"] == "done"
+        assert_nixl_carried(carried, request_bytes(dspec, start, n))
+        unit = dspec.slot_tokens
+        for layer in range(dspec.num_layers):
+            for i, (s, d) in enumerate(zip(src, dst)):
+                got = decode.units(0, d, layer)
+                if (i + 1) * ps <= start:
+                    assert bool((got == 0xAB).all()), (layer, i)  # the prefix is left alone
+                    continue
+                want = torch.cat([prefill.units(tp_rank, s, layer) for tp_rank in range(tp)], dim=1)
+                rows = min(ps, n - i * ps) if unit == 1 else 1  # a packed page moves whole
+                assert torch.equal(got[:rows], want[:rows]), (layer, i)
+                assert int(got[rows:].count_nonzero()) == 0, (layer, i)  # past the request's last token
+            for b in set(range(blocks)) - set(dst):
+                assert int(decode.page(0, b, layer).count_nonzero()) == 0, (layer, b)  # never a destination
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("layout,tp", [("NHD_kv", 1), ("NHD_kv", 2), ("HND_kv", 2)])
+def test_strided_decode_pages_take_nixl_writes(cluster, mode, layout, tp):
+    if mode == "staged" and tp == 1:
+        pytest.skip("a matched plan has no head slices to stage")
+    _strided_case(cluster, mode, layout, tp, start=0)
+
+
+@pytest.mark.parametrize("mode", ["direct", "staged"])
+@pytest.mark.parametrize("layout", ["NHD_kv", "HND_kv"])
+def test_a_prefix_held_by_the_decode_side_is_not_written_over_nixl(cluster, mode, layout):
+    _strided_case(cluster, mode, layout, 2, start=8)
