@@ -273,6 +273,7 @@ def format_status(status: dict[str, Any]) -> str:
     out += ["", f"peers ({len(status['peers'])})"]
     for p in status["peers"]:
         out.append(f"  {p['address']:<24} {p['state']:<10} {p['side']:<8} last seen {p['last_seen_s']:.1f}s ago")
+    out += _format_transports(status.get("transports") or {})
     requests = status["requests"]
     out += ["", f"requests in flight ({sum(requests.values())})"]
     for state, n in sorted(requests.items()):
@@ -292,6 +293,18 @@ def format_status(status: dict[str, Any]) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if isinstance(f.get("time"), (int, float)) else "-"
         out.append(f"  {when}  {f['side']:<8} {f['request_id']:<20} {f['code']:<20} {f['reason'][:80]}")
     return "\n".join(out)
+
+
+def _format_transports(transports: dict[str, Any]) -> list[str]:
+    """The transport each instance pair runs on; a pair passed over this daemon's first
+    preference says why (a fallback is never silent)."""
+    pairs = transports.get("pairs") or []
+    out = ["", f"transports (preference {', '.join(transports.get('preference') or [])}; nixl: "
+               f"{transports.get('nixl', '-')})"]
+    for p in pairs:
+        why = f"  instead of {p['preferred']}: {p['reason']}: {p['detail'][:160]}" if p.get("reason") else ""
+        out.append(f"  {p['prefill']} -> {p['decode']} via {p['peer']} ({p['side']} side): {p['transport']}{why}")
+    return out
 
 
 def _format_rank_maps(rendezvous: dict[str, Any]) -> list[str]:

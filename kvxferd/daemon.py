@@ -40,6 +40,7 @@ from .metrics import Metrics
 from .registry import Rank, Registry
 from .rendezvous import Rendezvous
 from .staging import StagingPool
+from .transport.choices import PairTransport
 from .transport.hub import Transports
 from .transport.tcp import TcpDataServer
 from .upstream import Upstream
@@ -77,7 +78,8 @@ class Daemon:
             landing_bytes=cfg.limits.nixl_landing_bytes,
             on_received=lambda kind, sink, moved: self.metrics.bytes_received.labels(kind).inc(moved.nbytes),
             on_refused=self.data.chunk_refused,
-            on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc())
+            on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc(),
+            on_fallback=self._transport_fallback)
         self.upstream = Upstream(self)
         self.downstream = Downstream(self)
         self.rendezvous = Rendezvous(self)
@@ -94,6 +96,13 @@ class Daemon:
         for side in ("decode", "prefill"):
             for state in states.ACTIVE:
                 self.metrics.inflight.labels(side, state).set_function(lambda key=(side, state): counts()[key])
+
+    def _transport_fallback(self, choice: PairTransport) -> None:
+        """A pair runs on another transport than this daemon's first choice: said once per pair."""
+        self.metrics.transport_fallbacks.labels(choice.side, choice.preferred, choice.transport, choice.reason).inc()
+        log.warning("event=transport_fallback side=%s peer=%s prefill=%s decode=%s preferred=%s chosen=%s "
+                    "reason=%s detail=%s", choice.side, choice.peer, choice.prefill, choice.decode, choice.preferred,
+                    choice.transport, choice.reason, q(choice.detail))
 
     def _staging_changed(self, slots_in_use: int, bytes_in_use: int) -> None:
         self.metrics.staging_slots.set(slots_in_use)

@@ -178,7 +178,7 @@ class Downstream:
             return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} at {msg.daemon} is bound to "
                                            "another live peer link")
         mode = msg.mode if msg.mode != "auto" else app.cfg.peer.mode
-        transport, remote, mode = app.transports.choose(msg.to_wire(), decode_spec, mode)
+        transport, remote, mode, choice = app.transports.choose(msg.to_wire(), decode_spec, mode)
         plan = make_plan(spec, decode_spec, mode=mode, decode_tensors=msg.decode_tensors is not False,
                          require_same_page_size=app.cfg.peer.require_same_page_size)
         # a decode instance over several daemons: each handshakes; all must find the same plan
@@ -192,7 +192,7 @@ class Downstream:
         app.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
-        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(transport),
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(choice),
                                     ranks, self.max_parts)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:

@@ -114,6 +114,10 @@ class Metrics:
             "kvxferd_peers", "Peer daemons known to this daemon, by state.", ["state"], registry=r)
         self.handshakes = Counter(
             "kvxferd_handshakes", "Handshakes with peer daemons, by result.", ["result"], registry=r)
+        self.transport_fallbacks = Counter(
+            "kvxferd_transport_fallbacks", "Instance pairs that run on another transport than this daemon's "
+            "first preference, by side, transports and reason code.",
+            ["side", "preferred", "chosen", "reason"], registry=r)
         self.refusals = Counter(
             "kvxferd_compat_refusals", "Incompatible instance pairs refused, by geometry field.",
             ["field"], registry=r)

@@ -98,6 +98,20 @@ def test_falls_back_to_tcp_when_the_decode_side_has_no_nixl_installed(cluster):
     with EngineClient(dd.socket_path, timeout=5) as client:
         nixl_state = client.status()["transports"]
     assert nixl_state["preference"] == ["nixl", "tcp"] and "simulated" in nixl_state["nixl"]
+    # the fallback is never silent: each side counts it by reason, logs it once and shows it per pair
+    assert metric(pd, "kvxferd_transport_fallbacks_total", side="prefill", preferred="nixl", chosen="tcp",
+                  reason="not_offered") >= 1
+    assert metric(dd, "kvxferd_transport_fallbacks_total", side="decode", preferred="nixl", chosen="tcp",
+                  reason="unavailable_here") >= 1
+    assert "event=transport_fallback side=prefill" in pd.log() and "reason=not_offered" in pd.log()
+    assert "event=transport_fallback side=decode" in dd.log() and "reason=unavailable_here" in dd.log()
+    with EngineClient(pd.socket_path, timeout=5) as client:
+        pairs = [p for p in client.status()["transports"]["pairs"] if p["peer"] == dd.address]
+    assert pairs and all(p["transport"] == "tcp" and p["preferred"] == "nixl" and p["reason"] == "not_offered"
+                         and "offers ['tcp']" in p["detail"] for p in pairs), pairs
+    before = pd.log().count("event=transport_fallback")
+    run_case(cluster, spec(tp_size=2), spec(), decode="decode-no-nixl", n_tokens=21, requests=1)  # new pair
+    assert pd.log().count("event=transport_fallback") == before + 1  # once per pair, not per request
 
 
 @needs_nixl
@@ -109,6 +123,11 @@ def test_falls_back_to_tcp_when_the_prefill_side_does_not_enable_nixl(cluster):
     assert metric(dd, "kvxferd_received_bytes_total", transport="tcp") > tcp0
     assert metric(dd, "kvxferd_received_bytes_total", transport="nixl") == nixl0
     assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl") == 0
+    assert metric(pd, "kvxferd_transport_fallbacks_total") == 0  # tcp is all it prefers
+    assert metric(dd, "kvxferd_transport_fallbacks_total", side="decode", chosen="tcp", reason="peer_chose") >= 1
+    with EngineClient(dd.socket_path, timeout=5) as client:
+        pairs = [p for p in client.status()["transports"]["pairs"] if p["peer"] == pd.address]
+    assert pairs and pairs[-1]["reason"] == "peer_chose" and "chose tcp" in pairs[-1]["detail"], pairs
 
 
 # -- faults ----------------------------------------------------------------------------
@@ -305,8 +324,21 @@ def test_negotiation_refuses_a_pair_without_a_common_transport():
                                     max_pages=1 << 10)
     tcp_only.unavailable = "simulated"
     assert tcp_only.offered() == ["tcp"]
-    assert tcp_only.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a", "nixl_md": [b"x"]},
-                           spec(), "auto") == ("tcp", None)
+    chosen, remote, fallback = tcp_only.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a",
+                                                "nixl_md": [b"x"]}, spec(), "auto")
+    assert (chosen, remote, fallback.code) == ("tcp", None, "unavailable_here") and "simulated" in fallback.detail
+    chosen, remote, fallback = tcp_only.choose({"daemon": "d:1", "transports": ["tcp"]}, spec(), "auto")
+    assert fallback.code == "unavailable_here"  # the first reason the preferred one was passed over
+    tcp_first = NixlSupport("unit", ["tcp", "nixl"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                            max_pages=1 << 10)
+    tcp_first.unavailable = "simulated"
+    assert tcp_first.choose({"daemon": "d:1", "transports": ["tcp"]}, spec(), "auto") == ("tcp", None, None)
+    no_ring = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                          max_pages=1 << 10)
+    no_ring.get = lambda: object()  # an agent that is never asked for anything here
+    chosen, _, fallback = no_ring.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a",
+                                          "nixl_md": [b"x"]}, spec(), "staged")
+    assert (chosen, fallback.code) == ("tcp", "no_landing_ring") and "landing ring" in fallback.detail
     assert tcp_only.describe() == {"preference": ["nixl", "tcp"], "nixl": "simulated"}
 
 

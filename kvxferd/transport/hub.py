@@ -15,7 +15,9 @@ import numpy as np
 from ..inbox import DestEntry, Inbox, Sink
 from ..registry import Rank
 from ..staging import StagingPool
+from . import choices
 from .base import Moved, Transport
+from .choices import PairTransport, TransportChoices
 from .local import LocalTransport
 from .nixl_support import NixlSupport
 from .tcp import TcpDataServer, TcpTransport
@@ -29,8 +31,12 @@ class Transports:
                  landing_slots: int, landing_bytes: int,
                  on_received: Callable[[str, Sink, Moved], None],
                  on_refused: Callable[[DestEntry, str, str], None],
-                 on_invalid: Callable[[str], None]) -> None:
+                 on_invalid: Callable[[str], None],
+                 on_fallback: Callable[[PairTransport], None] = lambda choice: None) -> None:
         self.inbox = inbox
+        #: each instance pair's transport as its handshake chose it, for ``status``
+        self.choices = TransportChoices()
+        self.on_fallback = on_fallback
         self.timeout_s = timeout_s
         self.max_header_bytes = max_header_bytes
         self.on_received = on_received
@@ -85,8 +91,22 @@ class Transports:
         return self.nixl.handshake_fields(source, prefill, decode)
 
     def accepted(self, source: str, prefill: str, decode: str, reply: dict[str, Any]) -> str:
-        """The transport the source chose in its handshake answer."""
-        return self.nixl.accepted(source, prefill, decode, reply)
+        """The transport the source chose in its handshake answer (recorded for ``status``; a
+        pair passed over this daemon's first preference is reported once)."""
+        chosen = self.nixl.accepted(source, prefill, decode, reply)
+        preferred = self.nixl.offered()[0] if self.nixl.offered() else chosen
+        reason = detail = ""
+        if chosen != self.nixl.preference[0]:
+            said = reply.get("transport_reason")
+            if preferred != self.nixl.preference[0]:  # not even offered: unusable here
+                reason, detail = choices.UNAVAILABLE_HERE, f"{self.nixl.preference[0]} is unusable here: " \
+                                                           f"{self.nixl.unavailable}"
+            else:
+                reason = choices.PEER_CHOSE
+                detail = f"the source daemon chose {chosen}" + (f" ({said})" if isinstance(said, str) else "")
+        self._record(PairTransport("decode", source, prefill, decode, chosen, self.nixl.preference[0], reason,
+                                   detail))
+        return chosen
 
     def receive_kind(self, source: str, prefill: str, decode: str) -> str:
         """How a destination fed by a remote source receives: the pair's negotiated transport."""
@@ -97,15 +117,29 @@ class Transports:
         return self.nixl.expect_fields(source, entry)
 
     # -- negotiation (prefill side) --------------------------------------------------------
-    def choose(self, offer: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, Any, str]:
-        """The transport for a handshake, its remote agent (NIXL) and the mode it moves in."""
-        transport, remote = self.nixl.choose(offer, decode_spec, mode)
+    def choose(self, offer: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, Any, str, PairTransport]:
+        """The transport for a handshake, its remote agent (NIXL), the mode it moves in, and the
+        pair's outcome (recorded for ``status``; a new fallback is reported once)."""
+        transport, remote, fallback = self.nixl.choose(offer, decode_spec, mode)
         if remote is not None and remote.credits is None and mode == "auto":
             mode = "direct"  # no landing ring to stage into: NIXL writes the head slices one by one
-        return transport, remote, mode
+        choice = PairTransport("prefill", str(offer.get("daemon")), str(offer.get("prefill_instance")),
+                               str(offer.get("decode_instance")), transport, self.nixl.preference[0],
+                               fallback.code if fallback else "", fallback.detail if fallback else "")
+        self._record(choice)
+        return transport, remote, mode, choice
 
-    def answer(self, transport: str) -> dict[str, Any]:
-        return self.nixl.answer(transport)
+    def answer(self, choice: PairTransport) -> dict[str, Any]:
+        """The handshake answer's transport fields; a fallback's reason goes along so the decode
+        daemon can show it too."""
+        fields = self.nixl.answer(choice.transport)
+        if choice.reason:
+            fields["transport_reason"] = f"{choice.reason}: {choice.detail}"[:500]
+        return fields
+
+    def _record(self, choice: PairTransport) -> None:
+        if self.choices.record(choice) and choice.reason:
+            self.on_fallback(choice)
 
     def prepare(self, kind: str, remote: Any, dst: tuple[int, int],
                 fields: dict[str, Any]) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
@@ -137,7 +171,7 @@ class Transports:
         self.nixl.deregister(rank)
 
     def describe(self) -> dict[str, Any]:
-        return self.nixl.describe()
+        return {**self.nixl.describe(), "pairs": self.choices.describe()}
 
     def close(self) -> None:
         self.tcp.close()

@@ -19,7 +19,9 @@ from ..logutil import q
 from ..registry import Rank
 from ..segments import as_pages
 from ..staging import StagingPool
+from . import choices
 from .base import Moved
+from .choices import Fallback
 from .nixl import NixlPeer, NixlTransport, _why
 
 log = logging.getLogger("kvxferd.nixl")
@@ -165,20 +167,28 @@ class NixlSupport:
         return fields
 
     # -- prefill side ----------------------------------------------------------------
-    def choose(self, msg: dict[str, Any], decode_spec: Any, mode: str) -> tuple[str, NixlPeer | None]:
-        """Pick the transport for a handshake: the first of ours the peer offers too."""
+    def choose(self, msg: dict[str, Any], decode_spec: Any,
+               mode: str) -> tuple[str, NixlPeer | None, Fallback | None]:
+        """Pick the transport for a handshake: the first of ours the peer offers too; and why the
+        first we prefer was passed over, if it was."""
         theirs = list(msg.get("transports") or [])
         mine = self.offered()
-        for name in mine:
+        skipped: dict[str, Fallback] = {}
+        for name in self.preference:
+            if name not in mine:
+                skipped[name] = Fallback(choices.UNAVAILABLE_HERE, f"{name} is unusable here: {self.unavailable}")
+                continue
             if name not in theirs:
+                skipped[name] = Fallback(choices.NOT_OFFERED, f"the decode daemon offers {theirs}")
                 continue
             if name != "nixl":
-                return name, None
+                return name, None, self._passed_over(name, skipped)
             if mode == "staged" and not msg.get("nixl_landing"):
-                log.info("event=nixl_skipped peer=%s reason=%s", msg["daemon"],
-                         q("staged mode needs a landing ring the decode daemon did not offer; using tcp"))
+                skipped[name] = Fallback(choices.NO_LANDING_RING, "staged mode needs a landing ring the decode "
+                                         "daemon did not offer (its limits.nixl_landing_bytes or _slots)")
                 continue
             if not msg.get("nixl_agent") or not msg.get("nixl_md"):
+                skipped[name] = Fallback(choices.NO_AGENT, "the decode daemon's offer carried no NIXL agent")
                 continue
             transport = self.get()
             assert transport is not None
@@ -186,13 +196,19 @@ class NixlSupport:
                 peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
                                           decode_spec, msg.get("nixl_landing"))
             except KvxferError as exc:
-                log.warning("event=nixl_peer_failed peer=%s reason=%s", msg["daemon"], q(str(exc)[:300]))
+                skipped[name] = Fallback(choices.PEER_FAILED, f"loading the decode daemon's agent failed: "
+                                         f"{str(exc)[:300]}")
                 continue
-            return "nixl", peer
-        unusable = f" (NIXL here: {self.unavailable})" if self.unavailable and "nixl" in self.preference else ""
-        raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}{unusable}, the "
-                          f"decode daemon offers {theirs}", field="peer.transports", prefill=mine, decode=theirs,
+            return "nixl", peer, self._passed_over(name, skipped)
+        why = "; ".join(f"{name}: {f.detail}" for name, f in skipped.items())
+        raise PlanRefusal(f"no transport in common: the prefill daemon accepts {self.preference}, the "
+                          f"decode daemon offers {theirs} ({why})", field="peer.transports", prefill=mine,
+                          decode=theirs,
                           fix="list a common transport in both daemons' peer.transports (tcp works everywhere)")
+
+    def _passed_over(self, chosen: str, skipped: dict[str, Fallback]) -> Fallback | None:
+        preferred = self.preference[0]
+        return None if chosen == preferred else skipped.get(preferred)
 
     def answer(self, transport: str) -> dict[str, Any]:
         if transport == "nixl" and self.transport is not None:
