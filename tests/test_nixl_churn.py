@@ -32,7 +32,8 @@ CASES = [  # (prefill spec, decode spec, tokens): Llama-8B-like TP1, PP2 -> PP1 
 def cluster(request):
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
-    env = {**NIXL_ENV, "KVXFERD_PEER_MODE": "direct"}
+    # no landing ring: every chunk is a direct WRITE of its runs (with one, small head slices are staged)
+    env = {**NIXL_ENV, "KVXFERD_PEER_MODE": "direct", "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}
     yield from module_cluster(request, Node("prefill-nixl", SLOW_TIMEOUTS, env), Node("decode-nixl", SLOW_TIMEOUTS, env))
 
 

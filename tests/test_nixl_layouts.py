@@ -39,8 +39,14 @@ def cluster(request):
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
     yield from module_cluster(
         request, Node("decode-nx", env=ONLY_NIXL),
+        # no landing ring: nothing to stage into, so every chunk is one direct WRITE of its runs
+        Node("decode-no-ring", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
         Node("prefill-direct", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct"}),
         Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}))
+
+
+#: mode -> (prefill daemon, decode daemon): direct WRITEs of every run, or staged blocks
+PAIRS = {"direct": ("prefill-direct", "decode-no-ring"), "staged": ("prefill-staged", "decode-nx")}
 
 
 def kv(layout: str, **overrides) -> InstanceSpec:
@@ -59,8 +65,8 @@ def request_bytes(dspec: InstanceSpec, start: int, end: int) -> int:
 class Carried:
     """What the prefill and decode daemons counted on each transport around one case."""
 
-    def __init__(self, cluster, prefill: str) -> None:
-        self.pd, self.dd = cluster.daemons[prefill], cluster.daemons["decode-nx"]
+    def __init__(self, cluster, prefill: str, decode: str) -> None:
+        self.pd, self.dd = cluster.daemons[prefill], cluster.daemons[decode]
         self.before = self._read()
 
     def _read(self) -> dict[str, float]:
@@ -94,12 +100,27 @@ CASES = {
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_layout_moves_byte_exact_over_nixl_alone(cluster, case, mode):
     pspec, dspec, n, chunks = CASES[case]
-    carried = Carried(cluster, f"prefill-{mode}")
-    e2e_run_case(cluster, pspec, dspec, prefill=f"prefill-{mode}", decode="decode-nx", n_tokens=n, chunks=chunks,
+    prefill, decode = PAIRS[mode]
+    carried = Carried(cluster, prefill, decode)
+    before = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode)
+    e2e_run_case(cluster, pspec, dspec, prefill=prefill, decode=decode, n_tokens=n, chunks=chunks,
                  requests=2, aux=b"nx", tag=f"nl{mode[0]}-", num_pages=NUM_PAGES)
     assert_nixl_carried(carried, 2 * request_bytes(dspec, 0, n))
-    sent = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode)
-    assert sent >= 2 * request_bytes(dspec, 0, n)  # the mode the prefill daemon was told to move in
+    sent = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode) - before
+    assert sent == 2 * request_bytes(dspec, 0, n)  # every byte in the mode the pair was set up for
+
+
+def test_a_direct_plan_of_small_head_slices_is_staged_by_the_daemon(cluster):
+    """Direct WRITEs of 64-byte head slices would cost a descriptor each: where the decode daemon
+    gave a landing ring, the prefill daemon gathers them into blocks itself and says so."""
+    pspec, dspec, n, chunks = CASES["nhd_kv-tp2to1-pages4to16"]
+    carried = Carried(cluster, "prefill-direct", "decode-nx")
+    before = {m: metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
+    e2e_run_case(cluster, pspec, dspec, prefill="prefill-direct", decode="decode-nx", n_tokens=n, chunks=chunks,
+                 requests=1, tag="nla-", num_pages=NUM_PAGES)
+    assert_nixl_carried(carried, request_bytes(dspec, 0, n))
+    after = {m: metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
+    assert (after["direct"] - before["direct"], after["staged"] - before["staged"]) == (0, request_bytes(dspec, 0, n))
 
 
 # -- strided decode pages and a prefix already held, hand-registered ------------------------
@@ -163,14 +184,15 @@ def _strided_case(cluster, mode: str, layout: str, tp: int, start: int) -> None:
     n, blocks = 37, 8
     pspec, dspec = kv(layout, tp_size=tp), kv(layout)
     tag = next(_ids)
-    pd, dd = cluster.daemons[f"prefill-{mode}"], cluster.daemons["decode-nx"]
+    prefill_name, decode_name = PAIRS[mode]
+    pd, dd = cluster.daemons[prefill_name], cluster.daemons[decode_name]
     prefill = Engine(pd, f"ns-p{tag}", "prefill", pspec, blocks, strided=False, seed=tag)
     decode = Engine(dd, f"ns-d{tag}", "decode", dspec, blocks, strided=True, seed=None)
     src, dst = [6, 1, 4, 2, 7], [3, 0, 5, 7, 2]
     try:
         for layer in range(dspec.num_layers):  # the prefix the decode side already holds
             decode.page(0, dst[0], layer).fill_(0xAB)
-        carried = Carried(cluster, f"prefill-{mode}")
+        carried = Carried(cluster, prefill_name, decode_name)
         rid = f"ns-{tag}"
         decode.clients[0].expect(decode.ranks[0], rid, source_instance=f"ns-p{tag}", source_address=pd.address,
                                  pages=dst, num_tokens=n, start=start)

@@ -57,6 +57,7 @@ from ..copier import gather
 from ..segments import paired_segments
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
+from .framing import SMALL_RUN
 from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
                        loaded)
 from .nixl_receive import NixlReceiver, _why
@@ -238,7 +239,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 gate.leave()
 
     def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
-        if job.mode == "staged" and peer.credits is not None and self.staging is not None:
+        can_stage = peer.credits is not None and self.staging is not None
+        if job.mode == "staged" and can_stage:
             return self._send_staged(job, peer, peer.credits, self.staging)
         if job.dst_pages is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
@@ -255,6 +257,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(segs) == 0:
             self._notify(peer.agent, notif)
             return Moved(job.nbytes, 0, "direct")
+        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs) and all(r.is_cpu for r in job.regions()):
+            # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
+            # cost UCX more than gathering them into landing-slot blocks (tcp's rule for socket views)
+            return self._send_staged(job, peer, peer.credits, self.staging)
         ends_src = int((segs.src + segs.lengths).max())
         ends_dst = int((segs.dst + segs.lengths).max())
         if ends_src > src_limit or ends_dst > dst_limit:
