@@ -95,10 +95,11 @@ class Workload:
     d_tp: int = 1
     p_page: int = 16
     d_page: int = 16
+    layout: str = "NHD"  # both sides' (vLLM's GPU views: NHD_kv = LBNHC, HND_kv = LBHNC)
 
     @property
     def label(self) -> str:
-        parts = [self.model, _tokens(self.tokens)]
+        parts = [self.model, _tokens(self.tokens)] + ([self.layout] if self.layout != "NHD" else [])
         if (self.p_tp, self.d_tp) != (1, 1) or self.model == "70B":
             parts.append(f"tp{self.p_tp}>{self.d_tp}")
         if self.p_page != self.d_page:
@@ -115,8 +116,8 @@ class Workload:
     def specs(self) -> tuple[Any, Any]:
         from ...geometry import InstanceSpec
         m = MODELS[self.model]
-        return (InstanceSpec(tp_size=self.p_tp, page_size=self.p_page, **m),
-                InstanceSpec(tp_size=self.d_tp, page_size=self.d_page, **m))
+        return (InstanceSpec(tp_size=self.p_tp, page_size=self.p_page, layout=self.layout, **m),
+                InstanceSpec(tp_size=self.d_tp, page_size=self.d_page, layout=self.layout, **m))
 
 
 @dataclass

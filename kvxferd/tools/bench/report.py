@@ -159,6 +159,8 @@ def _cells(r: Row) -> tuple[str, ...]:
         other = f"{r.ms:.2f} ms"
     if r.moved_as and r.group == "kvxferd" and r.moved_as != r.mode:
         other = (other + " " if other else "") + f"moved {r.moved_as}"
+    if r.transport == "nixl" and r.extra.get("fragments_per_chunk") is not None:  # descriptors per WRITE'd chunk
+        other = (other + " " if other else "") + f"{r.extra['fragments_per_chunk']:,.1f} desc/chunk"
     if r.extra.get("first_attempt_error"):
         other = (other + " " if other else "") + "retried"
     check = ("skipped: " + r.skipped) if r.skipped else (

@@ -67,6 +67,10 @@ def _full(add: _Adder) -> None:
     for p_tp, d_tp in ((2, 1), (1, 2)):
         for m in modes:
             add("throughput", "nixl", m, Workload("70B", 2048, p_tp, d_tp))
+    # vLLM's GPU layouts over NIXL: token-major (NHD_kv) and head-major pages (HND_kv), matched and sliced
+    for layout in ("NHD_kv", "HND_kv"):
+        for p_tp, d_tp in ((1, 1), (2, 1)):
+            add("throughput", "nixl", "direct", Workload("70B", 2048, p_tp, d_tp, layout=layout))
     for t in ("local", "tcp"):
         for model in ("8B", "tiny"):
             add("latency", t, "direct", Workload(model, 16), requests=400, window=1, verify=1)
@@ -173,6 +177,10 @@ def chunk_counts(metrics_url: str) -> dict[str, float]:
     except OSError:
         return {}
     out: dict[str, float] = {}
+    for name in ("sum", "count"):  # contiguous fragments (NIXL: descriptors) of every moved chunk
+        found = re.search(rf'^kvxferd_chunk_fragments_{name}\s+([0-9.e+]+)$', text, re.M)
+        if found:
+            out[f"fragments/{name}"] = float(found.group(1))
     for m in re.finditer(r'^kvxferd_chunks_total\{([^}]*)\}\s+([0-9.e+]+)$', text, re.M):
         labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
         key = f'{labels.get("transport", "?")}/{labels.get("mode", "?")}'
@@ -275,7 +283,10 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
 
 def _record_moved(row: Row, before: dict[str, float], after: dict[str, float]) -> None:
     """How the daemon moved the scenario's chunks (transport/mode), from its chunk counters."""
-    moved = [k for k in sorted(after) if after[k] - before.get(k, 0.0) > 0]
+    chunks = after.get("fragments/count", 0.0) - before.get("fragments/count", 0.0)
+    if chunks > 0:
+        row.extra["fragments_per_chunk"] = round((after["fragments/sum"] - before.get("fragments/sum", 0.0)) / chunks, 1)
+    moved = [k for k in sorted(after) if after[k] - before.get(k, 0.0) > 0 and not k.startswith("fragments/")]
     row.moved_as = "+".join(k.split("/", 1)[1] for k in moved) if moved else None
     row.extra["moved"] = "+".join(moved) if moved else None
     if row.transport == "nixl" and moved and not all(k.startswith("nixl/") for k in moved):
