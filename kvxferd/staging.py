@@ -92,7 +92,10 @@ class StagingPool:
 
     def __init__(self, total_bytes: int, slot_bytes: int,
                  on_change: Callable[[int, int], None] | None = None,
-                 on_wait: Callable[[], None] | None = None) -> None:
+                 on_wait: Callable[[], None] | None = None, device: str = "cpu") -> None:
+        """``device``: where the slots live; host slots are pinned where CUDA is present, a
+        ``cuda:N`` pool stages device regions on their own GPU (gather and scatter stay there)."""
+        self.device = torch.device(device)
         self.slot_bytes = slot_bytes
         self.capacity = max(1, total_bytes // slot_bytes)
         self._free: list[torch.Tensor] = []
@@ -124,8 +127,7 @@ class StagingPool:
             if self._free:
                 slot = self._free.pop()
             else:
-                slot = torch.empty(self.slot_bytes, dtype=torch.uint8,
-                                   pin_memory=torch.cuda.is_available())
+                slot = _slot(self.slot_bytes, self.device)
                 self._allocated += 1
             self._in_use += 1
             self._changed()
@@ -158,3 +160,10 @@ class StagingPool:
     def _changed(self) -> None:
         if self._on_change:
             self._on_change(self._in_use, self._in_use * self.slot_bytes)
+
+
+def _slot(nbytes: int, device: torch.device) -> torch.Tensor:
+    """One staging buffer: on its GPU, or pinned host memory where CUDA is present."""
+    if device.type == "cuda":
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())

@@ -675,7 +675,7 @@ def measure(d: DaemonProc) -> dict[str, Any]:
 EXACT = ("requests", "ranks", "registered_ranks_metric", "inflight_metric", "staging_slots_in_use",
          "staging_bytes_in_use", "landing_rings", "landing_bytes_held", "credits_out", "nixl_registrations")
 #: NIXL registrations of staging slots stay with the pool for good (bounded by limits.staging_bytes): reported only
-GROWS_TO_A_BOUND = ("staging_slots",)
+GROWS_TO_A_BOUND = ("staging_slots", "device_staging_pools")
 
 
 def _exact(value: Any) -> Any:

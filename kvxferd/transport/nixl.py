@@ -53,7 +53,7 @@ from ..errors import KvxferError, RequestError, TransferError
 from ..inbox import DestEntry, Inbox, Sink
 from ..logutil import q
 from ..registry import Rank
-from ..copier import gather
+from ..copier import gather, settle
 from ..segments import paired_segments
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
@@ -117,6 +117,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         self._credits: dict[str, Credits] = {}
         #: prefill side: registrations of local staging slots (the pool keeps its slots for good)
         self._slot_regs: dict[int, Any] = {}
+        #: prefill side: staging pools on GPUs, by device index (device regions stage beside themselves)
+        self._device_pools: dict[int, StagingPool] = {}
         self._conn_md: bytes | None = None
         #: remote agents of peers that went away, removed once no WRITE to them can be pending
         self._forget_at: dict[str, float] = {}
@@ -185,8 +187,11 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             table.extend(rows)
             sent[reg.rank.id] = reg.generation
         fields: dict[str, Any] = {"nixl_agent": self.agent_name, "nixl_md": mds, "nixl_regions": table}
+        # staged blocks land beside the memory they are scattered into: on the decode ranks' GPU
+        # when they all live on one, else in host memory
+        devices = {reg.device for reg in regs}
         try:
-            ring, why = self.landing.for_source(source)
+            ring, why = self.landing.for_source(source, devices.pop() if len(devices) == 1 else -1)
         except Exception as exc:  # noqa: BLE001 - NIXL refused the registration: sliced plans run direct
             ring, why = None, _why(exc)
         if ring is not None:
@@ -198,8 +203,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         return fields, sent
 
     def _register_ring(self, ring: LandingRing) -> None:
-        rows = np.array([[ring.buffer.data_ptr(), ring.nbytes, 0]], dtype=np.uint64)
-        ring.reg_descs = self.agent.register_memory(rows, "DRAM")
+        rows = np.array([[ring.buffer.data_ptr(), ring.nbytes, max(ring.device, 0)]], dtype=np.uint64)
+        ring.reg_descs = self.agent.register_memory(rows, _mem(ring.device))
         ring.metadata = bytes(self.agent.get_partial_agent_metadata(ring.reg_descs, True))
 
     def _deregister_ring(self, ring: LandingRing) -> None:
@@ -241,7 +246,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
     def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
         can_stage = peer.credits is not None and self.staging is not None
         if job.mode == "staged" and can_stage:
-            return self._send_staged(job, peer, peer.credits, self.staging)
+            return self._send_staged(job, peer, peer.credits, self._pool_for(job))
         if job.dst_pages is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
@@ -257,10 +262,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(segs) == 0:
             self._notify(peer.agent, notif)
             return Moved(job.nbytes, 0, "direct")
-        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs) and all(r.is_cpu for r in job.regions()):
+        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs):
             # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
             # cost UCX more than gathering them into landing-slot blocks (tcp's rule for socket views)
-            return self._send_staged(job, peer, peer.credits, self.staging)
+            return self._send_staged(job, peer, peer.credits, self._pool_for(job))
         ends_src = int((segs.src + segs.lengths).max())
         ends_dst = int((segs.dst + segs.lengths).max())
         if ends_src > src_limit or ends_dst > dst_limit:
@@ -318,6 +323,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                     local = pool.acquire(max(0.0, deadline - time.monotonic()))
                 try:
                     _gather_block(job, regions, pieces, local)  # overlaps the previous block's WRITE
+                    settle((local,))  # a device gather must be done before NIXL reads the slot
                     address = self._slot_address(local)
                     if in_flight is not None:
                         pending, in_flight = in_flight, None
@@ -327,7 +333,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                     pool.release(local)
                     raise
                 notif = protocol.encode({**head, "slot": remote_slot, "block": k})
-                handle = self._post_block(peer, credits, remote_slot, address, nbytes, notif,
+                handle = self._post_block(peer, credits, remote_slot, address, _device(local), nbytes, notif,
                                           release=lambda slot=local: pool.release(slot))
                 in_flight = (handle, local)
             if in_flight is not None:
@@ -341,13 +347,15 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 self._sending -= 1
         return Moved(job.nbytes, n_blocks, "staged")
 
-    def _post_block(self, peer: NixlPeer, credits: Credits, remote_slot: int, address: int, nbytes: int,
-                    notif: bytes, release: Callable[[], None]) -> Any:
-        """WRITE one gathered block into its landing slot; ``release`` frees the local slot once done."""
+    def _post_block(self, peer: NixlPeer, credits: Credits, remote_slot: int, address: int, device: int,
+                    nbytes: int, notif: bytes, release: Callable[[], None]) -> Any:
+        """WRITE one gathered block (host memory, or GPU ``device``) into its landing slot (host or
+        GPU memory, as the ring says); ``release`` frees the local slot once done."""
+        remote_device = credits.info.device
         try:
-            return self._post(np.array([[address, nbytes, 0]], dtype=np.uint64), "DRAM",
-                              np.array([[credits.info.slot_address(remote_slot), nbytes, 0]], dtype=np.uint64),
-                              "DRAM", peer.agent, notif, after=release)
+            return self._post(np.array([[address, nbytes, max(device, 0)]], dtype=np.uint64), _mem(device),
+                              np.array([[credits.info.slot_address(remote_slot), nbytes, max(remote_device, 0)]],
+                                       dtype=np.uint64), _mem(remote_device), peer.agent, notif, after=release)
         except TransferError as exc:
             if not getattr(exc, "posted", True):
                 credits.release(remote_slot)  # nothing was posted: the landing slot is still ours
@@ -363,11 +371,27 @@ class NixlTransport(RemoteAgents, NixlReceiver):
     def _slot_address(self, slot: Any) -> int:
         """Address of a local staging slot, registered with NIXL on its first use (the pool keeps slots)."""
         address = slot.data_ptr()
+        device = _device(slot)
         with self._lock:
             if address not in self._slot_regs:
-                rows = np.array([[address, slot.numel(), 0]], dtype=np.uint64)
-                self._slot_regs[address] = self.agent.register_memory(rows, "DRAM")
+                rows = np.array([[address, slot.numel(), max(device, 0)]], dtype=np.uint64)
+                self._slot_regs[address] = self.agent.register_memory(rows, _mem(device))
         return address
+
+    def _pool_for(self, job: ChunkJob) -> StagingPool:
+        """Staging beside the source memory: the host pool for host regions, one pool per GPU (as
+        large as the host pool, allocated as used) for device regions, so a sliced GPU transfer
+        gathers on its own GPU and crosses PCIe never."""
+        assert self.staging is not None
+        device = _device(next(job.regions()).flat)
+        if device < 0:
+            return self.staging
+        with self._lock:
+            pool = self._device_pools.get(device)
+            if pool is None:
+                pool = self._device_pools[device] = StagingPool(
+                    self.staging.capacity * self.staging.slot_bytes, self.staging.slot_bytes, device=f"cuda:{device}")
+        return pool
 
     def _local_bases(self, rank: Rank, layers: tuple[int, int], kinds: tuple[str, ...]) -> tuple[np.ndarray, int, int]:
         with self._lock:
@@ -500,6 +524,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         rings = self.landing.ring_count  # outside our lock: the rings have their own
         with self._lock:
             return {"ranks": len(self._ranks), "staging_slots": len(self._slot_regs),
+                    "device_staging_pools": len(self._device_pools),
                     "landing_rings": rings, "remote_agents": len(self._loaded),
                     "remote_agents_to_drop": len(self._forget_at), "credit_rings": len(self._credits),
                     "unreleased_notifications": len(self._unreleased)}
@@ -519,3 +544,8 @@ def _gather_block(job: ChunkJob, regions: list[Any], pieces: list[Any], local: A
         out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
         gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
                job.head_offset, w.slice_bytes, out)
+
+
+def _device(t: Any) -> int:
+    """GPU index of a tensor, -1 for host memory (NIXL's DRAM)."""
+    return int(t.device.index or 0) if t.device.type == "cuda" else -1

@@ -72,12 +72,14 @@ class RingInfo:
 class LandingRing:
     """Decode side: the slots one source daemon link writes staged blocks into."""
 
-    def __init__(self, ring: int, source: str, count: int, slot_bytes: int) -> None:
+    def __init__(self, ring: int, source: str, count: int, slot_bytes: int, device: int = -1) -> None:
         self.ring = ring
         self.source = source  # control address of the source daemon
         self.count = count
         self.slot_bytes = slot_bytes
-        self.buffer = torch.empty(count * slot_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        self.device = device  # -1: host memory (pinned where CUDA is present); else the GPU it lives on
+        self.buffer = (torch.empty(count * slot_bytes, dtype=torch.uint8, device=f"cuda:{device}") if device >= 0
+                       else torch.empty(count * slot_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
         self.agent = ""  # the source daemon's NIXL agent, once its handshake answer names it
         self.reg_descs: object = None  # the NIXL registration of ``buffer``
         self.metadata: bytes = b""  # partial agent metadata describing ``buffer`` only
@@ -90,7 +92,7 @@ class LandingRing:
 
     @property
     def info(self) -> RingInfo:
-        return RingInfo(self.ring, self.buffer.data_ptr(), self.slot_bytes, self.count, -1)
+        return RingInfo(self.ring, self.buffer.data_ptr(), self.slot_bytes, self.count, self.device)
 
     def slot(self, index: int, nbytes: int) -> torch.Tensor:
         start = index * self.slot_bytes
@@ -187,8 +189,10 @@ class LandingRings:
         with self._lock:
             return sum(r.nbytes for r in self._rings.values()) + sum(r.nbytes for _t, r in self._retired)
 
-    def for_source(self, source: str) -> tuple[LandingRing | None, str]:
-        """The ring of a source daemon link, created on first use; (None, why) when there is none."""
+    def for_source(self, source: str, device: int = -1) -> tuple[LandingRing | None, str]:
+        """The ring of a source daemon link, created on first use on ``device`` (the GPU of the
+        decode ranks it lands for, -1: host); (None, why) when there is none. A link keeps the
+        ring it got first."""
         self.sweep()
         with self._lock:
             ring = self._rings.get(source)
@@ -201,7 +205,7 @@ class LandingRings:
             if held + size > self.budget_bytes:
                 return None, (f"limits.nixl_landing_bytes ({self.budget_bytes}) is taken by "
                               f"{len(self._rings)} rings and {len(self._retired)} in quarantine")
-            ring = LandingRing(self._next, source, self.slots_per_ring, self.slot_bytes)
+            ring = LandingRing(self._next, source, self.slots_per_ring, self.slot_bytes, device)
             self._next += 1
         self._register(ring)  # raises if NIXL refuses: no ring then
         with self._lock:
