@@ -53,6 +53,21 @@ plan: $(STAMP)
 bench: venv
 	$(VENV)/bin/kvxferd bench
 
+# The GPU check (kvxferd/tools/gpu_check.py): KV caches on cuda:0 in SGLang's NHD pool and vLLM's
+# LBNHC and LBHNC views, registered with real daemons by CUDA IPC, moved TP1->TP1, TP2->TP1 and
+# TP1->TP2 over local, tcp and nixl, every destination byte checked against the oracle, GB/s set
+# against a device-to-device copy; bounded by --deadline (420 s). .venv's torch is the CPU build and
+# sees no GPU: on a GPU machine point GPU_PYTHON at a python whose torch has CUDA and which has
+# kvxferd's dependencies (and nixl-cu12 for the nixl cases), e.g.
+#   make gpu-check GPU_PYTHON=/opt/cuda-venv/bin/python
+# Without CUDA it prints why it skipped and exits 0. GPU_CHECK_ARGS="--device cpu" runs the same
+# cases on CPU shared memory (the dry run); --help lists the sizes and the case selection.
+GPU_PYTHON     ?= $(PY)
+GPU_CHECK_ARGS ?=
+.PHONY: gpu-check
+gpu-check: venv
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m kvxferd.tools.gpu_check $(GPU_CHECK_ARGS)
+
 # --- SGLang adapter (kvxferd/adapters/sglang) -------------------------------------------
 # sglang 0.5.23 without its GPU stack: the wheel with --no-deps, then only what its
 # disaggregation/scheduler modules import (tests/engines/sglang/requirements.txt), CPU torch kept.
