@@ -165,7 +165,7 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
     storage = tensor.untyped_storage()
     (device, handle, size, offset, ref_handle, ref_offset, event_handle,
      event_sync) = storage._share_cuda_()
-    return {"device": int(device), "handle": bytes(handle), "size": int(size),
+    return {"device": int(device), "uuid": _device_uuid(int(device)), "handle": bytes(handle), "size": int(size),
             "storage_offset": int(offset) + tensor.storage_offset() * tensor.element_size(),
             # where the storage starts inside the IPC allocation (the caching allocator may have
             # placed it in a larger segment): the daemon opens the storage there, not at the base
@@ -173,6 +173,32 @@ def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
             "ref_handle": bytes(ref_handle), "ref_offset": int(ref_offset),
             "event_handle": bytes(event_handle) if event_handle else b"",
             "event_sync": bool(event_sync)}
+
+
+def _device_uuid(index: int) -> str:
+    """A GPU's UUID: the same in every process, whatever each one's CUDA_VISIBLE_DEVICES numbers it."""
+    try:
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # noqa: BLE001 - a torch without the property: the daemon falls back to the index
+        return ""
+
+
+def local_device(handle: dict[str, Any]) -> int:
+    """This process's index of the GPU a CUDA IPC handle was made on.
+
+    The engine numbers GPUs as its own CUDA_VISIBLE_DEVICES says, which need not match the
+    daemon's (one daemon per node sees every GPU, each engine often only its own as 0): the
+    UUID names the device the same way everywhere. A handle without one (an older client)
+    keeps its index."""
+    uuid = handle.get("uuid") or ""
+    if not uuid:
+        return int(handle["device"])
+    for index in range(torch.cuda.device_count()):
+        if _device_uuid(index) == uuid:
+            return index
+    raise RegistrationError(f"the engine's GPU {uuid} (its cuda:{handle['device']}) is not visible to the daemon "
+                            f"({torch.cuda.device_count()} GPUs here)", field="regions.handle.uuid",
+                            fix="run the daemon with every GPU its engines use visible (CUDA_VISIBLE_DEVICES)")
 
 
 # -- daemon side -------------------------------------------------------------------------
@@ -292,16 +318,17 @@ class MemoryMapper:
             raise RegistrationError("region is CUDA IPC but this daemon has no CUDA", field="regions.mem",
                                     fix="run the daemon with access to the engine's GPUs")
         h = r.get("handle")
+        device = local_device(h)
         try:
             block = int(h.get("block_offset", 0))  # handles from older clients: the storage's own base
             storage = torch.UntypedStorage._new_shared_cuda(
-                h["device"], h["handle"], h["size"], block, h["ref_handle"], h["ref_offset"],
+                device, h["handle"], h["size"], block, h["ref_handle"], h["ref_offset"],
                 h["event_handle"] or None, h["event_sync"])
             offset = int(h["storage_offset"]) - block + int(r.get("offset", 0))
         except Exception as exc:
             raise RegistrationError(f"cannot open CUDA IPC handle: {exc}", field="regions.handle",
                                     fix="send the handle from cuda_ipc_handle() of a live tensor") from None
-        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{h['device']}")
+        flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{device}")
         flat.set_(storage, 0, (storage.nbytes(),))
         if offset < 0 or offset + r["nbytes"] > flat.numel():
             raise RegistrationError("CUDA region exceeds its storage", field="regions.nbytes",

@@ -103,3 +103,18 @@ def test_descriptor_regions_follow_the_same_rule_as_paths(tmp_path):
             assert int(regions[(0, "k")].flat.min()) == 3
         finally:
             os.close(fd)
+
+
+def test_a_cuda_handle_names_its_gpu_by_uuid_and_an_unseen_one_is_refused():
+    """The engine's device index is its own numbering (CUDA_VISIBLE_DEVICES): the daemon finds
+    the GPU by UUID, keeps the index only for handles without one, and refuses a GPU it cannot see."""
+    import torch
+
+    from kvxferd.errors import RegistrationError
+    from kvxferd.memory import local_device
+
+    assert local_device({"device": 3}) == 3  # an older client: its index as sent
+    with pytest.raises(RegistrationError) as err:
+        local_device({"device": 0, "uuid": "GPU-00000000-0000-0000-0000-000000000000"})
+    assert err.value.field == "regions.handle.uuid" and "CUDA_VISIBLE_DEVICES" in str(err.value)
+    assert f"({torch.cuda.device_count()} GPUs here)" in str(err.value)
