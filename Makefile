@@ -86,6 +86,9 @@ $(SGL_STAMP): pyproject.toml $(SGL_DIR)/requirements.txt constraints.txt
 	$(SGL_PY) -m pip install -q --no-deps "sglang==0.5.23"
 	$(SGL_PY) -m pip install -q -c constraints.txt -r $(SGL_DIR)/requirements.txt
 	$(SGL_PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	# NIXL for the daemons these tests start from this venv's python (the nixl variants of the
+	# transfer tests), the wheel alone as in the main venv; without it those variants skip, saying why
+	$(SGL_PY) -m pip install -q --no-deps "nixl-cu12==1.5.1" || echo "warning: nixl-cu12 not installed in $(SGL_VENV): the SGLang tests' nixl variants skip"
 	touch $(SGL_STAMP)
 
 test-sglang: $(SGL_STAMP)
@@ -110,6 +113,9 @@ $(VLLM_STAMP): tests/engines/vllm/requirements.txt constraints.txt pyproject.tom
 	$(VLLM_PY) -m pip install -q -r tests/engines/vllm/requirements.txt -c constraints.txt
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q -e ".[dev]" -c constraints.txt
+	# NIXL for the daemons these tests start from this venv's python (the nixl variants of the
+	# transfer tests), the wheel alone as in the main venv; without it those variants skip, saying why
+	$(VLLM_PY) -m pip install -q --no-deps "nixl-cu12==1.5.1" || echo "warning: nixl-cu12 not installed in $(VLLM_VENV): the vLLM tests' nixl variants skip"
 	touch $(VLLM_STAMP)
 
 .PHONY: test-vllm clean-vllm

@@ -4,6 +4,10 @@ Every transfer is checked byte for byte against an oracle computed head by head 
 prefill pools (``harness.expected_decode``), including rows that must stay untouched
 (other pages, the decode prefix), and the MetadataBuffers row is compared with what the
 prefill side's ``set_buf`` wrote.
+
+The TP-mismatched, the MLA and the decode-prefix transfers run over each transport (``transport_util``): tcp
+on the conftest's daemons, and NIXL on two daemons that accept NIXL alone; their metrics must
+count every KV byte the decode pools took on that transport, and none on the other.
 """
 
 from __future__ import annotations
@@ -13,8 +17,33 @@ import random
 import pytest
 import torch
 
+from e2e_util import Node, module_cluster
 from harness import (KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all, expected_decode,
                      free_port, make_rank, new_senders, run_decode_until_metadata, run_prefill, sglang_wait)
+from transport_util import ONLY_NIXL, TRANSPORTS, Carried, require
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(request):
+    """The conftest's "pd" and "dd", accepting NIXL alone."""
+    yield from module_cluster(request, Node("pd", env=ONLY_NIXL), Node("dd", env=ONLY_NIXL))
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture
+def daemons(request, transport):
+    """The module's daemons of the test's transport."""
+    return request.getfixturevalue("cluster" if transport == "tcp" else "nixl_cluster")
+
+
+def kv_bytes(decode, req) -> int:
+    """What a request moves into the decode pools: one row of every region per token past the prefix."""
+    return sum((req.n_tokens - req.prefix) * buf[0].nbytes for d in decode for buf in d.buffers().values())
 
 
 def deployment(cluster, model, *, tp_p=1, tp_d=1, pp_p=1, pp_d=1, ps_p=4, ps_d=4, pages_p=32, pages_d=32, seed=1):
@@ -55,12 +84,14 @@ def transfer_and_check(model, prefill, decode, addr, req, *, group, tp_p, tp_d, 
 
 
 @pytest.mark.parametrize("tp_p,tp_d", [(2, 1), (1, 2)], ids=["tp2to1", "tp1to2"])
-def test_tp_mismatch_chunked(cluster, gloo, tp_p, tp_d):
+def test_tp_mismatch_chunked(daemons, transport, gloo, tp_p, tp_d):
     model = Model()
-    server, prefill, decode, addr = deployment(cluster, model, tp_p=tp_p, tp_d=tp_d)
+    server, prefill, decode, addr = deployment(daemons, model, tp_p=tp_p, tp_d=tp_d)
     try:
-        transfer_and_check(model, prefill, decode, addr, Request(room=1001 + tp_p, n_tokens=29), group=gloo,
-                           tp_p=tp_p, tp_d=tp_d, chunk_ends=[10, 21])
+        carried = Carried([daemons.daemons["pd"]], [daemons.daemons["dd"]])
+        req = Request(room=1001 + tp_p, n_tokens=29)
+        transfer_and_check(model, prefill, decode, addr, req, group=gloo, tp_p=tp_p, tp_d=tp_d, chunk_ends=[10, 21])
+        carried.assert_only(transport, kv_bytes(decode, req))
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -80,31 +111,37 @@ def test_pp_stages_and_page_sizes_that_differ(cluster, gloo):
         server.close()
 
 
-def test_mla_tp2_to_pp2(cluster, gloo):
+def test_mla_tp2_to_pp2(daemons, transport, gloo):
     """MLA latent rows (kv_lora_rank + rope_dim), every prefill TP rank holding the same
-    latent as SGLang computes it; decode split over 2 PP stages with a smaller page."""
+    latent as SGLang computes it; decode split over 2 PP stages with a smaller page. One
+    prefill rank writes each latent row: the bytes sent equal the bytes received."""
     model = Model(mla=True, num_layers=3)
-    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, pp_d=2, ps_p=8, ps_d=2, seed=3)
+    server, prefill, decode, addr = deployment(daemons, model, tp_p=2, pp_d=2, ps_p=8, ps_d=2, seed=3)
     try:
         for p in prefill[1:]:  # the latent is the same on every TP rank
             for k, t in p.buffers().items():
                 t.copy_(prefill[0].buffers()[k])
         assert prefill[0].manager.geometry.spec.attention == "mla"
-        transfer_and_check(model, prefill, decode, addr, Request(room=3001, n_tokens=21), group=gloo,
-                           tp_p=2, tp_d=1, chunk_ends=[9])
+        carried = Carried([daemons.daemons["pd"]], [daemons.daemons["dd"]])
+        req = Request(room=3001, n_tokens=21)
+        transfer_and_check(model, prefill, decode, addr, req, group=gloo, tp_p=2, tp_d=1, chunk_ends=[9])
+        carried.assert_only(transport, kv_bytes(decode, req))
     finally:
         close_all(*prefill, *decode)
         server.close()
 
 
-def test_decode_prefix_moves_only_the_suffix(cluster, gloo):
+def test_decode_prefix_moves_only_the_suffix(daemons, transport, gloo):
     """decode_prefix_len 8: the decode side holds tokens [0, 8) already (its pages must stay
-    as they were); prefill sends the whole prompt and only [8, 27) lands."""
+    as they were); prefill sends the whole prompt and only [8, 27) lands, and is all that
+    goes over the wire."""
     model = Model()
-    server, prefill, decode, addr = deployment(cluster, model, tp_p=2, tp_d=1, seed=4)
+    server, prefill, decode, addr = deployment(daemons, model, tp_p=2, tp_d=1, seed=4)
     try:
-        transfer_and_check(model, prefill, decode, addr, Request(room=4001, n_tokens=27, prefix=8), group=gloo,
-                           tp_p=2, tp_d=1, chunk_ends=[12])
+        carried = Carried([daemons.daemons["pd"]], [daemons.daemons["dd"]])
+        req = Request(room=4001, n_tokens=27, prefix=8)
+        transfer_and_check(model, prefill, decode, addr, req, group=gloo, tp_p=2, tp_d=1, chunk_ends=[12])
+        carried.assert_only(transport, kv_bytes(decode, req))
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -67,6 +67,10 @@ def main() -> int:
 
     tp, rank, block = cfg["tp"], cfg["rank"], cfg.get("block_size", vu.BLOCK)
     config = vu.vllm_config(Path(cfg["model_dir"]), kv=cfg["kv"], tp=tp, block_size=block)
+    # what vLLM's CPU worker sets before this call (v1/worker/cpu_worker.py): the name its CPU
+    # shared-memory communicator gives the TP group, the same on every rank (the init port); where
+    # vLLM's CPU ops provide that communicator, building the TP group without it raises KeyError
+    os.environ["VLLM_DIST_IDENT"] = str(cfg["dist_port"])
     with set_current_vllm_config(config):
         init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                      distributed_init_method=f"tcp://127.0.0.1:{cfg['dist_port']}")

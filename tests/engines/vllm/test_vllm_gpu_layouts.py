@@ -5,7 +5,9 @@ The per-layer views here are made by vLLM 0.32's own allocation code
 calls), on CPU tensors: the same shapes and strides a GPU worker hands
 ``register_kv_caches``. The connector's pure steps (``layout.decide``, ``rank_geometry``,
 ``layer_span``) turn them into a kvxferd geometry and regions, the buffers go into shared
-memory with ``share_in_place``, and real daemons move them over tcp.
+memory with ``share_in_place``, and real daemons move them over tcp, and the transfers also
+over NIXL (``transport_util``: two daemons that accept NIXL alone, whose metrics must count
+exactly the bytes of the request's decode tokens on NIXL, and none on tcp).
 
 The oracle is vLLM's own reading of the cache: FlashAttention's split
 ``kv_cache.transpose(1, 2).split(head_size, -1)`` (MHA) or the latent view (MLA). Expected
@@ -33,11 +35,12 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.kv_cache_layout import KVCacheLayout
 
-from e2e_util import module_cluster
+from e2e_util import Node, module_cluster
 from kvxferd.adapters.vllm.layout import LayerLayout, decide, layer_span, rank_geometry, same_for_all
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError
 from kvxferd.memory import describe_tensors, share_in_place
+from transport_util import ONLY_NIXL, TRANSPORTS, Carried, require
 
 LAYERS, BLOCKS = 3, 10
 _ids = itertools.count()
@@ -184,6 +187,24 @@ def cluster(request):
     yield from module_cluster(request, "prefill-node", "decode-node")
 
 
+@pytest.fixture(scope="module")
+def nixl_cluster(request):
+    """The same two daemons, accepting NIXL alone."""
+    yield from module_cluster(request, Node("prefill-node", env=ONLY_NIXL), Node("decode-node", env=ONLY_NIXL))
+
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture
+def daemons(request, transport):
+    """The module's daemons of the test's transport."""
+    return request.getfixturevalue("cluster" if transport == "tcp" else "nixl_cluster")
+
+
 class Rank:
     """One engine rank: a vLLM cache in shared memory, registered like the connector does."""
 
@@ -208,11 +229,21 @@ class Rank:
             self.cache.close()
 
 
+def kv_bytes(cache: VllmCache, n: int) -> int:
+    """What ``n`` tokens occupy in a cache, by vLLM's page size: whole blocks when head-major
+    (a head's tokens of a block are one run), token rows otherwise."""
+    page, bs = cache.spec.page_size_bytes, cache.block_size
+    per_layer = -(-n // bs) * page if cache.layout.name.endswith("HNC") else n * page // bs
+    return LAYERS * per_layer
+
+
 def transfer(cluster, prefill_caches, decode_cache, *, n: int, src_blocks, dst_blocks, total_heads: int,
-             chunks=None):
-    """Move ``n`` tokens from the prefill rank(s) into the decode rank, return the ranks."""
+             chunks=None, transport: str = "tcp"):
+    """Move ``n`` tokens from the prefill rank(s) into the decode rank; ``transport`` (the
+    cluster's) carried exactly their bytes, the other none."""
     tag = next(_ids)
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
+    carried = Carried([pd], [dd])
     tp = len(prefill_caches)
     pre = [Rank(pd, f"vgl-p{tag}", "prefill", c, total_heads=total_heads, tp=tp, tp_rank=r)
            for r, c in enumerate(prefill_caches)]
@@ -229,6 +260,7 @@ def transfer(cluster, prefill_caches, decode_cache, *, n: int, src_blocks, dst_b
         assert final["state"] == "done", final
         for p in pre:
             assert p.client.wait(p.rank, rid, timeout=60)["state"] == "done"
+        carried.assert_only(transport, kv_bytes(decode_cache, n))
     finally:
         for r in [*pre, dec]:
             r.close()
@@ -252,30 +284,31 @@ def expected_decode(prefill_caches, decode_cache, *, n, src_blocks, dst_blocks, 
 
 
 @pytest.mark.parametrize("p_layout,d_layout", [("LBNHC", "LBNHC"), ("BLNHC", "LBNHC"), ("LBNHC", "BLNHC")])
-def test_nhd_kv_moves_byte_exact_dense_and_interleaved(cluster, p_layout, d_layout):
+def test_nhd_kv_moves_byte_exact_dense_and_interleaved(daemons, transport, p_layout, d_layout):
     """Token rows; the two sides' page strides differ (block-outer vs layer-outer) and so do
     their block sizes (16 vs 32): kvxferd re-cuts pages, each side addresses its own."""
     p = VllmCache(p_layout, heads=4, block_size=16, head=8)
     d = VllmCache(d_layout, heads=4, block_size=32, head=8)
     p.fill_random(1)
     n, src, dst = 45, [7, 2, 9], [4, 1]
-    transfer(cluster, [p], d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4, chunks=[(0, 20), (20, 45)])
+    transfer(daemons, [p], d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4, chunks=[(0, 20), (20, 45)],
+             transport=transport)
     want = expected_decode([p], d, n=n, src_blocks=src, dst_blocks=dst, heads_per_src=4)
     assert torch.equal(d.raw, want)
     assert int(d.raw.count_nonzero()) > 0
 
 
-def test_nhd_kv_tp2_to_tp1_moves_head_slices(cluster):
+def test_nhd_kv_tp2_to_tp1_moves_head_slices(daemons, transport):
     ps = [VllmCache("LBNHC", heads=2, block_size=16, head=8) for _ in range(2)]
     d = VllmCache("BLNHC", heads=4, block_size=16, head=8)
     for i, p in enumerate(ps):
         p.fill_random(10 + i)
     n, src, dst = 37, [5, 0, 8], [2, 9, 6]
-    transfer(cluster, ps, d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4)
+    transfer(daemons, ps, d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4, transport=transport)
     assert torch.equal(d.raw, expected_decode(ps, d, n=n, src_blocks=src, dst_blocks=dst, heads_per_src=2))
 
 
-def test_hnd_kv_moves_whole_pages_dense_to_interleaved(cluster):
+def test_hnd_kv_moves_whole_pages_dense_to_interleaved(daemons, transport):
     """Head-major blocks (what FlashInfer needs on compute capability 10) move as whole pages,
     TP 2 -> 1 in per-head units; the last page moves whole, tail included."""
     ps = [VllmCache("LBHNC", heads=2, block_size=16, head=8) for _ in range(2)]
@@ -283,17 +316,18 @@ def test_hnd_kv_moves_whole_pages_dense_to_interleaved(cluster):
     for i, p in enumerate(ps):
         p.fill_random(20 + i)
     n, src, dst = 40, [3, 6, 1], [8, 0, 5]
-    transfer(cluster, ps, d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4, chunks=[(0, 16), (16, 40)])
+    transfer(daemons, ps, d, n=n, src_blocks=src, dst_blocks=dst, total_heads=4, chunks=[(0, 16), (16, 40)],
+             transport=transport)
     # whole pages: the oracle owns every token of the three blocks
     assert torch.equal(d.raw, expected_decode(ps, d, n=48, src_blocks=src, dst_blocks=dst, heads_per_src=2))
 
 
-def test_mla_latent_moves_byte_exact(cluster):
+def test_mla_latent_moves_byte_exact(daemons, transport):
     p = VllmCache("BLNHC", heads=1, block_size=16, head=40, mla=True)
     d = VllmCache("LBNHC", heads=1, block_size=16, head=40, mla=True)
     p.fill_random(3)
     n, src, dst = 30, [4, 9], [0, 7]
-    transfer(cluster, [p], d, n=n, src_blocks=src, dst_blocks=dst, total_heads=1)
+    transfer(daemons, [p], d, n=n, src_blocks=src, dst_blocks=dst, total_heads=1, transport=transport)
     assert torch.equal(d.raw, expected_decode([p], d, n=n, src_blocks=src, dst_blocks=dst, heads_per_src=1))
 
 
