@@ -262,6 +262,7 @@ def format_status(status: dict[str, Any]) -> str:
            f"  peer    {status['peer_endpoint']}",
            f"  data    {status['data_endpoint']}",
            f"  metrics {status['metrics_url'] or '(disabled)'}",
+           f"  copies  {_copy_path(status.get('copy_path') or {})}",
            "", f"ranks ({len(status['ranks'])})"]
     for r in status["ranks"]:
         g = r["geometry"]
@@ -293,6 +294,12 @@ def format_status(status: dict[str, Any]) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if isinstance(f.get("time"), (int, float)) else "-"
         out.append(f"  {when}  {f['side']:<8} {f['request_id']:<20} {f['code']:<20} {f['reason'][:80]}")
     return "\n".join(out)
+
+
+def _copy_path(copy: dict[str, Any]) -> str:
+    if copy.get("path") == "native":
+        return f"native ({copy.get('library')})"
+    return f"torch, several times slower: {copy.get('reason', '?')}"
 
 
 def _format_transports(transports: dict[str, Any]) -> list[str]:
