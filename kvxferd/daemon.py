@@ -24,7 +24,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import __version__, auth, sdnotify, status, timers
+from . import __version__, auth, runcopy, sdnotify, status, timers
 from .binding import binding
 from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .dataplane import DataPlane
@@ -235,6 +235,12 @@ class Daemon:
                  self.address, self.data_address, q(metrics_url), __version__)
         if self.cfg.peer.mode == "staged":
             log.info("event=mode_scope mode=staged local=direct reason=%s", q(LOCAL_MODE_NOTE))
+        copy = runcopy.copy_path()
+        self.metrics.copy_path.labels(copy["path"]).set(1)
+        if copy["path"] == "native":
+            log.info("event=copy_path path=native library=%s", q(copy["library"]))
+        else:  # several times slower CPU copies: said where an operator looks first
+            log.warning("event=copy_path path=torch reason=%s", q(copy["reason"]))
         sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.address}")
         await self._stop.wait()
         await self._drain()

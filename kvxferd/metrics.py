@@ -158,5 +158,8 @@ class Metrics:
             "kvxferd_directory_errors", "Rounds with the etcd rank directory that failed (no endpoint answered, or "
             "etcd refused a call); directory.backend = etcd only.", registry=r)
         self.up = Gauge("kvxferd_up", "1 while the daemon serves.", registry=r)
+        self.copy_path = Gauge(
+            "kvxferd_copy_path", "1 for the path CPU page copies take: native (the C run copy built with the "
+            "package) or torch (several times slower; the start-up log says why).", ["path"], registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)

@@ -5,9 +5,12 @@ Python-level slice copy per page, or index kernels through a temporary as large 
 chunk); a C loop of ``memcpy`` over a run list moves the same bytes at memcpy speed, with
 no temporaries, and ctypes releases the GIL for the whole loop.
 
-The library is optional. ``python -m kvxferd.runcopy`` (run by ``make venv``) compiles it
-with the system C compiler next to this module; when it is absent, or ``KVXFERD_RUNCOPY=off``,
-:func:`native` returns None and :mod:`kvxferd.copier` keeps its torch path. The C code
+The library is optional. The package build compiles it where a C compiler exists (setup.py:
+``kvxferd/_runcopy.<abi>.so``, loaded with ctypes, never imported), and ``python -m
+kvxferd.runcopy`` compiles it by hand next to this module (``_runcopy.so``); when neither is
+there, or ``KVXFERD_RUNCOPY=off``, :func:`native` returns None and :mod:`kvxferd.copier`
+keeps its torch path. :func:`copy_path` says which one runs, for the start-up log, ``status``
+and the metrics. The C code
 trusts its offsets, so every wrapper here checks them against the buffers' sizes first
 and raises :class:`~kvxferd.errors.TransferError` instead of writing out of bounds.
 """
@@ -15,6 +18,7 @@ and raises :class:`~kvxferd.errors.TransferError` instead of writing out of boun
 from __future__ import annotations
 
 import ctypes
+import importlib.machinery
 import logging
 import os
 import shutil
@@ -32,7 +36,7 @@ from .segments import SMALL_SLOTS
 log = logging.getLogger("kvxferd.runcopy")
 
 SOURCE = Path(__file__).with_name("runcopy.c")
-LIBRARY = Path(__file__).with_name("_runcopy.so")
+LIBRARY = Path(__file__).with_name("_runcopy.so")  # where ``python -m kvxferd.runcopy`` builds it
 CFLAGS = ("-O2", "-shared", "-fPIC", "-std=c99")
 
 _i64, _ptr, _u64 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_uint64
@@ -268,22 +272,42 @@ class RunCopy:
 _loaded: list[RunCopy | None] = []
 
 
+def library() -> Path | None:
+    """The built library beside this module, newest first: the package build's, or a hand-built one."""
+    found = [p for p in (*(LIBRARY.with_name("_runcopy" + s) for s in importlib.machinery.EXTENSION_SUFFIXES),
+                         LIBRARY) if p.exists()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+#: why the torch path runs (empty while the native library is loaded); set by :func:`native`
+_why_not = [""]
+
+
 def native() -> RunCopy | None:
     """The library beside this module, loaded once; None when not built or turned off."""
     if not _loaded:
         lib = None
+        path = library()
         if os.environ.get("KVXFERD_RUNCOPY", "").lower() in ("off", "0", "no", "false"):
-            log.info("event=runcopy state=off reason=KVXFERD_RUNCOPY")
-        elif not LIBRARY.exists():
-            log.info("event=runcopy state=absent path=%s fix=%s", LIBRARY, "'python -m kvxferd.runcopy'")
+            _why_not[0] = "turned off by KVXFERD_RUNCOPY"
+        elif path is None:
+            _why_not[0] = ("not built: no C compiler when kvxferd was installed; install one (gcc) and "
+                           "reinstall, or run 'python -m kvxferd.runcopy'")
         else:
             try:
-                lib = RunCopy(LIBRARY)
-                log.info("event=runcopy state=loaded path=%s", LIBRARY)
+                lib = RunCopy(path)
             except OSError as exc:
-                log.warning("event=runcopy state=unloadable path=%s error=%s", LIBRARY, exc)
+                _why_not[0] = f"{path} does not load: {exc}"
         _loaded.append(lib)
     return _loaded[0]
+
+
+def copy_path() -> dict[str, str]:
+    """Which copy path this process runs: ``native`` (and the library) or ``torch`` (and why)."""
+    lib = native()
+    if lib is not None:
+        return {"path": "native", "library": str(lib.path)}
+    return {"path": "torch", "reason": _why_not[0]}
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ import socket
 import time
 from typing import TYPE_CHECKING, Any
 
-from . import PROTOCOL_VERSION, __version__
+from . import PROTOCOL_VERSION, __version__, runcopy
 from .lifecycle import states
 
 if TYPE_CHECKING:
@@ -81,5 +81,6 @@ def status(app: "Daemon") -> dict[str, Any]:
         "recent_failures": list(app.life.recent_failures),
         "auth": {"refused_here": app.auth_refusals.describe(), "refused_by_peers": app.auth_refused_by.describe()},
         "transports": app.transports.describe(),
+        "copy_path": runcopy.copy_path(),  # native, or torch and why
         "rendezvous": app.rendezvous.status(),  # instances over several daemons: who holds which rank
     }

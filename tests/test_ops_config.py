@@ -21,7 +21,7 @@ from kvxferd.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
-EXAMPLES = ("single-node.toml", "prefill-node.toml", "decode-node.toml")
+EXAMPLES = ("single-node.toml", "prefill-node.toml", "decode-node.toml", "one-host/prefill.toml", "one-host/decode.toml")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

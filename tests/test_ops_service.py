@@ -235,6 +235,11 @@ def test_status_finds_the_daemon_and_reports_everything(cluster):
     [failure] = st["recent_failures"]
     assert failure["request_id"] == "st-abort" and failure["code"] == "aborted" and failure["side"] == "decode"
     assert 'operator said "stop" now' in failure["reason"]
+    # the copy path this installation runs (the daemon is started from it), in status, metrics and the log
+    from kvxferd import runcopy
+    assert st["copy_path"] == runcopy.copy_path()
+    assert f'kvxferd_copy_path{{path="{st["copy_path"]["path"]}"}} 1.0' in http_get(st["metrics_url"])[2]
+    assert f"event=copy_path path={st['copy_path']['path']}" in dd.log()
 
     # the prefill daemon's view, by explicit socket
     ps = status_of(pd)

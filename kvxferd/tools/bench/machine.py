@@ -90,5 +90,8 @@ def machine() -> dict[str, Any]:
     except (OSError, ValueError, IndexError):
         mem = None
     import torch
+
+    from ... import runcopy
+    # the daemons the bench starts run from this installation: its copy path is theirs
     return {"cores": os.cpu_count(), "cpu": cpu, "memory_bytes": mem, "python": platform.python_version(),
-            "torch": torch.__version__, "kernel": platform.release()}
+            "torch": torch.__version__, "kernel": platform.release(), "copy_path": runcopy.copy_path()}

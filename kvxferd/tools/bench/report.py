@@ -188,8 +188,11 @@ def render_table(rows: list[Row]) -> str:
 def render_text(report: dict[str, Any], rows: list[Row]) -> str:
     """The whole human-readable report: header, table, ratios, targets, the verdict on the bytes."""
     m = report["machine"]
+    copy = m.get("copy_path") or {}
+    copies = "" if not copy else "native copies, " if copy.get("path") == "native" else \
+        f"TORCH copies (several times slower: {copy.get('reason')}), "
     lines = [f"kvxferd bench ({report.get('size') or ('quick' if report['quick'] else 'full')}) on {m['cores']} "
-             f"cores, {m['cpu']}, {report['seconds']:.0f}s", "", render_table(rows), "",
+             f"cores, {m['cpu']}, {copies}{report['seconds']:.0f}s", "", render_table(rows), "",
              "ratios: " + "  ".join(f"{k}={'-' if v is None else v}" for k, v in report["ratios"].items()),
              "targets:"]
     for t in report["targets"]:
