@@ -1,6 +1,6 @@
 """The peer endpoint: this daemon as the prefill side, serving decode daemons.
 
-One function per operation a decode daemon may send (ping, handshake, expect, abort, fence).
+One function per operation a decode daemon may send (ping, handshake, expect, abort, ended, fence).
 Each checks what only the endpoint can check (which link sent it, whether the pair was
 handshaken over it) and hands the request's part to the lifecycle core.
 """
@@ -57,7 +57,8 @@ class Downstream:
         self._received_metric = app.metrics.peer_parts.labels("received")
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
-            "fence": self.fence, "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
+            "ended": self.ended, "fence": self.fence,
+            "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
             "lookup": lambda _identity, msg: self.app.rendezvous.on_lookup(msg)}
 
     async def serve(self) -> None:
@@ -155,8 +156,16 @@ class Downstream:
         return messages.Pong(self.app.address, self.app.incarnation, self.max_parts)
 
     def handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
-        app = self.app
         protocol.check_version(msg.v)
+        try:
+            return self._handshake(identity, msg)
+        except PlanRefusal:
+            # the link that was refused may still end the requests it expected of the pair ("ended")
+            self.app.life.routes.refused(msg.prefill_instance, msg.decode_instance, identity)
+            raise
+
+    def _handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
+        app = self.app
         prefill = msg.prefill_instance
         app.rendezvous.check_dp_request(prefill)  # a DP rank the instance does not have: refused now
         try:  # an instance over several daemons: the whole rank set, or wait (PlanRefusal: ranks disagree)
@@ -235,6 +244,11 @@ class Downstream:
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:
         self.app.dispatch(events.DownstreamAbort(identity, msg.request_id, msg.code or "peer_aborted", msg.reason))
+
+    def ended(self, identity: bytes, msg: messages.PeerEnded) -> None:
+        """Not answered, like an abort; the core decides what the link may end (see ``_downstream_ended``)."""
+        self.app.dispatch(events.DownstreamEnded(identity, msg.request_id, msg.prefill_instance, msg.decode_instance,
+                                                 msg.code, msg.reason))
 
     def fence(self, identity: bytes, msg: messages.Fence) -> messages.Message | None:
         return self.app.dispatch(events.FenceAsked(identity, msg.request_id))

@@ -65,6 +65,9 @@ class DestEntry:
     writer_tokens: dict[tuple[int, int], bytes] = field(default_factory=dict)
     fence_waiting: set[str] = field(default_factory=set)  # source daemons yet to answer "fenced"
     waiting_for: str = ""  # what bootstrap waits on (a source's "retry later"), named if the phase times out
+    #: its failure went to a source daemon as ``ended`` (its expect had not reached it): said once
+    #: more when its bootstrap returns, which puts the handshake ahead of it on the link
+    end_told: bool = False
 
     def source_addresses(self) -> list[str]:
         """Every source daemon of this destination (none: the source instance is on this daemon)."""

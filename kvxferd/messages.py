@@ -237,6 +237,27 @@ class PeerAbort(Message):
 
 
 @dataclass(frozen=True)
+class PeerEnded(Message):
+    """Decode -> prefill: the request a decode rank expected from ``prefill_instance`` ended on the
+    decode side before its expect reached the prefill daemon (the pair was refused at the handshake,
+    by either daemon; the decode engine aborted; a phase timeout; the decode rank went). The prefill
+    daemon fails the request's sources there with ``code`` and ``reason``, and a send or poll that
+    comes later finds it failed. An expect that reached the prefill daemon is ended by :class:`PeerAbort`."""
+
+    op: ClassVar[str] = "ended"
+    request_id: str
+    prefill_instance: str
+    decode_instance: str
+    code: str
+    reason: str
+
+    @classmethod
+    def of(cls, request_id: str, prefill: str, decode: str, code: str, message: str) -> "PeerEnded":
+        return cls(request_id, prefill, decode, code[:MAX_CODE] or "failed",
+                   message[:MAX_REASON] or "the request ended on the decode side")
+
+
+@dataclass(frozen=True)
 class Fence(Message):
     """Decode -> prefill: the request failed here; answer :class:`Fenced` once no WRITE is in flight."""
 
@@ -330,7 +351,7 @@ class PeerError(Message):
 ENGINE_TYPES: dict[str, type[Message]] = {
     t.op: t for t in (Register, Unregister, Expect, Send, Poll, Abort, Status, Ping)}
 PEER_TYPES: dict[str, type[Message]] = {
-    t.op: t for t in (Handshake, PeerExpect, PeerAbort, Fence, Fenced, Announce, Lookup, PeerPing, Pong)}
+    t.op: t for t in (Handshake, PeerExpect, PeerAbort, PeerEnded, Fence, Fenced, Announce, Lookup, PeerPing, Pong)}
 assert set(ENGINE_TYPES) == set(protocol.ENGINE_SCHEMAS) and set(PEER_TYPES) == set(protocol.PEER_SCHEMAS)
 
 

@@ -7,6 +7,7 @@ transport, reason code, field, endpoint, peer state, phase; never request ids.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import prometheus_client
@@ -17,6 +18,11 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0
 FRAGMENT_BUCKETS = (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536, 262144, 1048576)
 PARTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 1024)
 SIZE_BUCKETS = tuple(float(4 ** k) * 1024 for k in range(1, 13))
+
+#: a failure code used as a label: a peer chooses the codes it sends, so only code-like tokens are
+#: kept, and only so many distinct ones; anything else counts as "other"
+_CODE_LABEL = re.compile(r"^[a-z][a-z0-9_]{0,47}$")
+MAX_CODE_LABELS = 64
 
 
 class _BoundChildren:
@@ -79,6 +85,11 @@ class Metrics:
         self.failures = Counter(
             "kvxferd_transfer_failures", "Failed requests by bounded reason code and side.",
             ["side", "reason"], registry=r)
+        self.peer_ends = Counter(
+            "kvxferd_peer_ends", "Requests failed here because the other side of the request ended it, by side "
+            "(prefill: a decode side's refusal at the handshake, abort, timeout, dead rank or daemon; decode: a "
+            "source's) and the code the other side gave.", ["side", "code"], registry=r)
+        self._code_labels: set[str] = set()
         self.bytes_sent = Counter(
             "kvxferd_sent_bytes", "KV bytes sent to destinations, by transport and mode.",
             ["transport", "mode"], registry=r)
@@ -163,3 +174,16 @@ class Metrics:
             "package) or torch (several times slower; the start-up log says why).", ["path"], registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)
+
+    def code_label(self, code: str) -> str:
+        """``code`` as a bounded label value (see ``MAX_CODE_LABELS``)."""
+        if code in self._code_labels:
+            return code
+        if not _CODE_LABEL.match(code) or len(self._code_labels) >= MAX_CODE_LABELS:
+            return "other"
+        self._code_labels.add(code)
+        return code
+
+    def peer_end(self, side: str, code: str) -> None:
+        """A request failed on ``side`` because the other side of it ended it with ``code``."""
+        self.peer_ends.labels(side, self.code_label(code)).inc()

@@ -311,6 +311,11 @@ PEER_SCHEMAS: dict[str, Schema] = {
                   "nixl_regions": NIXL_OFFER["nixl_regions"]}),
     "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
                     optional={"code": text(64)}),
+    # decode -> prefill: a decode rank's request ended before its expect reached the prefill daemon
+    # (the pair refused at the handshake, an abort, a timeout, a rank gone while bootstrapping); it
+    # names the instance pair, so the prefill daemon checks it against the link's handshakes
+    "ended": Schema(required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
+                              "code": text(64), "reason": text(512)}, optional={}),
     # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
     "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
     "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),

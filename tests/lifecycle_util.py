@@ -17,7 +17,7 @@ import numpy as np
 
 from kvxferd import messages
 from kvxferd.config import Config
-from kvxferd.errors import KvxferError
+from kvxferd.errors import KvxferError, PlanRefusal
 from kvxferd.geometry import InstanceSpec, RankGeometry
 from kvxferd.inbox import DestEntry, Inbox
 from kvxferd.lifecycle import effects, events
@@ -109,6 +109,7 @@ class Cluster:
         #: a prefill instance over several nodes: instance -> rank coords -> the node that holds it
         #: (what the rendezvous's directory answers in the handshake)
         self.spread: dict[str, dict[tuple[int, int], str]] = {}
+        self.sent_upstream: list[messages.Message] = []  # every message a decode node sent a source node
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -157,9 +158,13 @@ class Cluster:
                                                entry.rank.coords, plan, route, start=entry.start, writers=writers))
 
     def _to_source(self, decode: Node, source: Node, message: messages.Message) -> None:
+        self.sent_upstream.append(message)
         if isinstance(message, messages.PeerAbort):
             self.later(source, events.DownstreamAbort(decode.identity, message.request_id,
                                                       message.code or "peer_aborted", message.reason))
+        elif isinstance(message, messages.PeerEnded):
+            self.later(source, events.DownstreamEnded(decode.identity, message.request_id, message.prefill_instance,
+                                                      message.decode_instance, message.code, message.reason))
         elif isinstance(message, messages.Fence):
             self.later(source, _Fence(decode, message.request_id))
 
@@ -172,22 +177,40 @@ class Cluster:
 
     # -- the shells' work ---------------------------------------------------------------------
     def bootstrap(self, node: Node, entry: DestEntry) -> None:
+        """The handshake as the shells do it: the source plans under its own config (and remembers a
+        refusal per link), the decode node plans the answer under its own (and may refuse it)."""
         decode_spec = entry.rank.geometry.spec
+        prefill, decode = entry.source_instance, entry.rank.instance
         if not entry.source_address:
-            prefill_spec = node.registry.spec(entry.source_instance, "prefill")
-            plan = make_plan(prefill_spec, decode_spec, mode="direct")
-            node.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
-                                      Route("local", daemon=node.address))
+            prefill_spec = node.registry.spec(prefill, "prefill")
+            try:
+                plan = make_plan(prefill_spec, decode_spec, mode="direct",
+                                 require_same_page_size=node.cfg.peer.require_same_page_size)
+            except PlanRefusal as refusal:
+                node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+                return
+            node.life.routes.set_pair(prefill, decode, plan, Route("local", daemon=node.address))
             node.handle(events.PlanFound(entry, plan))
             return
-        if entry.source_instance in self.spread:
+        if prefill in self.spread:
             self._bootstrap_spread(node, entry)
             return
         source = self.by_address(entry.source_address)
-        plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), decode_spec, mode="direct")
-        kind = self.kinds.get((entry.source_instance, entry.rank.instance), "tcp")
-        source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
-                                    Route(kind, ("127.0.0.1", 9), node.identity, node.address))
+        prefill_spec = source.registry.spec(prefill, "prefill")
+        kind = self.kinds.get((prefill, decode), "tcp")
+        try:
+            plan = make_plan(prefill_spec, decode_spec, mode="direct",
+                             require_same_page_size=source.cfg.peer.require_same_page_size)
+        except PlanRefusal as refusal:
+            source.life.routes.refused(prefill, decode, node.identity)  # downstream.handshake does so
+            node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            return
+        source.life.routes.set_pair(prefill, decode, plan, Route(kind, ("127.0.0.1", 9), node.identity, node.address))
+        try:  # the decode daemon plans the answer under its own config (upstream._accepted)
+            make_plan(prefill_spec, decode_spec, mode="direct", require_same_page_size=node.cfg.peer.require_same_page_size)
+        except PlanRefusal as refusal:
+            node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            return
         node.handle(events.PlanFound(entry, plan, None, kind))
 
     def _bootstrap_spread(self, node: Node, entry: DestEntry) -> None:

@@ -15,6 +15,7 @@ import pytest
 from e2e_util import (Cluster, Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for,
                       peer_socket, spec, start_nodes, transfer, wait_in_flight)
 from kvxferd.client import DaemonError, EngineClient
+from ops_support import Scrape
 
 NUM_PAGES = 32
 FAST = ("[timeouts]\nbootstrap_s = 4.0\nwaiting_for_input_s = 4.0\ntransfer_s = 4.0\n"
@@ -23,7 +24,10 @@ FAST = ("[timeouts]\nbootstrap_s = 4.0\nwaiting_for_input_s = 4.0\ntransfer_s = 
 
 @pytest.fixture(scope="module")
 def cluster(request):
-    yield from module_cluster(request, Node("prefill-node", FAST), Node("decode-node", FAST))
+    # the decode daemon refuses page sizes that differ even where the prefill daemon would move them:
+    # a refusal only the decode daemon computes (every other test pairs equal page sizes)
+    yield from module_cluster(request, Node("prefill-node", FAST),
+                              Node("decode-node", FAST, {"KVXFERD_PEER_REQUIRE_SAME_PAGE_SIZE": "true"}))
 
 
 def healthy_transfer(cluster: Cluster, tag: str) -> None:
@@ -53,6 +57,79 @@ def test_incompatible_head_dim_is_refused_with_the_field(cluster):
     finally:
         close(prefill + decode)
     healthy_transfer(cluster, "after-refusal")
+
+
+def _prefill_ends(pd, code: str) -> float:
+    return Scrape(pd).value("kvxferd_peer_ends_total", side="prefill", code=code)
+
+
+def _send_held(prefill, pd, request_id: str) -> None:
+    """The prefill engine sends a whole request before any decode side expected it: its daemon holds it."""
+    prefill[0].command(cmd="send", request_id=request_id, pages=[1, 2, 3], n=12)
+    wait_in_flight(pd, "prefill:bootstrapping")
+
+
+@pytest.mark.parametrize("by", ["prefill", "decode"])
+def test_a_pair_refused_at_the_handshake_fails_the_prefill_engine_with_the_decode_sides_reason(cluster, by):
+    """Page sizes 4 and 8. ``by="prefill"``: vLLM's packed layout moves whole pages only, so the prefill
+    daemon refuses the handshake. ``by="decode"``: NHD moves between page sizes, the prefill daemon
+    accepts, and the decode daemon (``peer.require_same_page_size``) refuses its answer. Either way the
+    prefill engine hears the decode side's code and reason: when it sent first (its daemon held the
+    request, bound to nothing) and when it sends after the refusal (the send fails at once)."""
+    pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
+    layout = "packed_page" if by == "prefill" else "NHD"
+    prefill = cluster.instance(pd, f"pgs-{by}-p", "prefill", spec(page_size=4, layout=layout), NUM_PAGES)
+    decode = cluster.instance(dd, f"pgs-{by}-d", "decode", spec(page_size=8, layout=layout), NUM_PAGES)
+    ends, failures = _prefill_ends(pd, "incompatible"), Scrape(pd).value(
+        "kvxferd_transfer_failures_total", side="prefill", reason="incompatible")
+    try:
+        for order in ("send_first", "expect_first"):
+            rid = f"pgs-{by}-{order}"
+            if order == "send_first":
+                _send_held(prefill, pd, rid)
+            decode[0].command(cmd="expect", request_id=rid, pages=[1, 2], n=12, source_instance=f"pgs-{by}-p",
+                              source_address=pd.address)
+            dec = finished(decode[0], rid)
+            assert (dec["state"], dec["code"]) == ("failed", "incompatible"), dec
+            assert "page_size" in dec["reason"] and "4" in dec["reason"] and "8" in dec["reason"], dec
+            if order == "expect_first":
+                prefill[0].command(cmd="send", request_id=rid, pages=[1, 2, 3], n=12)
+            pre = finished(prefill[0], rid)
+            assert (pre["event"], pre["state"], pre["code"], pre["reason"]) == (
+                "finished", "failed", "incompatible", dec["reason"]), (order, pre)
+        assert _prefill_ends(pd, "incompatible") - ends == 2
+        assert Scrape(pd).value("kvxferd_transfer_failures_total", side="prefill",
+                                reason="incompatible") - failures == 2
+    finally:
+        close(prefill + decode)
+    with EngineClient(pd.socket_path, timeout=10) as client:
+        assert not client.status()["requests"]  # nothing of them is held
+
+
+def test_an_abort_before_the_handshake_reaches_the_prefill_engine(cluster):
+    """The decode engine aborts in the very message that carried its expect, so its daemon fails the
+    request before any handshake: the prefill engine that sent first hears the abort with its reason,
+    and one that sends after it has its send failed at once."""
+    pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
+    prefill = cluster.instance(pd, "abb-p", "prefill", spec(), NUM_PAGES)
+    decode = cluster.instance(dd, "abb-d", "decode", spec(), NUM_PAGES)
+    ends = _prefill_ends(pd, "aborted")
+    try:
+        for order in ("send_first", "expect_first"):
+            rid = f"abb-{order}"
+            if order == "send_first":
+                _send_held(prefill, pd, rid)
+            decode[0].command(cmd="expect", request_id=rid, pages=[1, 2, 3], n=12, source_instance="abb-p",
+                              source_address=pd.address, then_abort=f"client of {order} went away")
+            dec = finished(decode[0], rid)
+            assert (dec["state"], dec["code"], dec["reason"]) == ("failed", "aborted", f"client of {order} went away")
+            if order == "expect_first":
+                prefill[0].command(cmd="send", request_id=rid, pages=[1, 2, 3], n=12)
+            pre = finished(prefill[0], rid)
+            assert (pre["state"], pre["code"], pre["reason"]) == ("failed", "aborted", dec["reason"]), (order, pre)
+        assert _prefill_ends(pd, "aborted") - ends == 2
+    finally:
+        close(prefill + decode)
 
 
 def test_out_of_range_pages_get_a_precise_error(cluster):

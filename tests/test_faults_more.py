@@ -273,8 +273,10 @@ def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_comple
         expect = {"op": "expect", "request_id": "rp-1", "prefill_instance": "rp", "decode_instance": "rd",
                   "dst": [0, 0], "num_tokens": 21}
         abort = {"op": "abort", "request_id": "rp-1", "reason": "replayed", "code": "aborted"}
+        ended = {"op": "ended", "request_id": "rp-1", "prefill_instance": "rp", "decode_instance": "rd",
+                 "code": "incompatible", "reason": "replayed"}
         # 1. replays of a finished request from a stranger: answered or ignored, never acted on
-        for msg in (expect, expect, abort, expect, abort):
+        for msg in (expect, expect, abort, ended, expect, abort):
             sock.send(msgpack.packb(msg))
         replies = drain_replies(sock, 1)
         assert all(r["op"] == "error" for r in replies), replies
@@ -284,7 +286,11 @@ def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_comple
         hold(pa, db, "rp-2", a.address)
         wait_first_chunk(b, "rp-2")
         sock.send(msgpack.packb({**abort, "request_id": "rp-2"}))
+        sock.send(msgpack.packb({**ended, "request_id": "rp-2"}))
         sock.send(msgpack.packb({**expect, "request_id": "rp-2"}))  # and an expect reordered after it
+        # and ends of requests not sent yet, from a link that never handshook their pair: not kept
+        for i in range(3):
+            sock.send(msgpack.packb({**ended, "request_id": f"rp-3-{i}"}))
         drain_replies(sock, 2)
         pa[0].command(cmd="send_chunks", request_id="rp-2", pages=[1, 2, 3], n=12, chunks=[[4, 12, True]])
         ev, pre = finished(db[0], "rp-2"), finished(pa[0], "rp-2")

@@ -1,7 +1,7 @@
 """Fuzzing the peer control endpoint (tcp://, ZeroMQ ROUTER) of a running prefill daemon.
 
 Peers are remote and untrusted (DESIGN: trust boundaries). A fuzzing peer connects with a
-DEALER, as a decode daemon would, and throws hostile handshakes, expects, aborts, pings
+DEALER, as a decode daemon would, and throws hostile handshakes, expects, aborts, ends, pings
 and pongs at the prefill daemon: wrong types, missing and extra fields, wrong protocol
 versions, out-of-range ranks, unknown and replayed request ids, truncated msgpack and
 duplicated frames, in pipelined batches each closed by a ``ping`` whose ``pong`` proves
@@ -69,8 +69,8 @@ class PeerFuzzer:
 
     def base(self) -> dict[str, Any]:
         r = self.rng
-        op = r.choice(("handshake", "handshake", "expect", "expect", "expect", "expect", "abort", "abort", "ping",
-                       "pong"))
+        op = r.choice(("handshake", "handshake", "expect", "expect", "expect", "expect", "abort", "abort", "ended",
+                       "ping", "pong"))
         msg: dict[str, Any] = {"op": op}
         if op == "handshake":
             spec_ = dict(self.decode_spec)
@@ -101,6 +101,12 @@ class PeerFuzzer:
             msg.update(request_id=r.choice(self.request_ids), reason=r.choice(("fuzz", "", "r" * 600)))
             if r.random() < 0.5:
                 msg["code"] = r.choice(("aborted", "", "c" * 65, "peer_dead"))
+        elif op == "ended":
+            msg.update(request_id=r.choice(self.request_ids),
+                       prefill_instance=r.choice((self.prefill,) * 5 + ("ghost",)),
+                       decode_instance=r.choice(("fz-dec", "fz-dec", "fz-dec2", "nobody")),
+                       code=r.choice(("aborted", "incompatible", "", "c" * 65)),
+                       reason=r.choice(("fuzz", "", "r" * 600)))
         else:
             msg["daemon"] = r.choice(("127.0.0.1:1", "", "x" * 301))
         if r.random() < 0.5:
@@ -238,7 +244,7 @@ def test_peer_endpoint_survives_10k_hostile_messages(nodes):
         "seconds": seconds, "categories": dict(categories), "error_codes": dict(codes)})
 
 
-PEER_OPS = ("handshake", "expect", "abort", "ping", "pong", "handshake_ok", "error")
+PEER_OPS = ("handshake", "expect", "abort", "ended", "ping", "pong", "handshake_ok", "error")
 PEER_FIELDS = ("v", "daemon", "data_address", "prefill_instance", "decode_instance", "decode_spec", "mode",
                "transports", "decode_tensors", "request_id", "dst", "num_tokens", "reason", "code", "seq")
 HYPOTHESIS_COUNT = {"messages": 0, "invalid": 0, "internal": 0, "seconds": 0.0}

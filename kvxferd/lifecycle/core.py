@@ -67,6 +67,7 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.UpstreamAbort: self._upstream_abort, events.UpstreamFenced: self._upstream_fenced,
             events.NoHandshake: self._no_handshake, events.SourceLost: self._source_lost,
             events.PeerExpected: self._on_expect, events.DownstreamAbort: self._downstream_abort,
+            events.DownstreamEnded: self._downstream_ended,
             events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,
             events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
         }
@@ -129,7 +130,11 @@ class Lifecycle(DecodeSide, PrefillSide):
                 self._fail(src, "rank_gone", ev.reason)
 
     def _bootstrap_failed(self, ev: events.BootstrapFailed) -> None:
-        self._fail(ev.entry, ev.code, ev.message, propagate=False)
+        if ev.entry.failure is not None:  # it failed while its bootstrap ran: the source hears it once more
+            self._retell_end(ev.entry)
+            return
+        # a refusal (whichever daemon computed it), a bootstrap timeout: the source side hears it too
+        self._fail(ev.entry, ev.code, ev.message)
 
     def poll(self, rank: Rank, request_id: str) -> dict[str, Any]:
         """What ``poll`` answers (reads only)."""
@@ -144,6 +149,9 @@ class Lifecycle(DecodeSide, PrefillSide):
         done = self.finished.get((request_id, rank.id))
         if done is not None:
             return dict(done)
+        end = self.decode_end(request_id, rank.instance) if rank.role == "prefill" else None
+        if end is not None:  # the decode side ended it before this rank sent anything
+            return {"state": states.FAILED, "bytes": 0, "code": end.code, "reason": end.message}
         if rank.role == "prefill" and self.routes.request(request_id, rank.instance) is not None:
             # the decode side's expect reached this daemon: the rank may send, whether or not the
             # plan gives it anything to write (a head replica) and before it sent anything

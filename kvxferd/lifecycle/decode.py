@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from ..inbox import DestEntry
 from ..logutil import q
-from ..messages import Event, Fence, PeerAbort
+from ..messages import Event, Fence, PeerAbort, PeerEnded
 from . import effects, events, states
 
 if TYPE_CHECKING:
@@ -33,7 +33,8 @@ class DecodeSide:
 
     def _plan_found(self: "Lifecycle", ev: events.PlanFound) -> None:
         entry = ev.entry
-        if entry.closed:
+        if entry.closed:  # it failed while its bootstrap ran
+            self._retell_end(entry, sorted(set(ev.rank_daemons.values())))
             return
         entry.data_token = ev.token
         if entry.source_address:
@@ -131,22 +132,46 @@ class DecodeSide:
         self.emit(effects.TellEngine(entry.rank.identity, Event.of(entry.rank.id, entry.request_id, record)))
 
     def _propagate_upstream(self: "Lifecycle", entry: DestEntry, code: str, message: str) -> None:
-        if not entry.source_address:
-            for src in self.sources_of(entry.request_id):
-                self._fail(src, code, message, propagate=False)
+        if not entry.source_address:  # the source instance is on this daemon: its side ends here and now
+            self._downstream_ended(events.DownstreamEnded(None, entry.request_id, entry.source_instance,
+                                                          entry.rank.instance, code, message))
         else:  # sent where a link to a source daemon exists
             self._tell_sources(entry, code, message)
 
-    def _tell_sources(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "") -> None:
-        for address in entry.source_addresses():
-            if address != skip:
+    def _tell_sources(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "",
+                      also: list[str] | None = None, ended: bool = False) -> None:
+        """Tell every source daemon of the destination that it failed: ``abort`` where its expect went
+        (the request is bound there), ``ended`` where it never did (a refused handshake, a bootstrap
+        that failed or was overtaken, an expect answered ``no_handshake`` and not sent again yet):
+        that one names the instance pair, which the source checks against the link's handshakes, and
+        ends a request the source may not know yet."""
+        ended = ended or entry.state == states.BOOTSTRAPPING
+        for address in [*entry.source_addresses(), *(also or ())]:
+            if address == skip:
+                continue
+            if address in entry.expects_sent and not ended:
                 self.emit(effects.SendUpstream(address, PeerAbort.of(entry.request_id, code, message)))
+            else:
+                entry.end_told = True
+                self.emit(effects.SendUpstream(address, PeerEnded.of(entry.request_id, entry.source_instance,
+                                                                     entry.rank.instance, code, message)))
+
+    def _retell_end(self: "Lifecycle", entry: DestEntry, also: list[str] | None = None) -> None:
+        """A destination failed here while its bootstrap ran, and the bootstrap has now returned. What
+        went to the source before may have left ahead of the handshake (which a source needs to take
+        the word of a link for a request it never bound), or before the link existed: it goes again
+        now, after the handshake (and to each daemon of a source instance over several, ``also``)."""
+        if entry.end_told and entry.failure is not None and entry.source_address:
+            self._tell_sources(entry, *entry.failure, also=[a for a in also or () if a != entry.source_address],
+                               ended=True)
 
     def _fail_from_source(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "") -> None:
         """A source daemon failed the request or went. With an instance over several daemons every
         source daemon of the request hears it from here (also the one it came from: its other ranks
         of the request learn it too; it does not answer back), except ``skip``, a link that is gone."""
         first = entry.failure is None
+        if first and entry.state not in states.TERMINAL:
+            self.metrics.peer_end("decode", code)
         self._fail(entry, code, message, propagate=False)
         if first and entry.source_daemons:
             self._tell_sources(entry, code, message, skip=skip)

@@ -158,6 +158,20 @@ class DownstreamAbort:
 
 
 @dataclass(frozen=True)
+class DownstreamEnded:
+    """A decode rank's request ended before its expect bound it here (the pair refused at the
+    handshake, an abort, a timeout, a rank gone while bootstrapping). ``identity``: the decode
+    daemon's link, None when the decode rank is on this daemon."""
+
+    identity: bytes | None
+    request_id: str
+    prefill: str
+    decode: str
+    code: str
+    message: str
+
+
+@dataclass(frozen=True)
 class FenceAsked:
     identity: bytes
     request_id: str

@@ -21,6 +21,7 @@ from ..planner import group_key
 from ..segments import clip_slots
 from ..transport.base import ChunkJob
 from . import effects, events, states
+from .routes import DecodeEnd
 
 if TYPE_CHECKING:
     from .core import Lifecycle
@@ -54,6 +55,15 @@ class PrefillSide:
         key = (ev.request_id, rank.id)
         self.refuse_finished(ev.request_id, rank.id)
         entry = self.sources.get(key)
+        if entry is None and (end := self.decode_end(ev.request_id, rank.instance)) is not None:
+            # the decode side ended the request before this first chunk came: it fails now, with
+            # the decode side's code and reason, and nothing of it is held
+            entry = self._new_source(ev.request_id, rank.id, rank.coords)
+            binding = self.routes.request(ev.request_id, rank.instance)
+            if binding is not None:
+                entry.bind(binding, self.now)
+            self._fail_from_downstream([entry], end.identity, end.code, end.message)
+            return entry.state
         if entry is None:
             self.check_capacity()
             if self.held_chunks >= self.limits.max_pending_chunks:
@@ -78,6 +88,16 @@ class PrefillSide:
 
     # -- decode daemons ------------------------------------------------------------------------
     def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:
+        end = self.routes.ended(ev.request_id, ev.prefill)
+        if end is not None and end.decode == ev.decode and end.identity == ev.route.identity:
+            # another rank of this decode side ended the request before this expect came (over the
+            # same link, so in order): the request fails here, and this rank's side hears it
+            self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
+                                        if e.rank_id.startswith(ev.prefill + "/")
+                                        and (e.binding is None or e.routed_to(end.identity))],
+                                       end.identity, end.code, end.message)
+            self._late_expect(ev.request_id, ev.route, {"state": "failed", "code": end.code, "reason": end.message})
+            return
         binding = self._binding_for(ev)
         binding.routes.setdefault(ev.dst, ev.route)  # the destination rank's daemon: its expect's link
         for w in ev.plan.writers_of(*ev.dst):  # the cache groups' writers included
@@ -136,6 +156,8 @@ class PrefillSide:
         told: set[int] = set()
         for entry in entries:
             first = entry.failure is None or entry.reason_due is not None
+            if first and entry.state not in states.TERMINAL:
+                self.metrics.peer_end("prefill", code)
             if entry.reason_due is not None:  # the reason for the hang-up: it replaces the socket error
                 entry.reason_due = None
                 entry.failure = (code, message)
@@ -151,6 +173,31 @@ class PrefillSide:
         self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
                                     if e.binding is None or e.routed_to(ev.identity)],
                                    ev.identity, ev.code, ev.message)
+
+    def _downstream_ended(self: "Lifecycle", ev: events.DownstreamEnded) -> None:
+        """A decode rank's request ended before its expect bound it here. Like an abort, it fails
+        the request's sources that are routed to that decode daemon or not routed anywhere yet; and
+        when the link handshook the pair here (accepted or refused), the end is kept, so a send or
+        poll that comes later, or an expect of the same decode side, finds the request failed."""
+        if ev.identity is None or self.routes.linked(ev.prefill, ev.decode, ev.identity):
+            binding = self.routes.request(ev.request_id, ev.prefill)
+            if binding is None or (binding.decode_instance == ev.decode and binding.routed_to(ev.identity)):
+                self.routes.end(ev.request_id, ev.prefill, DecodeEnd(ev.decode, ev.identity, ev.code, ev.message))
+        self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
+                                    if e.rank_id.startswith(ev.prefill + "/")
+                                    and (e.binding is None or e.routed_to(ev.identity))],
+                                   ev.identity, ev.code, ev.message)
+
+    def decode_end(self: "Lifecycle", request_id: str, prefill: str) -> DecodeEnd | None:
+        """The decode side's end of a request, where it still speaks for the request: while no
+        expect bound it, or the binding is that decode side's own."""
+        end = self.routes.ended(request_id, prefill)
+        if end is None:
+            return None
+        binding = self.routes.request(request_id, prefill)
+        if binding is not None and not (binding.decode_instance == end.decode and binding.routed_to(end.identity)):
+            return None  # bound since by another decode side: the end was not about that one
+        return end
 
     def _fence_asked(self: "Lifecycle", ev: events.FenceAsked) -> Fenced | None:
         self._fail_from_downstream([e for e in self.sources_of(ev.request_id) if e.routed_to(ev.identity)],
@@ -322,6 +369,8 @@ class PrefillSide:
         for route in routes:
             if route.local:
                 for dest in self.inbox.for_request(request_id):
+                    if dest.failure is None and dest.state not in states.TERMINAL:
+                        self.metrics.peer_end("decode", code)
                     self._fail(dest, code, message, propagate=False)
             elif route.identity is not None:
                 self.emit(effects.SendDownstream(route.identity, PeerAbort.of(request_id, code, message)))

@@ -6,6 +6,11 @@ so a pair holds one plan and one route per decode daemon (they must agree on the
 expect binds a request to the pair's plan, the decode instance and, per destination rank, the
 route of the link the expect came on. Sources refer to the request's :class:`Binding` (shared,
 never copied), so a route that goes with its peer goes for every request at once.
+
+What a decode side says about a request before (or instead of) binding it lives here too: a
+handshake this daemon refused is remembered per link, so the link that was refused may still
+end the requests it was refused for, and such an end (:class:`DecodeEnd`) is kept per request,
+so a send or poll of it that comes later finds the request failed.
 """
 
 from __future__ import annotations
@@ -17,6 +22,17 @@ from ..directory import spec_difference
 from ..errors import PlanRefusal
 from ..outbox import Binding, Route
 from ..planner import Plan
+
+
+@dataclass(frozen=True)
+class DecodeEnd:
+    """A decode side ended a request before its expect bound it here: who said so and why.
+    ``identity`` is the decode daemon's link (None: the decode rank is on this daemon)."""
+
+    decode: str
+    identity: bytes | None
+    code: str
+    message: str
 
 
 @dataclass
@@ -33,6 +49,10 @@ class RouteBook:
         # (request, prefill instance) -> binding; bounded, oldest dropped
         self._requests: OrderedDict[tuple[str, str], Binding] = OrderedDict()
         self._max_requests = max_requests
+        #: (prefill, decode, link) of handshakes this daemon refused; bounded, oldest dropped
+        self._refused: OrderedDict[tuple[str, str, bytes], None] = OrderedDict()
+        #: (request, prefill instance) -> what a decode side said ended it before binding it; bounded
+        self._ends: OrderedDict[tuple[str, str], DecodeEnd] = OrderedDict()
 
     # -- instance pairs (handshakes) ---------------------------------------------------------
     def plan(self, prefill: str, decode: str) -> Plan | None:
@@ -86,6 +106,19 @@ class RouteBook:
             found = self._pairs[(prefill, decode)] = PairRoutes(plan, keep)
         found.routes[route.daemon] = route
 
+    def refused(self, prefill: str, decode: str, identity: bytes) -> None:
+        """This daemon refused the pair's handshake over that link."""
+        key = (prefill, decode, identity)
+        self._refused[key] = None
+        self._refused.move_to_end(key)
+        while len(self._refused) > self._max_requests:
+            self._refused.popitem(last=False)
+
+    def linked(self, prefill: str, decode: str, identity: bytes) -> bool:
+        """Whether that link handshook the pair here, accepted or refused: only such a link may tell
+        of requests of the pair that no expect bound (a stranger's word fails nothing it names)."""
+        return self.route_of(prefill, decode, identity) is not None or (prefill, decode, identity) in self._refused
+
     # -- requests (expects) ------------------------------------------------------------------
     def request(self, request_id: str, prefill: str) -> Binding | None:
         """The binding learnt for this request from any expect, also after other ranks finished:
@@ -98,6 +131,17 @@ class RouteBook:
         self._requests.move_to_end(key)
         while len(self._requests) > self._max_requests:
             self._requests.popitem(last=False)
+
+    def end(self, request_id: str, prefill: str, end: DecodeEnd) -> None:
+        key = (request_id, prefill)
+        self._ends[key] = end
+        self._ends.move_to_end(key)
+        while len(self._ends) > self._max_requests:
+            self._ends.popitem(last=False)
+
+    def ended(self, request_id: str, prefill: str) -> DecodeEnd | None:
+        """What a decode side said ended the request, if it did (whether it applies is the core's call)."""
+        return self._ends.get((request_id, prefill))
 
     # -- peers -------------------------------------------------------------------------------
     def drop_peer(self, identity: bytes) -> list[Route]:
@@ -114,4 +158,6 @@ class RouteBook:
         for key, binding in list(self._requests.items()):
             if binding.routed_to(identity):
                 del self._requests[key]
+        for refusal in [k for k in self._refused if k[2] == identity]:
+            del self._refused[refusal]
         return gone

@@ -145,9 +145,16 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
     try:
         if op == "expect":
             pending[cmd["request_id"]] = {"pages": cmd["pages"], "n": cmd["n"], "groups": cmd.get("groups")}
-            client.expect(rid, cmd["request_id"], source_instance=cmd["source_instance"],
-                          source_address=cmd.get("source_address"), pages=cmd["pages"], num_tokens=cmd["n"],
-                          source_dp_rank=cmd.get("source_dp_rank"), groups=cmd.get("groups"))
+            call = client._expect_call(rid, {
+                "request_id": cmd["request_id"], "source_instance": cmd["source_instance"],
+                "source_address": cmd.get("source_address"), "pages": cmd["pages"], "num_tokens": cmd["n"],
+                "source_dp_rank": cmd.get("source_dp_rank"), "groups": cmd.get("groups")})
+            if cmd.get("then_abort"):  # the abort in the same message: the daemon has it before any handshake
+                for reply in client.batch([call, ("abort", {"rank_id": rid, "request_id": cmd["request_id"],
+                                                            "reason": cmd["then_abort"]})]):
+                    client._check(reply)
+            else:
+                client.call(call[0], **call[1])
         elif op == "send":
             t0 = time.perf_counter()
             fill_rank(cache, geometry, cmd["request_id"], cmd["pages"], cmd["n"])

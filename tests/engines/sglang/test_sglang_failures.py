@@ -110,18 +110,31 @@ def test_dead_prefill_daemon_fails_decode(cluster):
 
 
 def test_head_count_mismatch_refused_at_handshake(cluster):
+    """The decode side's expect is refused at the handshake, so it never reaches the prefill daemon;
+    the prefill sender, polling Bootstrapping (SGLang sends nothing before WaitingForInput), still
+    hears the refusal from the decode daemon: it polls Failed with the decode side's code and reason,
+    and so does a sender of the request made after the refusal."""
     bport = free_port()
     server = bootstrap_server(bport)
     prefill = [make_rank("prefill", cluster.daemons["pd"], Model(total_kv_heads=4), tp_rank=0, tp_size=1,
                          page_size=4, num_pages=16, port=free_port(), bootstrap_port=bport, seed=15)]
     decode = [make_rank("decode", cluster.daemons["dd"], Model(total_kv_heads=2), tp_rank=0, tp_size=1,
                         page_size=4, num_pages=16, port=free_port(), bootstrap_port=bport, seed=16)]
+    addr = f"127.0.0.1:{bport}"
     try:
         req = Request(room=5004, n_tokens=8)
-        [(recv, _)] = run_decode_until_metadata(decode, f"127.0.0.1:{bport}", req, random.Random(5))
+        [sender] = new_senders(prefill, addr, req)
+        assert sender.poll() == KVPoll.Bootstrapping
+        [(recv, _)] = run_decode_until_metadata(decode, addr, req, random.Random(5))
         assert wait_poll(recv, {KVPoll.Success}) == KVPoll.Failed
         code, reason = recv.failure
         assert code == "incompatible" and "total_kv_heads" in reason, recv.failure
+        assert wait_poll(sender, {KVPoll.WaitingForInput}) == KVPoll.Failed
+        assert sender.failure == (code, reason)
+        with pytest.raises(KVTransferError, match="code=incompatible"):
+            sender.failure_exception()
+        [late] = new_senders(prefill, addr, req)
+        assert late.poll() == KVPoll.Failed and late.failure == (code, reason)
     finally:
         close_all(*prefill, *decode)
         server.close()

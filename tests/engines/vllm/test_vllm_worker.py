@@ -12,7 +12,8 @@ vLLM instances (``kv_both``, so each registers a prefill and a decode rank):
 Two prefill sources whose bytes nobody checks are kvxferd's simulated engines (real
 processes registering the same packed layout), which start in a second instead of vLLM's
 twenty: C on daemon c (killed by one test) and W with 64-token pages (the page size B
-does not have), on daemon a.
+does not have), on daemon a; and a simulated decode rank V with 64-token pages on daemon b,
+which A's prefill pages are refused to.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import pytest
 import vllm_util as vu
 from kvxferd.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, free_port
-from e2e_util import wait_in_flight
+from e2e_util import finished, wait_in_flight
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status
 
@@ -76,10 +77,12 @@ def rig(tmp_path_factory: pytest.TempPathFactory):
             "B": Instance("B", daemons["b"], ranks("B", "b", 1))}
     dead = f"dead-{uuid.uuid4().hex[:8]}"
     try:
-        c, w = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
-                                 (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS))
+        c, w, v = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
+                                    (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS),
+                                    (daemons["b"], "V", "decode", sim_spec(64), NUM_BLOCKS))
         inst["C"] = Instance("C", daemons["c"], c, prefill_name=dead)
         inst["W"] = Instance("W", daemons["a"], w, block=64, prefill_name="W")
+        inst["V"] = Instance("V", daemons["b"], v, block=64)
         for p in procs:
             ev = p.next(300)
             assert ev["event"] == "registered", ev
@@ -240,3 +243,30 @@ def test_page_sizes_that_differ_are_refused_at_the_handshake_naming_both(rig):
     assert failures and failures[-1]["code"] == "incompatible", failures
     reason = failures[-1]["reason"]
     assert "page_size" in reason and "64" in reason and "32" in reason, reason
+
+
+def test_a_refusal_on_the_decode_side_frees_the_prefill_workers_blocks(rig):
+    """V (64-token pages) is refused A's 32-token pages at the handshake. A's prefill workers report
+    the request finished sending, so vLLM frees its blocks, as soon as the refusal reached their
+    daemon: whether they had sent it before (their daemon held it, bound to nothing) or send it after.
+    Their ranks stay registered, and what failed the request on the prefill side is the refusal,
+    with the decode side's reason, not a timeout."""
+    src, (v,) = rig["A"], rig["V"].ranks
+    tids = [f"tref-{order}" for order in ("send_first", "expect_first")]
+    for tid in tids:
+        req, blocks = f"p-{tid}", [4, 9, 13]
+        if tid.endswith("send_first"):
+            step_all(src, save(req, tid, blocks, 70, 70))
+            wait_in_flight(src.daemon, "prefill:bootstrapping")
+        v.command(cmd="expect", request_id=tid, pages=[1, 2], n=70, source_instance=src.prefill_name,
+                  source_address=src.daemon.address)
+        refused = finished(v, tid)
+        assert (refused["state"], refused["code"]) == ("failed", "incompatible"), refused
+        plan = save(req, tid, blocks, 70, 70) if tid.endswith("expect_first") else None
+        sent = steps_until(src, "sending", req, finished=(req,), plan=plan)
+        assert all(r["sending"] == [req] for r in sent), sent
+    status = daemon_status(src.daemon)
+    assert len([r for r in status["ranks"] if r["instance"] == src.prefill_name]) == 2
+    failures = [f for f in status["recent_failures"] if f["request_id"] in tids and f["side"] == "prefill"]
+    assert len(failures) == 4, failures  # each request at both of A's prefill ranks
+    assert all(f["code"] == "incompatible" and "page_size" in f["reason"] for f in failures), failures
