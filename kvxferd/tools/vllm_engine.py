@@ -21,6 +21,7 @@ then decode with the params prefill returned.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -84,8 +85,13 @@ def main() -> int:
                 emit({"event": "drained", "held": sorted(scheduler.requests)})
         except Exception as exc:  # noqa: BLE001 - reported to whoever drives the engine
             emit({"event": "error", "error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]})
-    llm.llm_engine.engine_core.shutdown()
-    return 0
+    llm.llm_engine.engine_core.shutdown()  # the connector unregisters from its daemon here
+    # What is left is the interpreter's teardown of vLLM's and torch's modules: seconds of CPU
+    # that nothing here needs (its KV cache, a memfd, goes with the process). Logs flushed, it ends.
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr, protocol):
+        stream.flush()
+    os._exit(0)
 
 
 def start_engine(model_dir: Path, log_path: Path, *, kv: dict[str, Any] | None = None,
@@ -116,10 +122,14 @@ class Rig:
     keep_logs: bool = False
 
     def close_single(self) -> None:
-        """Stop the single engine once its tokens are known: its core goes to the others."""
+        """Stop the single engine once its tokens are known, its core going to the others: its input
+        ends, and it shuts vLLM down (seconds) while they work; the rig waits for it when it closes."""
         if self.single is not None:
             single, self.single = self.single, None
-            single.close()
+            try:
+                single.proc.stdin.close()
+            except OSError:
+                pass
 
 
 @contextmanager
