@@ -1,10 +1,11 @@
-# One command for the demo, one for the tests. Both build .venv on their own.
+# One command for the demo, one for the tests. Both build .venv on their own. `make demo-vllm`
+# runs the demo with real vLLM engines (in .venv-vllm, which it builds as `make test-vllm` does).
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test plan bench venv clean
+.PHONY: demo demo-vllm test plan bench venv clean
 
 # the package build compiles the native run copy (kvxferd/runcopy.c) where a C compiler exists
 $(STAMP): pyproject.toml setup.py kvxferd/runcopy.c Makefile
@@ -102,7 +103,17 @@ VLLM_PY    := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.installed
 ENGINE_TESTS += test-vllm
 
-$(VLLM_STAMP): tests/engines/vllm/requirements.txt constraints.txt pyproject.toml
+# A venv named from outside (VLLM_VENV=... on the command line or in the environment), e.g. the one
+# another checkout of this repository built, is used as it is: built where it is missing, but never
+# rebuilt, nor this checkout installed into it, because this checkout's files are newer than its
+# stamp. PYTHONPATH runs this checkout's code from it (it wins over the venv's editable install).
+ifeq ($(filter command line environment,$(origin VLLM_VENV)),)
+VLLM_STAMP_DEPS := tests/engines/vllm/requirements.txt constraints.txt pyproject.toml
+else
+VLLM_STAMP_DEPS :=
+endif
+
+$(VLLM_STAMP): $(VLLM_STAMP_DEPS)
 	$(PYTHON) -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q -r tests/engines/vllm/requirements.txt -c constraints.txt
@@ -115,7 +126,16 @@ $(VLLM_STAMP): tests/engines/vllm/requirements.txt constraints.txt pyproject.tom
 
 .PHONY: test-vllm clean-vllm
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_PY) -m pytest -q -p no:cacheprovider tests/engines/vllm
+	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m pytest -q -p no:cacheprovider tests/engines/vllm
+
+# The demo with real vLLM engines (kvxferd/tools/demo_vllm.py): a tiny Llama written here, two
+# daemons, a prefill, a decode and a single vLLM engine, each its own process; decode's greedy tokens
+# must equal the single engine's, and the daemons' metrics say how many KV bytes moved over which
+# transport. About 30 s on 2 cores once .venv-vllm exists.
+# DEMO_VLLM_ARGS="--transport nixl --prompts 4 --max-tokens 8" varies it (--help lists the options).
+DEMO_VLLM_ARGS ?=
+demo-vllm: $(VLLM_STAMP)
+	PYTHONPATH=$(CURDIR) $(VLLM_PY) -m kvxferd.tools.demo_vllm $(DEMO_VLLM_ARGS)
 
 clean-vllm:
 	rm -rf $(VLLM_VENV)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import os
 import random
-import threading
 import time
 import warnings
 from contextlib import contextmanager
@@ -16,7 +15,7 @@ import pytest
 import zmq
 
 from kvxferd.geometry import InstanceSpec
-from kvxferd.tools.sim import Cluster, DaemonProc, Worker
+from kvxferd.tools.sim import Cluster, DaemonProc, Worker, in_parallel  # noqa: F401 - in_parallel named for the tests
 
 EVENT_TIMEOUT = 60
 NUM_PAGES = 64
@@ -158,27 +157,6 @@ def peer_socket(address: str, recv_timeout_ms: int | None = 5000) -> zmq.Socket:
 
 
 # -- clusters: started side by side, always stopped, their run dirs removed --------------------
-
-def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
-    """Run blocking start-ups side by side (each daemon or engine process imports torch)."""
-    results: list[Any] = [None] * len(calls)
-    errors: list[BaseException] = []
-
-    def run(i: int, call: Callable[[], Any]) -> None:
-        try:
-            results[i] = call()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return results
-
 
 def close_cluster(cluster: Cluster, keep_root: bool = False, kill_engines: bool = False) -> None:
     """Stop every engine, then every daemon (side by side); kill what does not stop. The run dir

@@ -18,11 +18,10 @@ from typing import Any
 
 import pytest
 
-from nixl_util import NIXL_MISSING, UCX_ENV, metric
+from kvxferd.tools.sim import ONLY_NIXL  # noqa: F401 - a daemon that accepts NIXL alone, named for the tests
+from nixl_util import NIXL_MISSING, metric
 
 TRANSPORTS = ("tcp", "nixl")
-#: a daemon that accepts NIXL alone
-ONLY_NIXL = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl", "KVXFERD_PEER_TRANSPORTS": "nixl"}
 
 
 def require(transport: str) -> None:

@@ -108,9 +108,11 @@ def _forkable(args: list[str], kwargs: dict[str, Any]) -> bool:
     return all(k.startswith(_RUNTIME_ENV) for k in differ)
 
 
-def popen(args: list[str], **kwargs: Any) -> Any:
-    """``subprocess.Popen(args, **kwargs)``, for a child that must not outlive this process."""
-    if _forkable(args, kwargs):
+def popen(args: list[str], *, preloaded: bool = True, **kwargs: Any) -> Any:
+    """``subprocess.Popen(args, **kwargs)``, for a child that must not outlive this process.
+    ``preloaded=False``: never forked from the fork server, always its own interpreter (vLLM's
+    engines: forked from it, their generate calls ran over ten times slower)."""
+    if preloaded and _forkable(args, kwargs):
         return _server.spawn(args, **kwargs)
     return _start(args, **kwargs)
 

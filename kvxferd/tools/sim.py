@@ -24,7 +24,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from ..geometry import InstanceSpec, RankGeometry
 from . import jsonlines, launch
@@ -254,6 +254,34 @@ def _batch_refusals(reqs: list[dict[str, Any]], outcomes: list[Any], op: str, pe
 
 
 # -- orchestration ------------------------------------------------------------------------
+
+#: a daemon that accepts NIXL alone (a pair that fell back to tcp is refused), UCX on loopback tcp
+#: (no RDMA device, no shared-memory shortcut between the daemons)
+ONLY_NIXL = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp", "KVXFERD_PEER_TRANSPORT": "nixl",
+             "KVXFERD_PEER_TRANSPORTS": "nixl"}
+
+
+def in_parallel(*calls: Callable[[], Any]) -> list[Any]:
+    """Run blocking start-ups (or shutdowns) side by side: each daemon or engine process imports torch.
+    Every call runs to its end; then the first error, if any, is raised."""
+    results: list[Any] = [None] * len(calls)
+    errors: list[BaseException] = []
+
+    def run(i: int, call: Callable[[], Any]) -> None:
+        try:
+            results[i] = call()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
 
 #: peer liveness in the harness's configs: quick enough for tests that kill a daemon, slow
 #: enough that a daemon starved of CPU on a busy machine is not declared dead

@@ -27,6 +27,14 @@ ROLES_BY_KV_ROLE: dict[str, tuple[str, ...]] = {
     "kv_both": ("prefill", "decode"),
 }
 EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s")
+#: what names kvxferd's connector to vLLM (vLLM imports ``kv_connector`` from the module path)
+CONNECTOR = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.adapters.vllm"}
+
+
+def kv_transfer_config(kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
+    """vLLM's ``kv_transfer_config`` for kvxferd's connector, ``extra`` its ``kv_connector_extra_config``
+    (passed as given: the connector checks the keys when vLLM builds it, see :data:`EXTRA_KEYS`)."""
+    return {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}
 
 
 # -- settings ------------------------------------------------------------------------------

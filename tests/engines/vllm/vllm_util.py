@@ -1,4 +1,8 @@
-"""Building real vLLM pieces for the connector tests: a tiny local model, configs, a Scheduler."""
+"""Building real vLLM pieces for the connector tests: a tiny local model, configs, a Scheduler.
+
+The tiny Llama and the connector's ``kv_transfer_config`` are the package's (``make demo-vllm``
+runs the same): they are named here too, so the tests read ``vu.MODEL``, ``vu.kv_transfer_config``.
+"""
 
 from __future__ import annotations
 
@@ -7,21 +11,8 @@ from typing import Any
 
 import torch
 
-BLOCK = 32                 # the CPU attention backend wants multiples of 32 tokens per block
-MODEL = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
-HEAD = MODEL["hidden_size"] // MODEL["num_attention_heads"]   # 32: the CPU backend's smallest head size
-CONNECTOR = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.adapters.vllm"}
-
-
-def make_tiny_llama(path: Path, seed: int = 0) -> Path:
-    """A randomly initialised Llama small enough for a CPU, saved like any Hugging Face model."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(str(path))
-    return path
-
+from kvxferd.adapters.vllm.logic import kv_transfer_config  # noqa: F401 - named for the tests
+from kvxferd.tools.tiny_model import BLOCK, HEAD, MODEL, make_tiny_llama  # noqa: F401 - named for the tests
 
 HYBRID_LAYERS = 4             # gpt-oss's pattern, small: sliding-window layers 0 and 2, full attention 1 and 3
 SLIDING_WINDOW = 40
@@ -55,10 +46,6 @@ def hybrid_kv_cache_config(config: Any, num_blocks: int, *, local_heads: int = M
     config.cache_config.kv_cache_layout = layout
     config.cache_config.num_gpu_blocks = num_blocks
     return get_kv_cache_config_from_groups(config, groups, available_memory=num_blocks * 2 * full.page_size_bytes)
-
-
-def kv_transfer_config(kv_role: str = "kv_both", **extra: Any) -> dict[str, Any]:
-    return {**CONNECTOR, "kv_role": kv_role, "kv_connector_extra_config": extra}
 
 
 def vllm_config(model_dir: Path, *, kv: dict[str, Any], max_num_batched_tokens: int = 256,
