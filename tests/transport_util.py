@@ -61,3 +61,19 @@ class Carried:
         want = {f"{side}-{t}": (nbytes if t == transport else 0) for side in ("sent", "received") for t in TRANSPORTS}
         got = self.delta()
         assert got == want, f"bytes carried per transport: {got}, wanted {want}"
+
+
+# -- fixtures an engine module imports to run its byte-exact tests on each transport -------------
+# The module defines ``cluster`` (its tcp daemons) and ``nixl_cluster`` (the same daemons
+# accepting NIXL alone); a test that takes ``daemons`` runs once per transport.
+
+@pytest.fixture(params=TRANSPORTS)
+def transport(request):
+    require(request.param)
+    return request.param
+
+
+@pytest.fixture
+def daemons(request, transport):
+    """The module's daemons of the test's transport."""
+    return request.getfixturevalue("cluster" if transport == "tcp" else "nixl_cluster")

@@ -20,25 +20,13 @@ import torch
 from e2e_util import Node, module_cluster
 from harness import (KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all, expected_decode,
                      free_port, make_rank, new_senders, run_decode_until_metadata, run_prefill, sglang_wait)
-from transport_util import ONLY_NIXL, TRANSPORTS, Carried, require
+from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
 
 
 @pytest.fixture(scope="module")
 def nixl_cluster(request):
     """The conftest's "pd" and "dd", accepting NIXL alone."""
     yield from module_cluster(request, Node("pd", env=ONLY_NIXL), Node("dd", env=ONLY_NIXL))
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    require(request.param)
-    return request.param
-
-
-@pytest.fixture
-def daemons(request, transport):
-    """The module's daemons of the test's transport."""
-    return request.getfixturevalue("cluster" if transport == "tcp" else "nixl_cluster")
 
 
 def kv_bytes(decode, req) -> int:

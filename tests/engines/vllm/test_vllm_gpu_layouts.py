@@ -40,7 +40,7 @@ from kvxferd.adapters.vllm.layout import LayerLayout, decide, layer_span, rank_g
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError
 from kvxferd.memory import describe_tensors, share_in_place
-from transport_util import ONLY_NIXL, TRANSPORTS, Carried, require
+from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
 
 LAYERS, BLOCKS = 3, 10
 _ids = itertools.count()
@@ -191,18 +191,6 @@ def cluster(request):
 def nixl_cluster(request):
     """The same two daemons, accepting NIXL alone."""
     yield from module_cluster(request, Node("prefill-node", env=ONLY_NIXL), Node("decode-node", env=ONLY_NIXL))
-
-
-@pytest.fixture(params=TRANSPORTS)
-def transport(request):
-    require(request.param)
-    return request.param
-
-
-@pytest.fixture
-def daemons(request, transport):
-    """The module's daemons of the test's transport."""
-    return request.getfixturevalue("cluster" if transport == "tcp" else "nixl_cluster")
 
 
 class Rank:
