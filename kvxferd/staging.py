@@ -127,7 +127,7 @@ class StagingPool:
             if self._free:
                 slot = self._free.pop()
             else:
-                slot = _slot(self.slot_bytes, self.device)
+                slot = buffer(self.slot_bytes, self.device)
                 self._allocated += 1
             self._in_use += 1
             self._changed()
@@ -162,8 +162,8 @@ class StagingPool:
             self._on_change(self._in_use, self._in_use * self.slot_bytes)
 
 
-def _slot(nbytes: int, device: torch.device) -> torch.Tensor:
-    """One staging buffer: on its GPU, or pinned host memory where CUDA is present."""
+def buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A staging buffer (a slot, a landing ring): on its GPU, or pinned host memory where CUDA is present."""
     if device.type == "cuda":
         return torch.empty(nbytes, dtype=torch.uint8, device=device)
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available())

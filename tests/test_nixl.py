@@ -313,6 +313,22 @@ def test_remote_bases_and_descriptors_are_built_in_wire_order():
     assert descs.tolist() == [[1000, 8, 0], [1040, 16, 0], [5000, 8, 0], [5040, 16, 0]]
 
 
+def test_strided_decode_regions_are_addressed_by_their_stride_and_must_agree_on_it():
+    dspec = spec(page_size=4, head_dim=32)  # 256-byte rows, 1 KiB pages
+    peer = nixl_mod.NixlPeer("agent", dspec)
+    stride = 3 * dspec.page_bytes
+    peer.update([[0, 0, layer, kind, 1 << 20, 7 * stride + dspec.page_bytes, -1, stride]
+                 for layer in range(4) for kind in ("k", "v")])
+    assert peer.num_pages((0, 0)) == 8  # (span - page) // stride + 1, not span // page
+    # token 5 of a request on pages [6, 2] is row 1 of page 2: slot 2 * (stride // row) + 1
+    assert peer.dst_slots((0, 0), "", np.array([6, 2]), 5, 7).tolist() == [2 * 12 + 1, 2 * 12 + 2]
+    assert peer.dst_slots((1, 0), "", np.array([6, 2]), 5, 7).tolist() == [2 * 4 + 1, 2 * 4 + 2]  # dense rank
+    with pytest.raises(TransferError) as err:
+        peer.update([[1, 0, 0, "k", 1 << 21, 8 * dspec.page_bytes, -1, 0],
+                     [1, 0, 0, "v", 1 << 22, 8 * dspec.page_bytes, -1, stride]])
+    assert err.value.field == "nixl_regions" and f"[0, {stride}]" in str(err.value)
+
+
 def test_negotiation_refuses_a_pair_without_a_common_transport():
     support = NixlSupport("unit", ["nixl"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                    max_pages=1 << 10)

@@ -66,12 +66,5 @@ class TransportChoices:
             self._pairs.popitem(last=False)
         return before != choice
 
-    def forget_peer(self, peer: str) -> None:
-        for key in [k for k in self._pairs if k[1] == peer]:
-            del self._pairs[key]
-
     def describe(self) -> list[dict[str, Any]]:
         return [c.to_dict() for c in self._pairs.values()]
-
-    def fallbacks(self) -> list[PairTransport]:
-        return [c for c in self._pairs.values() if c.reason]

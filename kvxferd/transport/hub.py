@@ -94,18 +94,15 @@ class Transports:
         """The transport the source chose in its handshake answer (recorded for ``status``; a
         pair passed over this daemon's first preference is reported once)."""
         chosen = self.nixl.accepted(source, prefill, decode, reply)
-        preferred = self.nixl.offered()[0] if self.nixl.offered() else chosen
+        first = self.nixl.preference[0]
         reason = detail = ""
-        if chosen != self.nixl.preference[0]:
+        if chosen != first and first not in self.nixl.offered():  # never offered: unusable here
+            reason, detail = choices.UNAVAILABLE_HERE, f"{first} is unusable here: {self.nixl.unavailable}"
+        elif chosen != first:
             said = reply.get("transport_reason")
-            if preferred != self.nixl.preference[0]:  # not even offered: unusable here
-                reason, detail = choices.UNAVAILABLE_HERE, f"{self.nixl.preference[0]} is unusable here: " \
-                                                           f"{self.nixl.unavailable}"
-            else:
-                reason = choices.PEER_CHOSE
-                detail = f"the source daemon chose {chosen}" + (f" ({said})" if isinstance(said, str) else "")
-        self._record(PairTransport("decode", source, prefill, decode, chosen, self.nixl.preference[0], reason,
-                                   detail))
+            reason = choices.PEER_CHOSE
+            detail = f"the source daemon chose {chosen}" + (f" ({said})" if isinstance(said, str) else "")
+        self._record(PairTransport("decode", source, prefill, decode, chosen, first, reason, detail))
         return chosen
 
     def receive_kind(self, source: str, prefill: str, decode: str) -> str:

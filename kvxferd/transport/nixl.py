@@ -138,7 +138,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
     def register_rank(self, rank: Rank) -> None:
         """Register every region of a rank (once, at rank registration)."""
         regions = list(rank.regions.values())
-        devices = {-1 if r.is_cpu else int(r.flat.device.index or 0) for r in regions}
+        devices = {_device(r.flat) for r in regions}
         if len(devices) != 1:
             raise RuntimeError(f"regions of {rank.id} span devices {sorted(devices)}")
         device = devices.pop()
@@ -245,7 +245,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
 
     def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
         can_stage = peer.credits is not None and self.staging is not None
-        if job.mode == "staged" and can_stage:
+        # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
+        # cost UCX more than gathering them into landing-slot blocks (tcp's rule for socket views); a
+        # head slice is one run per token, so its size decides before any segment is built
+        if can_stage and (job.mode == "staged" or (not job.writer.whole_rows and job.writer.slice_bytes < SMALL_RUN)):
             return self._send_staged(job, peer, peer.credits, self._pool_for(job))
         if job.dst_pages is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
@@ -262,9 +265,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(segs) == 0:
             self._notify(peer.agent, notif)
             return Moved(job.nbytes, 0, "direct")
-        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs):
-            # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
-            # cost UCX more than gathering them into landing-slot blocks (tcp's rule for socket views)
+        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
             return self._send_staged(job, peer, peer.credits, self._pool_for(job))
         ends_src = int((segs.src + segs.lengths).max())
         ends_dst = int((segs.dst + segs.lengths).max())

@@ -118,16 +118,26 @@ class NixlPeer:
         self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
         self._regions: dict[tuple[int, int, int, str], tuple[int, int, int, int]] = {}
         self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
+        #: page stride of each decode rank's regions of a group, by (tp, pp, group); 0: dense
+        self._strides: dict[tuple[int, int, str], int] = {}
         self._lock = threading.Lock()
 
     def update(self, entries: Iterable[list[Any]]) -> None:
         """Regions as the decode side describes them (:func:`kvxferd.protocol.nixl_region`): a
-        row without the eighth entry (page stride) is a dense rank's."""
+        row without the eighth entry (page stride) is a dense rank's. A rank whose regions of
+        one group disagree on the stride is refused here, before any WRITE."""
+        rows = [(row[:7], int(row[7]) if len(row) > 7 else 0) for row in entries]
         with self._lock:
-            for row in entries:
-                tp, pp, layer, kind, addr, nbytes, device = row[:7]
-                stride = int(row[7]) if len(row) > 7 else 0
+            strides: dict[tuple[int, int, str], int] = {}
+            for (tp, pp, _layer, kind, _addr, _nbytes, _device), stride in rows:
+                key = (tp, pp, kind.rpartition(".")[0])
+                if strides.setdefault(key, stride) != stride:
+                    raise TransferError(f"decode rank {[tp, pp]} described regions with page strides "
+                                        f"{sorted({strides[key], stride})}", field="nixl_regions",
+                                        fix="register every region of a rank with one page stride")
+            for (tp, pp, layer, kind, addr, nbytes, device), stride in rows:
                 self._regions[(tp, pp, layer, kind)] = (addr, nbytes, device, stride)
+            self._strides.update(strides)
             self._bases.clear()
 
     @property
@@ -135,21 +145,11 @@ class NixlPeer:
         """The decode instance's cache groups, by name."""
         return [g for g in self.units if g]
 
-    def _stride(self, dst: tuple[int, int], group: str) -> int:
-        """Bytes between page starts in a decode rank's regions of a group (0: dense)."""
-        with self._lock:
-            strides = {s for (tp, pp, _l, kind), (_a, _n, _d, s) in self._regions.items()
-                       if (tp, pp) == tuple(dst) and kind.rpartition(".")[0] == group}
-        if len(strides) > 1:
-            raise TransferError(f"decode rank {list(dst)} described regions with page strides {sorted(strides)}",
-                                field="nixl_regions", fix="register every region of a rank with one page stride")
-        return strides.pop() if strides else 0
-
     def dst_slots(self, dst: tuple[int, int], group: str, pages: np.ndarray, start: int, end: int) -> np.ndarray:
         """Destination slots of tokens ``[start, end)``: what the decode side's inbox computes for
         the same chunk (token rows or whole packed pages, dense or strided pages)."""
         spec = self.units[group]
-        stride = self._stride(dst, group)
+        stride = self._strides.get((dst[0], dst[1], group), 0)  # one dict read: this runs per chunk
         return unit_slots(spec, pages, start, end, 0, stride // spec.row_bytes if stride else None)
 
     def num_pages(self, dst: tuple[int, int], group: str = "") -> int | None:

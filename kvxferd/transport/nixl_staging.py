@@ -39,7 +39,7 @@ import torch
 
 from ..errors import RequestError, TransferError
 from ..inbox import DestEntry, Inbox, Sink
-from ..staging import Piece, block_count, block_pieces, slices_per_slot
+from ..staging import Piece, block_count, block_pieces, buffer, slices_per_slot
 
 #: blocks one staged chunk may be cut into (bounds the receiver's bookkeeping per chunk)
 MAX_BLOCKS = 1 << 20
@@ -78,8 +78,7 @@ class LandingRing:
         self.count = count
         self.slot_bytes = slot_bytes
         self.device = device  # -1: host memory (pinned where CUDA is present); else the GPU it lives on
-        self.buffer = (torch.empty(count * slot_bytes, dtype=torch.uint8, device=f"cuda:{device}") if device >= 0
-                       else torch.empty(count * slot_bytes, dtype=torch.uint8, pin_memory=torch.cuda.is_available()))
+        self.buffer = buffer(count * slot_bytes, torch.device(f"cuda:{device}" if device >= 0 else "cpu"))
         self.agent = ""  # the source daemon's NIXL agent, once its handshake answer names it
         self.reg_descs: object = None  # the NIXL registration of ``buffer``
         self.metadata: bytes = b""  # partial agent metadata describing ``buffer`` only
