@@ -26,9 +26,8 @@ from kvxferd.client import EngineClient
 from kvxferd.engine_memory import describe_tensors, share_in_place
 from kvxferd.geometry import InstanceSpec, RankGeometry
 from kvxferd.segments import slot_count
-from nixl_util import NIXL_ENV, NIXL_MISSING, metric
-
-ONLY_NIXL = {**NIXL_ENV, "KVXFERD_PEER_TRANSPORTS": "nixl"}
+from nixl_util import NIXL_MISSING, metric
+from transport_util import ONLY_NIXL, Carried
 NUM_PAGES = 24
 _ids = itertools.count()
 
@@ -62,26 +61,9 @@ def request_bytes(dspec: InstanceSpec, start: int, end: int) -> int:
     return slot_count(whole, start, end) * whole.row_bytes * len(whole.region_kinds) * whole.num_layers
 
 
-class Carried:
-    """What the prefill and decode daemons counted on each transport around one case."""
-
-    def __init__(self, cluster, prefill: str, decode: str) -> None:
-        self.pd, self.dd = cluster.daemons[prefill], cluster.daemons[decode]
-        self.before = self._read()
-
-    def _read(self) -> dict[str, float]:
-        return {f"{side}-{t}": metric(d, name, transport=t)
-                for side, d, name in (("sent", self.pd, "kvxferd_sent_bytes_total"),
-                                      ("received", self.dd, "kvxferd_received_bytes_total"))
-                for t in ("nixl", "tcp")}
-
-    def delta(self) -> dict[str, float]:
-        now = self._read()
-        return {k: now[k] - self.before[k] for k in now}
-
-
-def assert_nixl_carried(carried: Carried, nbytes: int) -> None:
-    assert carried.delta() == {"sent-nixl": nbytes, "received-nixl": nbytes, "sent-tcp": 0, "received-tcp": 0}
+def carried(cluster, prefill: str, decode: str) -> Carried:
+    """Bytes per transport on the pair's daemons from now on."""
+    return Carried([cluster.daemons[prefill]], [cluster.daemons[decode]])
 
 
 # -- simulated engines, the shared byte oracle ------------------------------------------------
@@ -101,12 +83,13 @@ CASES = {
 def test_layout_moves_byte_exact_over_nixl_alone(cluster, case, mode):
     pspec, dspec, n, chunks = CASES[case]
     prefill, decode = PAIRS[mode]
-    carried = Carried(cluster, prefill, decode)
-    before = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode)
+    moved = carried(cluster, prefill, decode)
+    pd = cluster.daemons[prefill]
+    before = metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode)
     e2e_run_case(cluster, pspec, dspec, prefill=prefill, decode=decode, n_tokens=n, chunks=chunks,
                  requests=2, aux=b"nx", tag=f"nl{mode[0]}-", num_pages=NUM_PAGES)
-    assert_nixl_carried(carried, 2 * request_bytes(dspec, 0, n))
-    sent = metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode) - before
+    moved.assert_only("nixl", 2 * request_bytes(dspec, 0, n))
+    sent = metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=mode) - before
     assert sent == 2 * request_bytes(dspec, 0, n)  # every byte in the mode the pair was set up for
 
 
@@ -114,12 +97,13 @@ def test_a_direct_plan_of_small_head_slices_is_staged_by_the_daemon(cluster):
     """Direct WRITEs of 64-byte head slices would cost a descriptor each: where the decode daemon
     gave a landing ring, the prefill daemon gathers them into blocks itself and says so."""
     pspec, dspec, n, chunks = CASES["nhd_kv-tp2to1-pages4to16"]
-    carried = Carried(cluster, "prefill-direct", "decode-nx")
-    before = {m: metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
+    moved = carried(cluster, "prefill-direct", "decode-nx")
+    pd = cluster.daemons["prefill-direct"]
+    before = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
     e2e_run_case(cluster, pspec, dspec, prefill="prefill-direct", decode="decode-nx", n_tokens=n, chunks=chunks,
                  requests=1, tag="nla-", num_pages=NUM_PAGES)
-    assert_nixl_carried(carried, request_bytes(dspec, 0, n))
-    after = {m: metric(carried.pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
+    moved.assert_only("nixl", request_bytes(dspec, 0, n))
+    after = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
     assert (after["direct"] - before["direct"], after["staged"] - before["staged"]) == (0, request_bytes(dspec, 0, n))
 
 
@@ -192,7 +176,7 @@ def _strided_case(cluster, mode: str, layout: str, tp: int, start: int) -> None:
     try:
         for layer in range(dspec.num_layers):  # the prefix the decode side already holds
             decode.page(0, dst[0], layer).fill_(0xAB)
-        carried = Carried(cluster, prefill_name, decode_name)
+        moved = carried(cluster, prefill_name, decode_name)
         rid = f"ns-{tag}"
         decode.clients[0].expect(decode.ranks[0], rid, source_instance=f"ns-p{tag}", source_address=pd.address,
                                  pages=dst, num_tokens=n, start=start)
@@ -203,7 +187,7 @@ def _strided_case(cluster, mode: str, layout: str, tp: int, start: int) -> None:
         assert decode.clients[0].wait(decode.ranks[0], rid, timeout=60)["state"] == "done"
         for client, rank in zip(prefill.clients, prefill.ranks):
             assert client.wait(rank, rid, timeout=60)["state"] == "done"
-        assert_nixl_carried(carried, request_bytes(dspec, start, n))
+        moved.assert_only("nixl", request_bytes(dspec, start, n))
         unit = dspec.slot_tokens
         for layer in range(dspec.num_layers):
             for i, (s, d) in enumerate(zip(src, dst)):
