@@ -179,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         # an engine's environment shares KVXFERD_ENGINE_SOCKET_PATH with the daemon: say who won
         logging.getLogger("kvxferd.config").warning(
             "event=config_env_override key=%s var=%s value=%s file=%s file_value=%s", key, cfg.source_of(key),
-            logutil.q(str(_setting(cfg, key))), logutil.q(file), logutil.q(str(file_value)))
+            logutil.q(str(cfg.value_of(key))), logutil.q(file), logutil.q(str(file_value)))
     from .daemon import run
     try:
         code = run(cfg)
@@ -193,17 +193,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return _exit_after_nixl(code)
 
 
-def _setting(cfg: Any, key: str) -> Any:
-    section, _, name = key.partition(".")
-    return getattr(getattr(cfg, section), name)
-
-
 def _config_sources(cfg: Any) -> list[str]:
     """``key = value  (source)`` for every setting a file or a variable set; a variable that set
     one over the file's own value says so (an engine's environment can shadow the daemon's file)."""
     out = []
     for key in sorted(cfg.sources):
-        line = f"{key} = {_setting(cfg, key)!r}  ({cfg.source_of(key)})"
+        line = f"{key} = {cfg.value_of(key)!r}  ({cfg.source_of(key)})"
         if key in cfg.overridden:
             file_value, file = cfg.overridden[key]
             line += f", over {file_value!r} from {file}"

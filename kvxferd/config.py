@@ -227,6 +227,11 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
+    def value_of(self, key: str) -> Any:
+        """A setting's value by its ``section.key`` name."""
+        section, _, name = key.partition(".")
+        return getattr(getattr(self, section), name)
+
     def source_of(self, key: str) -> str:
         """Where a setting's value came from (``section.key``): a file, a variable, or the default."""
         return self.sources.get(key, "default")
@@ -301,8 +306,8 @@ def env_name(key: str) -> str:
     return ENV_PREFIX + key.replace(".", "_").upper()
 
 
-#: the config's sections, in file order
-SECTIONS = ("daemon", "engine", "peer", "metrics", "limits", "timeouts", "auth", "directory")
+#: the config's sections, in file order (every field of Config is one)
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
 def _env_overrides(environ: Mapping[str, str], cfg: Config) -> tuple[dict[str, dict[str, str]], list[str]]:
