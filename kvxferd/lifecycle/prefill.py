@@ -92,9 +92,7 @@ class PrefillSide:
         if end is not None and end.decode == ev.decode and end.identity == ev.route.identity:
             # another rank of this decode side ended the request before this expect came (over the
             # same link, so in order): the request fails here, and this rank's side hears it
-            self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
-                                        if e.rank_id.startswith(ev.prefill + "/")
-                                        and (e.binding is None or e.routed_to(end.identity))],
+            self._fail_from_downstream(self._sources_answering(ev.request_id, ev.prefill, end.identity),
                                        end.identity, end.code, end.message)
             self._late_expect(ev.request_id, ev.route, {"state": "failed", "code": end.code, "reason": end.message})
             return
@@ -183,10 +181,14 @@ class PrefillSide:
             binding = self.routes.request(ev.request_id, ev.prefill)
             if binding is None or (binding.decode_instance == ev.decode and binding.routed_to(ev.identity)):
                 self.routes.end(ev.request_id, ev.prefill, DecodeEnd(ev.decode, ev.identity, ev.code, ev.message))
-        self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
-                                    if e.rank_id.startswith(ev.prefill + "/")
-                                    and (e.binding is None or e.routed_to(ev.identity))],
+        self._fail_from_downstream(self._sources_answering(ev.request_id, ev.prefill, ev.identity),
                                    ev.identity, ev.code, ev.message)
+
+    def _sources_answering(self: "Lifecycle", request_id: str, prefill: str, identity: bytes | None) -> list[SrcEntry]:
+        """The request's sources of a prefill instance that a decode daemon's word may end: those
+        routed to that daemon's link, and those not routed anywhere yet."""
+        return [e for e in self.sources_of(request_id) if e.rank_id.startswith(prefill + "/")
+                and (e.binding is None or e.routed_to(identity))]
 
     def decode_end(self: "Lifecycle", request_id: str, prefill: str) -> DecodeEnd | None:
         """The decode side's end of a request, where it still speaks for the request: while no

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..directory import spec_difference
 from ..errors import PlanRefusal
@@ -108,11 +109,7 @@ class RouteBook:
 
     def refused(self, prefill: str, decode: str, identity: bytes) -> None:
         """This daemon refused the pair's handshake over that link."""
-        key = (prefill, decode, identity)
-        self._refused[key] = None
-        self._refused.move_to_end(key)
-        while len(self._refused) > self._max_requests:
-            self._refused.popitem(last=False)
+        _remember(self._refused, (prefill, decode, identity), None, self._max_requests)
 
     def linked(self, prefill: str, decode: str, identity: bytes) -> bool:
         """Whether that link handshook the pair here, accepted or refused: only such a link may tell
@@ -133,11 +130,7 @@ class RouteBook:
             self._requests.popitem(last=False)
 
     def end(self, request_id: str, prefill: str, end: DecodeEnd) -> None:
-        key = (request_id, prefill)
-        self._ends[key] = end
-        self._ends.move_to_end(key)
-        while len(self._ends) > self._max_requests:
-            self._ends.popitem(last=False)
+        _remember(self._ends, (request_id, prefill), end, self._max_requests)
 
     def ended(self, request_id: str, prefill: str) -> DecodeEnd | None:
         """What a decode side said ended the request, if it did (whether it applies is the core's call)."""
@@ -161,3 +154,11 @@ class RouteBook:
         for refusal in [k for k in self._refused if k[2] == identity]:
             del self._refused[refusal]
         return gone
+
+
+def _remember(book: OrderedDict[Any, Any], key: Any, value: Any, bound: int) -> None:
+    """Keep ``key`` as the newest entry of a bounded book, dropping the oldest past ``bound``."""
+    book[key] = value
+    book.move_to_end(key)
+    while len(book) > bound:
+        book.popitem(last=False)
