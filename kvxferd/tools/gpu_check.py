@@ -38,7 +38,6 @@ import queue
 import random
 import re
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -615,7 +614,7 @@ class DeadlineExceeded(BaseException):
     """The run's deadline passed (raised by SIGALRM in the main thread): finish with what was done."""
 
 
-class EngineProc:
+class EngineProc(jsonlines.JsonProc):
     """An engine process spoken to in JSON lines: one reply per command, in order.
 
     ``post`` sends without waiting, so the decode engine can be waiting for its requests while
@@ -623,12 +622,8 @@ class EngineProc:
     """
 
     def __init__(self, role: str, device: str, log_path: Path) -> None:
+        super().__init__(["-m", "kvxferd.tools.gpu_check", "engine", "--device", device], log_path)
         self.role = role
-        self.log_path = log_path
-        with open(log_path, "ab") as log:
-            self.proc = launch.popen([sys.executable, "-m", "kvxferd.tools.gpu_check", "engine", "--device", device],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True, bufsize=1)
-        self.events = jsonlines.read_events(self.proc)
         self.outstanding: list[str] = ["ready"]
 
     def post(self, cmd: str, **fields: Any) -> None:
@@ -652,7 +647,7 @@ class EngineProc:
             raise CheckError(f"{self.role} engine {cmd}: {ev.get('error')}")
         return ev
 
-    def call(self, wait_s: float, cmd: str, /, **fields: Any) -> dict[str, Any]:
+    def call(self, wait_s: float, cmd: str, /, **fields: Any) -> dict[str, Any]:  # type: ignore[override]
         """``cmd`` with ``fields``, its answer within ``wait_s`` seconds."""
         self.drain(wait_s)
         self.post(cmd, **fields)
@@ -667,15 +662,6 @@ class EngineProc:
                 raise
             except CheckError:
                 pass  # that step's failure was reported when it happened
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-        except OSError:
-            return ""
-
-    def close(self) -> None:
-        jsonlines.close(self.proc, 20)
 
 
 @dataclass
