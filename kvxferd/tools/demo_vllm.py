@@ -35,7 +35,7 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
-from .demo import _families
+from . import procstats
 from .tiny_model import BLOCK, HEAD, MODEL, kv_bytes, make_tiny_llama
 
 TRANSPORTS = ("tcp", "nixl")
@@ -92,15 +92,6 @@ def _prompts(n: int, max_tokens: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(1, MODEL["vocab_size"]) for _ in range(rng.randint(*spans[i % 3]))] for i in range(n)]
 
 
-def _counted(families: dict[str, Any], family: str, label: str, **match: str) -> dict[str, float]:
-    """A counter's ``_total`` samples summed per value of ``label``, among those whose labels include ``match``."""
-    out: dict[str, float] = {}
-    for s in families[family].samples if family in families else ():
-        if s.name.endswith("_total") and all(s.labels.get(k) == v for k, v in match.items()):
-            out[s.labels.get(label, "")] = out.get(s.labels.get(label, ""), 0.0) + s.value
-    return out
-
-
 def _gone(rig: Any) -> str:
     """Which of the rig's processes exited (an engine or a daemon), or empty."""
     procs = {"the prefill engine": rig.prefill.proc, "the decode engine": rig.decode.proc,
@@ -109,7 +100,8 @@ def _gone(rig: Any) -> str:
 
 
 def _received(rig: Any) -> dict[str, float]:
-    return _counted(_families(rig.dd.metrics_url), "kvxferd_received_bytes", "transport")
+    return procstats.by_label(procstats.scrape(rig.dd.metrics_url, missing_ok=True), "kvxferd_received_bytes_total",
+                              "transport")
 
 
 def _over(delta: dict[str, float]) -> str:
@@ -186,9 +178,9 @@ def _check_moved(rig: Any, transport: str, prompts: list[list[int]],
     """The daemons' own counts: every transfer done on both sides, and the prompts' KV bytes sent
     and received on ``transport`` alone. The bytes received on it, and what is wrong."""
     problems = []
-    src, dst = _families(rig.pd.metrics_url), _families(rig.dd.metrics_url)
-    sent = _counted(src, "kvxferd_sent_bytes", "transport")
-    received = _counted(dst, "kvxferd_received_bytes", "transport")
+    src, dst = (procstats.scrape(d.metrics_url, missing_ok=True) for d in (rig.pd, rig.dd))
+    sent = procstats.by_label(src, "kvxferd_sent_bytes_total", "transport")
+    received = procstats.by_label(dst, "kvxferd_received_bytes_total", "transport")
     want = sum(kv_bytes(len(p)) for p in prompts)
     say(f"moved:   the prompts' KV is {want} bytes ({sum(-(-len(p) // BLOCK) for p in prompts)} blocks x "
         f"{MODEL['num_hidden_layers']} layers x {kv_bytes(BLOCK) // MODEL['num_hidden_layers']} bytes); the daemons' "
@@ -202,7 +194,7 @@ def _check_moved(rig: Any, transport: str, prompts: list[list[int]],
         if other:
             problems.append(f"{side} bytes over another transport than {transport}: {other}")
     for side, families in (("prefill", src), ("decode", dst)):
-        outcomes = {k: int(v) for k, v in _counted(families, "kvxferd_transfers", "outcome", side=side).items() if v}
+        outcomes = {k: int(v) for k, v in procstats.by_label(families, "kvxferd_transfers_total", "outcome", side=side).items() if v}
         if outcomes != {"done": len(prompts)}:
             problems.append(f"the {side} daemon's transfers by outcome are {outcomes}, not {len(prompts)} done")
     return int(received.get(transport, 0)), problems

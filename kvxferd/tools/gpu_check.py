@@ -50,7 +50,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..geometry import RankGeometry
-from . import jsonlines, launch
+from . import jsonlines, launch, procstats
 from .oracle import CANARY, check_rank, fill_rank, untouched
 
 PROG = "gpu-check"
@@ -691,8 +691,8 @@ class Run:
 
 def sent_by_transport(daemon: Any) -> dict[str, float]:
     """The prefill daemon's cumulative KV bytes sent, per transport (its Prometheus counter)."""
-    from .demo import _sent_by
-    return _sent_by(daemon.metrics_url, "transport")
+    return procstats.by_label(procstats.scrape(daemon.metrics_url, missing_ok=True), "kvxferd_sent_bytes_total",
+                              "transport")
 
 
 def run_case(run: Run, index: int, case: Case) -> CaseResult:

@@ -18,10 +18,17 @@ KV_MAPPING_MARKS = ("/memfd:kvxferd-", "/dev/shm/kvxferd-")
 _SAMPLE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)$')
 
 
-def scrape(url: str, timeout: float = 10.0) -> dict[str, float]:
-    """All samples of a Prometheus text endpoint: ``{'name{labels}': value}``."""
-    with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - a loopback endpoint
-        text = resp.read().decode()
+def scrape(url: str, timeout: float = 10.0, missing_ok: bool = False) -> dict[str, float]:
+    """All samples of a Prometheus text endpoint: ``{'name{labels}': value}``. ``missing_ok``: no
+    samples, rather than an error, from an endpoint that does not answer (a daemon that died,
+    which the caller reports in its own words)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - a loopback endpoint
+            text = resp.read().decode()
+    except OSError:
+        if missing_ok:
+            return {}
+        raise
     out: dict[str, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
@@ -40,12 +47,12 @@ def summed(samples: dict[str, float], name: str, **labels: str) -> float:
     return total
 
 
-def by_label(samples: dict[str, float], name: str, label: str) -> dict[str, float]:
-    """One metric's samples summed per value of ``label``."""
+def by_label(samples: dict[str, float], name: str, label: str, **match: str) -> dict[str, float]:
+    """One metric's samples summed per value of ``label``, among those whose labels include ``match``."""
     out: dict[str, float] = {}
     for key, value in samples.items():
         head, _, rest = key.partition("{")
-        if head == name and f'{label}="' in rest:
+        if head == name and f'{label}="' in rest and all(f'{k}="{v}"' in rest for k, v in match.items()):
             v = rest.split(f'{label}="', 1)[1].split('"', 1)[0]
             out[v] = out.get(v, 0.0) + value
     return out
