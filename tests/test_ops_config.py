@@ -248,7 +248,7 @@ def test_configured_socket_path_beats_runtime_dir(monkeypatch, tmp_path):
 
 
 def test_every_setting_is_a_dataclass_field_with_a_default():
-    """What the README and the reference file promise: a default for every setting."""
+    """What docs/CONFIGURATION.md and the reference file promise: a default for every setting."""
     for section in dataclasses.fields(config.Config):
         for f in dataclasses.fields(section.default_factory()):  # type: ignore[misc]
             assert f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
