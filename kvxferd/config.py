@@ -153,6 +153,9 @@ class LimitsSection:
     staging_slot_bytes: int = 4 * 1024 * 1024  # one staged block; a token's head slice must fit
     nixl_landing_slots: int = 4  # per source daemon: staged NIXL blocks in flight to this daemon (0: none)
     nixl_landing_bytes: int = 256 * 1024 * 1024  # all landing rings together
+    #: a sliced NIXL chunk reads its source or writes its destination in place where that side's
+    #: runs average at least this many bytes; shorter runs are copied through a staging slot
+    nixl_in_place_bytes: int = 256 * 1024
     recent_failures: int = 32
 
 

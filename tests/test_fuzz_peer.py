@@ -82,7 +82,7 @@ class PeerFuzzer:
                     r.choice((0, 2, 3, 8, 2**13, 10**9, 2**40))
             elif roll < 0.4:
                 spec_[r.choice(("unknown", b"bytes-key"))] = 1
-            msg.update(v=r.choice((PROTOCOL_VERSION,) * 6 + (0, 2, 99)), daemon="127.0.0.1:1",
+            msg.update(v=r.choice((PROTOCOL_VERSION,) * 6 + (0, PROTOCOL_VERSION + 1, 99)), daemon="127.0.0.1:1",
                        data_address=r.choice((self.data_address,) * 4 + ("no-port", "127.0.0.1:x", ":")),
                        prefill_instance=r.choice((self.prefill,) * 5 + ("ghost",)),
                        decode_instance=r.choice(("fz-dec", "fz-dec", "fz-dec2")), decode_spec=spec_,

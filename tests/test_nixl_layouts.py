@@ -15,6 +15,8 @@ NIXL carried it, and the metrics count the exact bytes on NIXL and none on tcp.
 from __future__ import annotations
 
 import itertools
+import re
+import urllib.request
 from dataclasses import replace
 
 import pytest
@@ -41,7 +43,11 @@ def cluster(request):
         # no landing ring: nothing to stage into, so every chunk is one direct WRITE of its runs
         Node("decode-no-ring", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
         Node("prefill-direct", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct"}),
-        Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}))
+        Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}),
+        # whole-row sides of sliced chunks used in place at any run length (this file's pages are small);
+        # direct, so that it may write to a decode daemon without a landing ring
+        Node("prefill-in-place", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct",
+                                      "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "64"}))
 
 
 #: mode -> (prefill daemon, decode daemon): direct WRITEs of every run, or staged blocks
@@ -105,6 +111,60 @@ def test_a_direct_plan_of_small_head_slices_is_staged_by_the_daemon(cluster):
     moved.assert_only("nixl", request_bytes(dspec, 0, n))
     after = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
     assert (after["direct"] - before["direct"], after["staged"] - before["staged"]) == (0, request_bytes(dspec, 0, n))
+
+
+def fragments(daemon) -> tuple[float, float]:
+    """(descriptors, chunks) a daemon has sent so far: ``kvxferd_chunk_fragments`` sum and count."""
+    text = urllib.request.urlopen(daemon.metrics_url, timeout=5).read().decode()
+    found = {name: float(re.search(rf"^kvxferd_chunk_fragments_{name}\s+(\S+)$", text, re.M).group(1))
+             for name in ("sum", "count")}
+    return found["sum"], found["count"]
+
+
+@pytest.mark.parametrize("case", ["nhd_kv-tp2to1-pages4to16", "packed-tp2to1"])
+def test_a_source_holding_whole_rows_is_read_in_place(cluster, case):
+    """tp2>1: each prefill rank's rows are the decode rows' halves, so the source's pages are
+    WRITten as they lie into the landing slot (one descriptor per page run, no gather) and only
+    the decode side scatters. The same chunks gathered first take one descriptor per block."""
+    pspec, dspec, n, chunks = CASES[case]
+    counts = {}
+    for prefill in ("prefill-staged", "prefill-in-place"):
+        moved = carried(cluster, prefill, "decode-nx")
+        pd = cluster.daemons[prefill]
+        before_staged = metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
+        before = fragments(pd)
+        e2e_run_case(cluster, pspec, dspec, prefill=prefill, decode="decode-nx", n_tokens=n, chunks=chunks,
+                     requests=1, tag="nlr-", num_pages=NUM_PAGES)
+        moved.assert_only("nixl", request_bytes(dspec, 0, n))
+        assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") - before_staged == \
+            request_bytes(dspec, 0, n)
+        after = fragments(pd)
+        counts[prefill] = (after[0] - before[0], after[1] - before[1])
+    (gathered, chunks_g), (in_place, chunks_i) = counts["prefill-staged"], counts["prefill-in-place"]
+    assert chunks_g == chunks_i > 0
+    # random source pages: every page (every page's run per layer and kind) is a descriptor of its own
+    assert in_place > gathered, counts
+
+
+def test_a_destination_holding_whole_rows_is_written_in_place_without_a_landing_ring(cluster):
+    """tp1>2 into a decode daemon that gave no landing ring: each decode rank's rows are a slice of
+    the prefill rows, so the prefill daemon gathers the slices into its staging slot and WRITEs the
+    slot into the decode pages as they lie (one descriptor per page run), instead of one
+    descriptor per head slice of every token."""
+    pspec, dspec, n, chunks = CASES["hnd_kv-tp1to2"]
+    moved = carried(cluster, "prefill-in-place", "decode-no-ring")
+    pd = cluster.daemons["prefill-in-place"]
+    before_staged = metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
+    before = fragments(pd)
+    e2e_run_case(cluster, pspec, dspec, prefill="prefill-in-place", decode="decode-no-ring", n_tokens=n,
+                 chunks=chunks, requests=2, tag="nlp-", num_pages=NUM_PAGES)
+    moved.assert_only("nixl", 2 * request_bytes(dspec, 0, n))
+    assert metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") - before_staged == \
+        2 * request_bytes(dspec, 0, n)
+    descriptors = fragments(pd)[0] - before[0]
+    slices = 2 * n * dspec.tp_size * dspec.num_layers  # direct: one per token, decode rank and layer
+    pages = 2 * dspec.tp_size * dspec.num_layers * (-(-n // dspec.page_size) + len(chunks or ()))
+    assert 0 < descriptors <= pages < slices, (descriptors, pages, slices)
 
 
 # -- strided decode pages and a prefix already held, hand-registered ------------------------

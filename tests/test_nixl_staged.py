@@ -171,6 +171,31 @@ def test_staged_notifications_naming_foreign_slots_or_wrong_sizes_are_refused(cl
         fake.close()
 
 
+@needs_nixl
+def test_blocks_written_in_place_are_checked_like_landed_ones(cluster, monkeypatch):
+    """A block WRITTEN straight into the decode pages (no ring, no slot) goes through the same
+    header checks as a landed one: a size the geometry contradicts fails the request, and no
+    landing slot is handed back for it (it took none)."""
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    dd = cluster.daemons["decode-st"]
+    fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
+    decode = cluster.instance(dd, "fake-pl", "decode", spec(), NUM_PAGES)
+    try:
+        hs = fake.engage(decode[0], "forged-2", pages=[1, 2], n=8)
+        header = {"op": "data", "request_id": "forged-2", "decode_instance": "fake-pl", "dst": [0, 0],
+                  "src": [0, 0], "start": 0, "end": 8, "last": True, "nbytes": 999,
+                  "token": hs["data_token"], "block": 0, "pack": SLOT}
+        fake.agent.send_notif(hs["nixl_agent"], msgpack.packb(header, use_bin_type=True))
+        ev = finished(decode[0], "forged-2", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "peer_refused", ev
+        assert "block 0" in ev["reason"] and "999" in ev["reason"], ev
+        assert _free_notifs(fake, 1, 0.5) == []
+    finally:
+        close(decode)
+        fake.close()
+
+
 # -- a frozen decode daemon while blocks wait for landing slots ----------------------------
 
 @needs_nixl

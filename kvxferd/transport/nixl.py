@@ -43,6 +43,7 @@ import os
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -57,6 +58,7 @@ from ..copier import gather, settle
 from ..segments import paired_segments
 from ..staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from .base import ChunkJob, Moved
+from . import nixl_blocks
 from .framing import SMALL_RUN
 from .nixl_api import (BACKEND, MODULES, NixlPeer, _descs, _mem, _Registered, available, load_api,  # noqa: F401
                        loaded)
@@ -68,6 +70,8 @@ from .nixl_staging import Assemblies, Credits, LandingRing, LandingRings
 log = logging.getLogger("kvxferd.nixl")
 
 MAX_UNRELEASED = 4096
+#: blocks of one chunk on the wire at once (each holds a landing slot, and a staging slot unless read in place)
+BLOCKS_IN_FLIGHT = 4
 SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
 
@@ -79,6 +83,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
                  staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
+                 in_place_bytes: int = 256 * 1024,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
@@ -87,6 +92,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         self.timeout_s = timeout_s
         self.max_header_bytes = max_header_bytes
         self.staging = staging
+        self.in_place_bytes = in_place_bytes
         self.on_received = on_received
         self.on_refused = on_refused
         self.on_invalid = on_invalid
@@ -244,20 +250,22 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 gate.leave()
 
     def _send(self, job: ChunkJob, peer: NixlPeer) -> Moved:
-        can_stage = peer.credits is not None and self.staging is not None
-        # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
-        # cost UCX more than gathering them into landing-slot blocks (tcp's rule for socket views); a
-        # head slice is one run per token, so its size decides before any segment is built
-        if can_stage and (job.mode == "staged" or (not job.writer.whole_rows and job.writer.slice_bytes < SMALL_RUN)):
-            return self._send_staged(job, peer, peer.credits, self._pool_for(job))
-        if job.dst_pages is None:
-            raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         w = job.writer
-        kinds = job.kinds
         # the decode side's own slot arithmetic (token rows or packed pages, dense or strided); a
         # cache group's chunk is addressed by the group's own destination table (its pages from
         # token 0, or the request's state slot: one "page" of the slot's rows)
-        dst_slots = peer.dst_slots(job.dst, job.group, job.dst_pages, job.start, job.end)
+        dst_slots = (peer.dst_slots(job.dst, job.group, job.dst_pages, job.start, job.end)
+                     if job.dst_pages is not None else None)
+        # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
+        # cost UCX more than copying them through a slot (tcp's rule for socket views); a head slice
+        # is one run per token, so its size decides before any segment is built
+        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN):
+            route = self._route(job, peer, dst_slots)
+            if route is not None:
+                return self._send_blocks(job, peer, route, dst_slots)
+        if dst_slots is None:
+            raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
+        kinds = job.kinds
         segs = paired_segments(job.src_slots, dst_slots, w)
         src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
@@ -265,8 +273,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(segs) == 0:
             self._notify(peer.agent, notif)
             return Moved(job.nbytes, 0, "direct")
-        if can_stage and int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
-            return self._send_staged(job, peer, peer.credits, self._pool_for(job))
+        if int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
+            route = self._route(job, peer, dst_slots)
+            if route is not None:
+                return self._send_blocks(job, peer, route, dst_slots)
         ends_src = int((segs.src + segs.lengths).max())
         ends_dst = int((segs.dst + segs.lengths).max())
         if ends_src > src_limit or ends_dst > dst_limit:
@@ -291,83 +301,130 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 self._sending -= 1
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
-    def _send_staged(self, job: ChunkJob, peer: NixlPeer, credits: Credits, pool: StagingPool) -> Moved:
-        """Gather the chunk's wire stream block by block into local staging slots and WRITE each as
-        one descriptor into a landing slot of the peer; the next block is gathered while the
-        previous one is on the wire. Blocks are cut as :func:`~kvxferd.staging.pack` cuts them, so
-        the receiver derives every block's pieces from the header (``block``, ``pack``) alone."""
+    def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None) -> str | None:
+        """How a chunk goes in blocks (:mod:`.nixl_blocks`), or None if it can only go direct."""
+        w = job.writer
+        return nixl_blocks.choose(
+            src_whole=w.slice_bytes == w.src_row_bytes, dst_whole=w.slice_bytes == w.dst_row_bytes,
+            src_slots=job.src_slots, dst_slots=dst_slots, slice_bytes=w.slice_bytes,
+            can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes)
+
+    def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None) -> Moved:
+        """Cut the chunk's wire stream into blocks as :func:`~kvxferd.staging.pack` does and WRITE each
+        block along ``route`` (:mod:`.nixl_blocks`): gathered into a local staging slot unless the
+        source is read in place, into a landing slot of the peer unless the decode pages are written
+        in place. Up to ``BLOCKS_IN_FLIGHT`` blocks are on the wire while the next is gathered; the
+        receiver derives every block's pieces from the header (``block``, ``pack``) alone."""
         w = job.writer
         regions = list(job.regions())
         n_slots = job.src_slots.size  # tokens, or whole pages of a packed layout
-        pack_bytes = min(pool.slot_bytes, credits.info.slot_bytes)
+        credits = peer.credits if route != nixl_blocks.PLACE else None
+        pool = self._pool_for(job) if route != nixl_blocks.READ else None
+        assert (credits is not None or route == nixl_blocks.PLACE) and (pool is not None or route == nixl_blocks.READ)
+        pack_bytes = min(size for size in (pool.slot_bytes if pool else 0, credits.info.slot_bytes if credits else 0)
+                         if size)
         per_slot = slices_per_slot(w.slice_bytes, pack_bytes)
         n_blocks = block_count(len(regions), n_slots, per_slot)
         if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
             self._notify(peer.agent, protocol.encode(job.header()))
             return Moved(0, 0, "staged")
+        head = {**job.header(), "pack": pack_bytes, **({"ring": credits.info.ring} if credits else {})}
+        if route == nixl_blocks.READ:
+            in_place_bases, in_place_limit, in_place_device = self._local_bases(job.rank, w.layers, job.kinds)
+        elif route == nixl_blocks.PLACE:
+            in_place_bases, in_place_limit, in_place_device = peer.bases(job.dst, w.layers, job.kinds)
+            assert dst_slots is not None
         deadline = time.monotonic() + self.timeout_s
-        head = {**job.header(), "ring": credits.info.ring, "pack": pack_bytes}
-        in_flight: tuple[Any, Any] | None = None  # (handle, local slot) of the block on the wire
+        abandoned = lambda: peer.dead or self._closed.is_set() and "shutdown"  # noqa: E731
+        in_flight: deque[tuple[Any, Any]] = deque()  # (handle, local staging slot or None), oldest first
+        fragments = 0
         with self._lock:
             self._sending += 1
         try:
             for k in range(n_blocks):
                 pieces = block_pieces(k, len(regions), n_slots, per_slot, w.slice_bytes)
                 nbytes = block_bytes(pieces, w.slice_bytes)
-                # wait for a slot only while holding none: threads that each hold a slot on the wire
-                # and wait for another would starve each other until the deadline
-                local = pool.try_acquire()
-                if local is None and in_flight is not None:
-                    pending, in_flight = in_flight, None
-                    self._finish(pending, peer, deadline, pool)
-                if local is None:
-                    local = pool.acquire(max(0.0, deadline - time.monotonic()))
+                local = None
+                remote_slot = None
                 try:
-                    _gather_block(job, regions, pieces, local)  # overlaps the previous block's WRITE
-                    settle((local,))  # a device gather must be done before NIXL reads the slot
-                    address = self._slot_address(local)
-                    if in_flight is not None:
-                        pending, in_flight = in_flight, None
-                        self._finish(pending, peer, deadline, pool)
-                    remote_slot = credits.acquire(deadline, lambda: peer.dead or self._closed.is_set() and "shutdown")
+                    if pool is not None:
+                        # wait for a slot only while holding none on the wire: threads that each hold
+                        # slots and wait for another would starve each other until the deadline
+                        local = pool.try_acquire()
+                        while local is None and in_flight:
+                            self._finish(in_flight.popleft(), peer, deadline, pool)
+                            local = pool.try_acquire()
+                        if local is None:
+                            local = pool.acquire(max(0.0, deadline - time.monotonic()))
+                        _gather_block(job, regions, pieces, local)  # overlaps the WRITEs in flight
+                        settle((local,))  # a device gather must be done before NIXL reads the slot
+                    if credits is not None:
+                        remote_slot = credits.try_acquire()
+                        while remote_slot is None and in_flight:  # frees come back only as WRITEs progress
+                            self._finish(in_flight.popleft(), peer, deadline, pool)
+                            remote_slot = credits.try_acquire()
+                        if remote_slot is None:
+                            remote_slot = credits.acquire(deadline, abandoned)
+                    if route == nixl_blocks.LAND:
+                        local_rows = np.array([[self._slot_address(local), nbytes]], dtype=np.uint64)
+                        remote_rows = np.array([[credits.info.slot_address(remote_slot), nbytes]], dtype=np.uint64)
+                        local_device, remote_device = _device(local), credits.info.device
+                    elif route == nixl_blocks.READ:
+                        descs = nixl_blocks.read_block(pieces, job.src_slots, w.src_row_bytes, w.slice_bytes,
+                                                       in_place_bases, in_place_limit,
+                                                       credits.info.slot_address(remote_slot))
+                        local_rows, remote_rows = descs.local, descs.remote
+                        local_device, remote_device = in_place_device, credits.info.device
+                    else:
+                        descs = nixl_blocks.place_block(pieces, dst_slots, w.dst_row_bytes, w.slice_bytes,
+                                                        in_place_bases, in_place_limit, self._slot_address(local))
+                        local_rows, remote_rows = descs.local, descs.remote
+                        local_device, remote_device = _device(local), in_place_device
                 except BaseException:
-                    pool.release(local)
+                    if local is not None:
+                        pool.release(local)
+                    if remote_slot is not None:
+                        credits.release(remote_slot)  # nothing was posted into it
                     raise
-                notif = protocol.encode({**head, "slot": remote_slot, "block": k})
-                handle = self._post_block(peer, credits, remote_slot, address, _device(local), nbytes, notif,
-                                          release=lambda slot=local: pool.release(slot))
-                in_flight = (handle, local)
-            if in_flight is not None:
-                pending, in_flight = in_flight, None
-                self._finish(pending, peer, deadline, pool)
+                block_head = {**head, "block": k, **({"slot": remote_slot} if remote_slot is not None else {})}
+                handle = self._post_block(peer, credits, remote_slot, _with_device(local_rows, local_device),
+                                          _with_device(remote_rows, remote_device), local_device, remote_device,
+                                          protocol.encode(block_head),
+                                          release=None if local is None else (lambda slot=local: pool.release(slot)))
+                fragments += int(local_rows.shape[0])
+                in_flight.append((handle, local))
+                while len(in_flight) >= BLOCKS_IN_FLIGHT:
+                    self._finish(in_flight.popleft(), peer, deadline, pool)
+            while in_flight:
+                self._finish(in_flight.popleft(), peer, deadline, pool)
         finally:
-            if in_flight is not None:  # an error while the block before was on the wire
-                handle, local = in_flight
-                self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S, agent=peer.agent)
+            while in_flight:  # an error while blocks before it were on the wire
+                handle, local = in_flight.popleft()
+                self._release(handle, None if local is None else (lambda slot=local: pool.release(slot)),
+                              settle_s=RELEASE_SETTLE_S, agent=peer.agent)
             with self._lock:
                 self._sending -= 1
-        return Moved(job.nbytes, n_blocks, "staged")
+        return Moved(job.nbytes, fragments, "staged")
 
-    def _post_block(self, peer: NixlPeer, credits: Credits, remote_slot: int, address: int, device: int,
-                    nbytes: int, notif: bytes, release: Callable[[], None]) -> Any:
-        """WRITE one gathered block (host memory, or GPU ``device``) into its landing slot (host or
-        GPU memory, as the ring says); ``release`` frees the local slot once done."""
-        remote_device = credits.info.device
+    def _post_block(self, peer: NixlPeer, credits: Credits | None, remote_slot: int | None, local: np.ndarray,
+                    remote: np.ndarray, local_device: int, remote_device: int, notif: bytes,
+                    release: Callable[[], None] | None) -> Any:
+        """WRITE one block (host memory, or a GPU); ``release`` frees its local staging slot once done."""
         try:
-            return self._post(np.array([[address, nbytes, max(device, 0)]], dtype=np.uint64), _mem(device),
-                              np.array([[credits.info.slot_address(remote_slot), nbytes, max(remote_device, 0)]],
-                                       dtype=np.uint64), _mem(remote_device), peer.agent, notif, after=release)
+            return self._post(local, _mem(local_device), remote, _mem(remote_device), peer.agent, notif,
+                              after=release)
         except TransferError as exc:
-            if not getattr(exc, "posted", True):
+            if credits is not None and remote_slot is not None and not getattr(exc, "posted", True):
                 credits.release(remote_slot)  # nothing was posted: the landing slot is still ours
             raise  # else it stays taken: a WRITE that may still land there must not meet another
 
-    def _finish(self, in_flight: tuple[Any, Any], peer: NixlPeer, deadline: float, pool: StagingPool) -> None:
+    def _finish(self, in_flight: tuple[Any, Any], peer: NixlPeer, deadline: float, pool: StagingPool | None) -> None:
         handle, local = in_flight
         try:
             self._wait(handle, peer, deadline)
         finally:
-            self._release(handle, lambda: pool.release(local), settle_s=RELEASE_SETTLE_S, agent=peer.agent)
+            self._release(handle, None if local is None else (lambda: pool.release(local)), settle_s=RELEASE_SETTLE_S,
+                          agent=peer.agent)
 
     def _slot_address(self, slot: Any) -> int:
         """Address of a local staging slot, registered with NIXL on its first use (the pool keeps slots)."""
@@ -545,6 +602,14 @@ def _gather_block(job: ChunkJob, regions: list[Any], pieces: list[Any], local: A
         out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
         gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
                job.head_offset, w.slice_bytes, out)
+
+
+def _with_device(rows: np.ndarray, device: int) -> np.ndarray:
+    """(address, length) rows as NIXL's (address, length, device id) rows."""
+    out = np.empty((rows.shape[0], 3), dtype=np.uint64)
+    out[:, :2] = rows
+    out[:, 2] = max(device, 0)
+    return out
 
 
 def _device(t: Any) -> int:

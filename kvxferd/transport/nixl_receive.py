@@ -89,6 +89,9 @@ class NixlReceiver:
         if "slot" in header or "ring" in header:
             self._land(sender, header)
             return
+        if "block" in header:
+            self._placed(sender, header)
+            return
         dest_rank = rank_id(header["decode_instance"], *header["dst"])
         sink = self._begin(sender, header, dest_rank)
         if sink is None:
@@ -138,6 +141,24 @@ class NixlReceiver:
             return  # not a slot this sender may use now: nothing to free, nothing it may fail
         assert ring is not None
         self._scatterers.submit(self._scatter_block, sender, ring, slot, header)
+
+    def _placed(self, sender: str, header: dict[str, Any]) -> None:
+        """A block written in place into the decode pages (:mod:`.nixl_blocks`, ``place``): its bytes
+        are where they belong; the chunk is received when its last block is in."""
+        dest_rank = rank_id(header["decode_instance"], *header["dst"])
+        if "pack" not in header:
+            self._refuse(sender, header, dest_rank, "peer_refused", "block without its pack size")
+            return
+        try:
+            asm, pieces = self.assemblies.start_block(header, dest_rank, sender, lambda sink: self._check_source(
+                sender, sink))
+        except KvxferError as exc:
+            self._refuse(sender, header, dest_rank, "peer_refused", f"block {header['block']} of chunk "
+                         f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
+            return
+        self.assemblies.end_block(asm, True)
+        if self.on_received:
+            self.on_received(asm.sink, Moved(block_bytes(pieces, asm.sink.writer.slice_bytes), 1, "staged"))
 
     def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
         try:

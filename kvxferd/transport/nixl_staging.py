@@ -125,6 +125,15 @@ class Credits:
         with self._cond:
             return len(self._out)
 
+    def try_acquire(self) -> int | None:
+        """A free slot of the remote ring, or None at once."""
+        with self._cond:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._out.add(slot)
+            return slot
+
     def acquire(self, deadline: float, abandoned: Callable[[], str]) -> int:
         """A free slot of the remote ring; waits for one until ``deadline`` or until ``abandoned`` says why not."""
         with self._cond:

@@ -36,7 +36,7 @@ class NixlSupport:
 
     def __init__(self, daemon_name: str, preference: list[str], inbox: Inbox, *, timeout_s: float,
                  max_header_bytes: int, max_pages: int, staging: StagingPool | None = None,
-                 landing_slots: int = 0, landing_bytes: int = 0,
+                 landing_slots: int = 0, landing_bytes: int = 0, in_place_bytes: int = 256 * 1024,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
@@ -44,7 +44,8 @@ class NixlSupport:
         self.preference = list(preference)
         self.max_pages = max_pages
         self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, staging=staging,
-                          landing_slots=landing_slots, landing_bytes=landing_bytes, on_received=on_received,
+                          landing_slots=landing_slots, landing_bytes=landing_bytes, in_place_bytes=in_place_bytes,
+                          on_received=on_received,
                           on_refused=on_refused, on_invalid=on_invalid)
         self.inbox = inbox
         self.transport: NixlTransport | None = None
