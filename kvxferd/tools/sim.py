@@ -472,6 +472,8 @@ class Cluster:
 
     def daemon(self, name: str, extra_toml: str = "", start: bool = True,
                env: dict[str, str] | None = None) -> DaemonProc:
+        """A daemon of this cluster, started now unless ``start`` is False (``env``: for a start now;
+        a later ``start`` takes its own)."""
         d = DaemonProc(name, self.root, str(self.root / f"{name}.sock"), free_port(), free_port(), free_port(),
                        self.root / f"{name}.toml")
         d.config_path.write_text(

@@ -14,6 +14,10 @@ processes registering the same packed layout), which start in a second instead o
 twenty: C on daemon c (killed by one test) and W with 64-token pages (the page size B
 does not have), on daemon a; and a simulated decode rank V with 64-token pages on daemon b,
 which A's prefill pages are refused to.
+
+The rig runs twice: its daemons on tcp, then on NIXL alone (``transport_util``); every
+byte-exact transfer checks that its transport carried exactly its KV bytes, sent and
+received, and the other transport none.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ from kvxferd.tools.sim import Cluster, free_port
 from e2e_util import finished, wait_in_flight
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, daemon_status
+from transport_util import TRANSPORTS, Carried, daemon_env, require
 
 NUM_BLOCKS = 16
+PAGE_BYTES = vu.BLOCK * vu.MODEL["num_key_value_heads"] * 2 * vu.HEAD * 4   # one layer's page, all heads, float32
 WAIT = 180.0  # bounds a stuck request, not a slow machine: outcomes come much sooner when all is well
 
 
@@ -54,14 +60,16 @@ def sim_spec(page_size: int) -> InstanceSpec:
                         head_dim=vu.HEAD, dtype="float32", page_size=page_size, layout="packed_page")
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("vllm-worker")
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    transport = request.param
+    require(transport)
+    root = tmp_path_factory.mktemp(f"vllm-worker-{transport}")
     shm_before = set(glob.glob("/dev/shm/kvxferd-vllm-*"))
     model = vu.make_tiny_llama(root / "model")
     cluster = Cluster()
     daemons = {n: cluster.daemon(f"node-{n}", start=False) for n in "abc"}
-    in_parallel(*[d.start for d in daemons.values()])
+    in_parallel(*[lambda d=d: d.start(daemon_env(transport)) for d in daemons.values()])
     procs: list[JsonProc] = []
 
     def ranks(name: str, node: str, tp: int, block: int = vu.BLOCK) -> list[JsonProc]:
@@ -86,6 +94,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory):
         for p in procs:
             ev = p.next(300)
             assert ev["event"] == "registered", ev
+        inst["transport"] = transport
         yield inst
     finally:
         in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
@@ -142,8 +151,10 @@ def check(inst: Instance, tid: str, blocks: list[int], n: int, start: int = 0) -
 
 
 def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[int], dst_blocks: list[int], *,
-             computed_steps: list[int], start: int = 0) -> None:
-    """Decode expects, prefill fills and saves step by step; both sides report; decode bytes checked."""
+             computed_steps: list[int], transport: str, start: int = 0) -> None:
+    """Decode expects, prefill fills and saves step by step; both sides report; decode bytes checked,
+    and the bytes each transport carried: the pages ``[start, n)`` covers, all heads, every layer."""
+    wire = Carried([src.daemon], [dst.daemon])
     for r in src.ranks:
         r.call(cmd="fill", rid=tid, blocks=src_blocks, n=n)
     canary_before = [set(c["canary_blocks"]) for c in check(dst, tid, dst_blocks, start, start)]
@@ -159,22 +170,25 @@ def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[in
         # no byte outside the pages [start, n) covers: prefix pages and other blocks keep their canary
         assert before - set(dst_blocks[start // dst.block:]) <= set(report["canary_blocks"]), report
         assert set(dst_blocks[start // dst.block:]).isdisjoint(report["canary_blocks"]), report
+    wire.assert_only(transport, (-(-n // dst.block) - start // dst.block) * PAGE_BYTES * vu.MODEL["num_hidden_layers"])
 
 
 def test_tp2_prefill_to_tp1_decode_in_chunks(rig):
     # 100 tokens: computed 50 sends [0, 32) (whole pages only), then 100 sends [32, 100)
-    transfer(rig["A"], rig["B"], "t21", 100, [5, 2, 9, 14], [11, 3, 7, 0], computed_steps=[50, 100])
+    transfer(rig["A"], rig["B"], "t21", 100, [5, 2, 9, 14], [11, 3, 7, 0], computed_steps=[50, 100],
+             transport=rig["transport"])
 
 
 def test_tp1_prefill_to_tp2_decode(rig):
-    transfer(rig["B"], rig["A"], "t12", 70, [1, 6, 4], [8, 12, 2], computed_steps=[70])
+    transfer(rig["B"], rig["A"], "t12", 70, [1, 6, 4], [8, 12, 2], computed_steps=[70], transport=rig["transport"])
 
 
 def test_decode_prefix_moves_only_the_rest(rig):
     # decode holds the first two pages already (a local prefix hit): they must stay as they were
     # the prefix pages hold a canary before; transfer() checks they still do after
     assert {13, 15} <= set(rig["B"].ranks[0].call(cmd="check", rid="-", blocks=[], n=0, start=0)["canary_blocks"])
-    transfer(rig["A"], rig["B"], "tpre", 90, [3, 10, 6], [13, 15, 9], computed_steps=[90], start=64)
+    transfer(rig["A"], rig["B"], "tpre", 90, [3, 10, 6], [13, 15, 9], computed_steps=[90], start=64,
+             transport=rig["transport"])
 
 
 def _half_sent(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[int], dst_blocks: list[int]) -> None:
