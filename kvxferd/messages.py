@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from . import protocol
+from .errors import ProtocolError
 
 #: cut lengths the schemas allow for free text sent to a peer
 MAX_REASON = 500
@@ -359,6 +360,20 @@ def parse_engine(raw: Mapping[str, Any]) -> Message:
     """Validate (protocol's schemas) and type one decoded engine message."""
     checked = protocol.check_engine(raw)
     return ENGINE_TYPES[checked["op"]].from_checked(checked)
+
+
+HANDSHAKE_ANSWER_TYPES: dict[str, type[Message]] = {t.op: t for t in (HandshakeOk, HandshakeRefused, HandshakeRetry)}
+assert set(HANDSHAKE_ANSWER_TYPES) == set(protocol.HANDSHAKE_ANSWERS)
+
+
+def parse_handshake_answer(raw: Mapping[str, Any]) -> Message:
+    """Validate and type a source daemon's answer to a handshake (ProtocolError if it is none)."""
+    op = raw.get("op")
+    schema = protocol.HANDSHAKE_ANSWERS.get(op) if isinstance(op, str) else None
+    if schema is None:
+        raise ProtocolError(f"a handshake answered with op {str(op)[:32]!r}", field="op",
+                                     fix=f"answer with one of {sorted(protocol.HANDSHAKE_ANSWERS)}")
+    return HANDSHAKE_ANSWER_TYPES[op].from_checked(schema.check(raw))
 
 
 def parse_peer(raw: Mapping[str, Any]) -> Message:

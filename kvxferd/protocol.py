@@ -332,6 +332,19 @@ PEER_SCHEMAS: dict[str, Schema] = {
     "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION, "batch": BATCH_PARTS}),
 }
 
+#: a source daemon's answers to a handshake, as the decode daemon reads them
+HANDSHAKE_ANSWERS: dict[str, Schema] = {
+    "handshake_ok": Schema(
+        required={"prefill_spec": mapping, "mode": text(16, ("direct", "staged")), "incarnation": INCARNATION},
+        optional={"ranks": list_of(rank_at, MAX_INSTANCE_RANKS), "batch": BATCH_PARTS,
+                  # the transport the source chose for the pair, why it is not the first preferred, and
+                  # what NIXL needs of it (its agent and connection info)
+                  "transport": text(32), "transport_reason": text(512),
+                  "nixl_agent": NIXL_OFFER["nixl_agent"], "nixl_md": NIXL_OFFER["nixl_md"]}),
+    "handshake_refused": Schema(required={"error": mapping}, optional={}),
+    "handshake_retry": Schema(required={"reason": text(8192)}, optional={}),
+}
+
 PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",
                   "ranks")
 
