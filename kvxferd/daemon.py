@@ -86,7 +86,9 @@ class Daemon:
         self.engine = EngineEndpoint(self)
         self.life = Lifecycle(cfg.limits, cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: getattr(self.transports.find(kind), "one_sided", False),
-                              source_up=self.upstream.is_up, wall_clock=time.time)
+                              source_up=self.upstream.is_up, wall_clock=time.time, peer=cfg.peer,
+                              remote_ranks=lambda instance: {c: h.daemon for c, h in self.rendezvous.directory.remote(
+                                  instance, "prefill", time.monotonic()).items()})
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
         self.control_port = cfg.peer.control_port
@@ -137,8 +139,8 @@ class Daemon:
             self.downstream.send(effect.identity, effect.message)
         elif isinstance(effect, effects.ExpectUpstream):
             self.upstream.send_expect(effect.address, effect.entry, effect.writers)
-        elif isinstance(effect, effects.Bootstrap):
-            asyncio.ensure_future(self.upstream.bootstrap(effect.entry))
+        elif isinstance(effect, effects.SendHandshake):
+            self.upstream.hello(effect)
         elif isinstance(effect, effects.StopReceiving):
             self.transports.stop_receiving(effect.entry)
         elif isinstance(effect, effects.PeerGone):
@@ -194,6 +196,7 @@ class Daemon:
         with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
             self.data_server = self.transports.listen(host, self.cfg.peer.data_port)
         self.rendezvous.directory.own_address = self.address  # the advertised address, as peers dial it
+        self.life.address = self.address
 
     def _auth_refused(self, address: str, key: str, reason: str) -> None:
         """ZAP refused a peer: count it, log it (bounded), keep it for ``status``."""

@@ -190,7 +190,7 @@ class HandshakeOk(Message):
     op: ClassVar[str] = "handshake_ok"
     prefill_spec: dict[str, Any]
     mode: str
-    incarnation: str
+    incarnation: str | None = None  # every daemon sends it; a restart shows in it
     extra: dict[str, Any] = field(default_factory=dict)  # the transport chosen and what it needs
     #: the instance's ranks over several daemons, ``[[tp, pp, daemon], ...]`` (left out: all here)
     ranks: list[list[Any]] | None = None

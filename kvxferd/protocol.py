@@ -335,8 +335,8 @@ PEER_SCHEMAS: dict[str, Schema] = {
 #: a source daemon's answers to a handshake, as the decode daemon reads them
 HANDSHAKE_ANSWERS: dict[str, Schema] = {
     "handshake_ok": Schema(
-        required={"prefill_spec": mapping, "mode": text(16, ("direct", "staged")), "incarnation": INCARNATION},
-        optional={"ranks": list_of(rank_at, MAX_INSTANCE_RANKS), "batch": BATCH_PARTS,
+        required={"prefill_spec": mapping, "mode": text(16, ("auto", "direct", "staged"))},
+        optional={"incarnation": INCARNATION, "ranks": list_of(rank_at, MAX_INSTANCE_RANKS), "batch": BATCH_PARTS,
                   # the transport the source chose for the pair, why it is not the first preferred, and
                   # what NIXL needs of it (its agent and connection info)
                   "transport": text(32), "transport_reason": text(512),

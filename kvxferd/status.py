@@ -70,7 +70,10 @@ def status(app: "Daemon") -> dict[str, Any]:
         "peers": [{"address": l.address, "state": l.state, "side": "prefill",
                    "last_seen_s": round(now - l.last_seen, 3), "auth_error": l.auth_error,
                    "incarnation": l.peer_incarnation, "batch": l.outgoing.max_parts,
-                   "plans": sorted(f"{p}->{d}" for p, d in l.handshakes)} for l in app.upstream.links.values()]
+                   "plans": sorted(f"{hs.key[1]}->{hs.key[2]}" for hs in app.life.handshakes.at(l.address)
+                                   if hs.state == "agreed"),
+                   "handshaking": [h for h in app.life.handshakes.describe() if h["source"] == l.address]}
+                  for l in app.upstream.links.values()]
                  + [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
                      "last_seen_s": round(now - p.last_seen, 3)} for p in app.downstream.peers.values()],
         "requests": by_state,

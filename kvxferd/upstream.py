@@ -1,7 +1,8 @@
-"""Decode side's links to source (prefill) daemons: handshakes, plans, and what sources say.
+"""Decode side's links to source (prefill) daemons: they carry hellos and what sources say.
 
-One :class:`PeerLink` per source daemon address: a DEALER socket, its handshakes in
-progress, its liveness. What a source says about requests (abort, fenced, errors) and what
+One :class:`PeerLink` per source daemon address: a DEALER socket, its numbered hellos,
+its liveness. Which hellos to send, and what an answer means, the lifecycle core decides
+(:mod:`kvxferd.lifecycle.bootstrap`). What a source says about requests (abort, fenced, errors) and what
 happens to the link (down, restarted, key refused) become lifecycle events.
 """
 
@@ -16,15 +17,12 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import zmq
 
-from . import PROTOCOL_VERSION, linkwatch, messages, protocol, spread
+from . import PROTOCOL_VERSION, linkwatch, messages, protocol
 from .coalesce import Coalescer, PartCounts
-from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
-from .geometry import InstanceSpec
+from .errors import KvxferError, ProtocolError, RequestError, TransferError
 from .inbox import DestEntry
-from .lifecycle import events
+from .lifecycle import effects, events
 from .logutil import q
-from .outbox import Route
-from .planner import Plan, make_plan
 
 if TYPE_CHECKING:
     from .daemon import Daemon
@@ -102,11 +100,8 @@ class PeerLink:
         #: when each numbered message (ping, handshake) left, until answered: an answer that shows a
         #: restart says which of this link's expects can have reached the old process
         self.sent_at: OrderedDict[int, float] = OrderedDict()
-        #: handshakes in progress or done, per (prefill instance, decode instance): waiters share one
-        self.handshakes: dict[tuple[str, str], asyncio.Future[Plan]] = {}
-        #: per pair, the rank map a rendezvous answered (an instance over several daemons)
-        self.rank_maps: dict[tuple[str, str], dict[tuple[int, int], str]] = {}
-        self.retry_reasons: dict[tuple[str, str], str] = {}  # per pair, the source's last "retry later"
+        #: hellos sent and not answered yet: number -> (prefill instance, decode instance)
+        self.asks: OrderedDict[int, tuple[str, str]] = OrderedDict()
         #: what this link sends in one loop turn leaves as one multipart message, once the source said
         #: (``batch`` in its pong or handshake answer) that it reads every part: a source that did not
         #: would take only the last part, so until then, and for such a source, one message each
@@ -155,6 +150,14 @@ class PeerLink:
         seq = msg.get("seq")
         return self.sent_at.pop(seq, None) if isinstance(seq, int) else None
 
+    def ask(self, hello: messages.Handshake, pair: tuple[str, str]) -> None:
+        """A numbered hello; its answer is routed to :meth:`Upstream.answered` by the number."""
+        seq = self._number()
+        self.asks[seq] = pair
+        while len(self.asks) > MAX_UNANSWERED:
+            self.asks.popitem(last=False)
+        self.outgoing.put(b"", protocol.encode({**hello.to_wire(), "seq": seq}))
+
     async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
         seq = self._number()
         fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
@@ -187,7 +190,12 @@ class PeerLink:
         upstream.seen(self)
         if msg.get("op") in ("pong", "handshake_ok"):
             self.peer_reads(msg.get("batch"))
-        fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
+        seq = msg.get("seq") if isinstance(msg.get("seq"), int) else None
+        pair = self.asks.pop(seq, None) if seq is not None else None
+        if pair is not None:
+            upstream.answered(self, pair, msg, self.answered(msg))
+            return
+        fut = self.waiting.get(seq) if seq is not None else None
         if fut is not None and not fut.done():
             fut.set_result(msg)
             return
@@ -243,153 +251,32 @@ class Upstream:
             self.app.count_peers()
         return link
 
-    # -- bootstrap: the plan with the source instance -------------------------------------------
-    async def bootstrap(self, entry: DestEntry) -> None:
+    # -- handshakes: the core decides, this carries -------------------------------------------------
+    def hello(self, effect: effects.SendHandshake) -> None:
+        """Send one hello the core asked for; its answer comes back as HandshakeAnswered."""
         app = self.app
-        deadline = entry.created + app.cfg.timeouts.bootstrap_s
-        spec = entry.rank.geometry.spec
-        link = None
+        link = self.link(effect.address)
+        hello = messages.Handshake(
+            PROTOCOL_VERSION, app.address, app.data_address, effect.prefill, effect.decode, effect.spec.to_dict(),
+            app.cfg.peer.mode, app.transports.offered(), link.token, app.incarnation,
+            extra=app.transports.handshake_fields(link.address, effect.prefill, effect.decode))
+        link.ask(hello, (effect.prefill, effect.decode))
+
+    def answered(self, link: PeerLink, pair: tuple[str, str], msg: dict[str, Any], asked: float | None) -> None:
+        """A source answered a hello: typed, checked for a restart, its transport taken, handed to the core."""
+        prefill, decode = pair
         try:
-            if entry.source_address:
-                link = self.link(entry.source_address)
-                plan = await self._remote_plan(link, entry.source_instance, entry.rank.instance, spec, deadline)
-            else:
-                plan = await self._local_plan(entry.source_instance, entry.rank.instance, spec, deadline)
-        except PlanRefusal as refusal:
-            app.metrics.refusals.labels(refusal.field or "unknown").inc()
-            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
-            return
-        except (asyncio.TimeoutError, TimeoutError):
-            why = link.retry_reasons.get((entry.source_instance, entry.rank.instance)) if link is not None else None
-            app.dispatch(events.BootstrapFailed(
-                entry, "bootstrap_timeout", f"no plan with source instance {entry.source_instance!r} within "
-                f"{app.cfg.timeouts.bootstrap_s}s " + (f"(the source daemon said: {why})" if why else
-                                                       "(source daemon unreachable or instance not registered)")))
-            return
+            answer = messages.parse_handshake_answer(msg)
         except KvxferError as exc:
-            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
-            return
-        if link is None:
-            app.dispatch(events.PlanFound(entry, plan))
-            return
-        kind = app.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
-        rank_map = link.rank_maps.get((entry.source_instance, entry.rank.instance))
-        if not rank_map:
-            app.dispatch(events.PlanFound(entry, plan, link.token, kind))
-            return
-        try:  # an instance over several daemons: a handshake with each of them too
-            tokens, kind = await spread.other_daemons(self, entry, link, plan, rank_map, deadline)
-        except PlanRefusal as refusal:
-            app.metrics.refusals.labels(refusal.field or "unknown").inc()
-            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
-            return
-        except KvxferError as exc:
-            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
-            return
-        app.dispatch(events.PlanFound(entry, plan, link.token, kind, rank_map, tokens))
-
-    async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
-        app = self.app
-        while True:
-            cached = app.life.routes.local(prefill, decode)
-            if cached is not None:
-                return cached[0]
-            elsewhere = app.rendezvous.directory.remote(prefill, "prefill", time.monotonic())
-            if elsewhere:  # its writers elsewhere would never be asked for their bytes
-                raise PlanRefusal(f"instance {prefill!r} has ranks at other daemons ({sorted(elsewhere)} at "
-                                  f"{sorted({h.daemon for h in elsewhere.values()})}) and at this decode daemon: "
-                                  "a source instance partly on its decode daemon is not supported", field="ranks")
-            prefill_spec = app.registry.spec(prefill, "prefill")
-            if prefill_spec is not None:
-                plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
-                                 require_same_page_size=app.cfg.peer.require_same_page_size)
-                app.life.routes.set_pair(prefill, decode, plan, Route("local", daemon=app.address))
-                app.metrics.handshakes.labels("ok").inc()
-                return plan
-            if time.monotonic() >= deadline:
-                raise asyncio.TimeoutError
-            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
-
-    async def _remote_plan(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
-                           deadline: float) -> Plan:
-        key = (prefill, decode)
-        fut = link.handshakes.get(key)
-        if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
-            fut = link.handshakes[key] = asyncio.ensure_future(self._handshake(link, prefill, decode, spec, deadline))
-            fut.add_done_callback(ignore_result)  # every waiter sees the outcome; none may be left unretrieved
-        return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
-
-    def _transports_for(self) -> list[str]:
-        return self.app.transports.offered()
-
-    async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
-                         deadline: float) -> Plan:
-        app = self.app
-        while True:
-            if link.auth_error:
-                raise TransferError(link.auth_error, field="auth", code="auth_failed")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                app.metrics.handshakes.labels("timeout").inc()
-                raise asyncio.TimeoutError
-            hello = messages.Handshake(
-                PROTOCOL_VERSION, app.address, app.data_address, prefill, decode, spec.to_dict(), app.cfg.peer.mode,
-                self._transports_for(), link.token, app.incarnation,
-                extra=app.transports.handshake_fields(link.address, prefill, decode))
-            asked = time.monotonic()
-            try:
-                reply = await link.request(hello, timeout=min(remaining, max(1.0, app.cfg.peer.heartbeat_interval_s)))
-            except asyncio.TimeoutError:
-                continue
-            op = reply.get("op")
-            if op == "handshake_ok" and self.note_incarnation(link, reply.get("incarnation"), sent_before=asked):
-                continue  # a restarted source: what this handshake offered (a landing ring) went with the old one
-            if op == "handshake_ok":
-                return self._accepted(link, prefill, decode, spec, reply)
-            if op == "handshake_refused":
-                err = reply.get("error") or {}
-                app.metrics.handshakes.labels("refused").inc()
-                log.warning("event=handshake_refused peer=%s field=%s msg=%s", link.address, err.get("field"),
-                            q(str(err.get("message"))[:300]))
-                raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
-                                  prefill=err.get("prefill"), decode=err.get("decode"))
-            if op == "handshake_retry" and isinstance(reply.get("reason"), str):
-                self._retry_said(link, prefill, decode, reply["reason"][:500])
-            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
-
-    def _retry_said(self, link: PeerLink, prefill: str, decode: str, reason: str) -> None:
-        """Keep a source's "retry later" (missing ranks...): a bootstrap that times out names it."""
-        link.retry_reasons[(prefill, decode)] = reason
-        for entry in self.app.inbox.all():
-            if (entry.state == "bootstrapping" and entry.from_source(link.address)
-                    and (entry.source_instance, entry.rank.instance) == (prefill, decode)):
-                entry.waiting_for = f"the source daemon {link.address}, which said: {reason}"
-
-    def _accepted(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
-                  reply: dict[str, Any]) -> Plan:
-        app = self.app
-        try:
-            prefill_spec = InstanceSpec.from_dict(protocol.bounded_geometry(reply.get("prefill_spec"), "prefill_spec"))
-            mode = reply.get("mode")
-            plan = make_plan(prefill_spec, spec, mode=mode if mode in ("direct", "staged") else "auto",
-                             require_same_page_size=app.cfg.peer.require_same_page_size)
-        except KvxferError as exc:
-            app.metrics.handshakes.labels("refused").inc()
-            raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
-        link.retry_reasons.pop((prefill, decode), None)
-        if reply.get("ranks") is not None:
-            try:
-                ranks = protocol.list_of(protocol.rank_at, protocol.MAX_INSTANCE_RANKS)("ranks", reply["ranks"])
-            except KvxferError as exc:
-                raise PlanRefusal(f"peer's rank map is unusable: {exc}", field="ranks")
-            link.rank_maps[(prefill, decode)] = {(tp, pp): address for tp, pp, address in ranks}
-        else:
-            link.rank_maps.pop((prefill, decode), None)
-        app.metrics.handshakes.labels("ok").inc()
-        transport = app.transports.accepted(link.address, prefill, decode, reply)
-        log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", link.address,
-                 prefill, decode, plan.mode, transport)
-        return plan
+            self.app.metrics.invalid_messages.labels("peer").inc()
+            answer = messages.HandshakeRefused({"message": f"peer's handshake answer is unusable: {exc}",
+                                                "field": exc.field or "op"})
+        kind = "tcp"
+        if isinstance(answer, messages.HandshakeOk):
+            if self.note_incarnation(link, answer.incarnation, sent_before=asked):
+                return  # a restarted source: the core asks the new process again
+            kind = self.app.transports.accepted(link.address, prefill, decode, msg)
+        self.app.dispatch(events.HandshakeAnswered(link.address, prefill, decode, answer, link.token, kind))
 
     # -- what sources say ------------------------------------------------------------------------
     def handle(self, link: PeerLink, msg: dict[str, Any]) -> None:
@@ -414,7 +301,6 @@ class Upstream:
     def _error(self, link: PeerLink, request_id: str, msg: dict[str, Any]) -> None:
         err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
         if err.get("code") == "no_handshake":
-            link.handshakes.clear()
             self.app.dispatch(events.NoHandshake(link.address, request_id))
             # that expect reached the new process: so did every one sent after it
             sent = [e.expects_sent[link.address] for e in self.app.inbox.for_request(request_id)
@@ -437,7 +323,6 @@ class Upstream:
         app = self.app
         app.metrics.peer_restarts.labels("prefill").inc()
         log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
-        link.handshakes.clear()  # its handshakes went with it; the next request handshakes again
         app.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
         app.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
         app.dispatch(events.SourceLost(link.address, "peer_restarted",
@@ -488,7 +373,6 @@ class Upstream:
     def _link_down(self, link: PeerLink, silent_for: float) -> None:
         app = self.app
         link.state = "down"
-        link.handshakes.clear()
         link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
         app.metrics.heartbeat_misses.inc()
         app.count_peers()

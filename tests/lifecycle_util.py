@@ -4,7 +4,9 @@ with the shells replaced by a deterministic loop that delivers effects as the ne
 Each :class:`Node` is one daemon's core. :class:`Cluster` carries peer messages between
 nodes, runs chunk jobs through the destination's real :class:`~kvxferd.inbox.Inbox` (the
 checks and accounting a data thread does, with no bytes to copy), and advances a fake clock.
-Jobs can be held in flight, bootstraps held, and peers cut, so every order can be driven.
+Jobs can be held in flight, hellos held (a handshake that has not left yet), and peers cut, so
+every order can be driven. A source node answers a hello as the peer endpoint does: it plans
+under its own config and answers ok, refused, or "retry later".
 """
 
 from __future__ import annotations
@@ -46,18 +48,19 @@ class Node:
     jobs: list[effects.StartJob] = field(default_factory=list)  # jobs posted, not yet run
     stopped: list[DestEntry] = field(default_factory=list)  # StopReceiving
     gone: list[effects.PeerGone] = field(default_factory=list)
-    bootstraps: list[DestEntry] = field(default_factory=list)
+    hellos: list[effects.SendHandshake] = field(default_factory=list)  # sent, not answered yet
 
     def __post_init__(self) -> None:
         self.address = f"{self.name}:1"
         self.identity = self.name.encode()
+        self.incarnation = f"{self.name}-{id(self):x}"
         self.registry = Registry(64)
         self.metrics = Metrics()
         self.inbox = Inbox(lambda entry: self.cluster.later(self, events.DestChanged(entry)))
         self.life = Lifecycle(self.cfg.limits, self.cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: kind == "nixl",
                               source_up=lambda address: address not in self.cluster.cut_links,
-                              wall_clock=lambda: 0.0)
+                              wall_clock=lambda: 0.0, peer=self.cfg.peer, address=self.address)
 
     def rank(self, instance: str, role: str, spec_: InstanceSpec, tp: int = 0, pages: int = 64) -> Rank:
         rank = Rank(instance, role, RankGeometry(spec_, tp_rank=tp, num_pages=pages), {}, self.identity)
@@ -103,13 +106,15 @@ class Cluster:
         self.nodes = {n: Node(n, self) for n in names}
         self.queue: deque[tuple[Node, Any]] = deque()
         self.hold_jobs = False
-        self.hold_bootstraps = False
+        self.hold_hellos = False
         self.cut_links: set[str] = set()  # source addresses whose link is down
         self.kinds: dict[tuple[str, str], str] = {}  # (prefill, decode) -> transport of a remote pair
         #: a prefill instance over several nodes: instance -> rank coords -> the node that holds it
         #: (what the rendezvous's directory answers in the handshake)
         self.spread: dict[str, dict[tuple[int, int], str]] = {}
         self.sent_upstream: list[messages.Message] = []  # every message a decode node sent a source node
+        #: a prefill instance -> what its source node answers a hello while set ("retry later")
+        self.retry_reason: dict[str, str] = {}
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -135,8 +140,8 @@ class Cluster:
             node.told.append(effect.event)
         elif isinstance(effect, effects.StartJob):
             node.jobs.append(effect)
-        elif isinstance(effect, effects.Bootstrap):
-            node.bootstraps.append(effect.entry)
+        elif isinstance(effect, effects.SendHandshake):
+            node.hellos.append(effect)
         elif isinstance(effect, effects.StopReceiving):
             node.stopped.append(effect.entry)
         elif isinstance(effect, effects.PeerGone):
@@ -176,58 +181,39 @@ class Cluster:
             self.later(decode, events.UpstreamFenced(source.address, message.request_id))
 
     # -- the shells' work ---------------------------------------------------------------------
-    def bootstrap(self, node: Node, entry: DestEntry) -> None:
-        """The handshake as the shells do it: the source plans under its own config (and remembers a
-        refusal per link), the decode node plans the answer under its own (and may refuse it)."""
-        decode_spec = entry.rank.geometry.spec
-        prefill, decode = entry.source_instance, entry.rank.instance
-        if not entry.source_address:
-            prefill_spec = node.registry.spec(prefill, "prefill")
-            try:
-                plan = make_plan(prefill_spec, decode_spec, mode="direct",
-                                 require_same_page_size=node.cfg.peer.require_same_page_size)
-            except PlanRefusal as refusal:
-                node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
-                return
-            node.life.routes.set_pair(prefill, decode, plan, Route("local", daemon=node.address))
-            node.handle(events.PlanFound(entry, plan))
+    def answer_hello(self, node: Node, hello: effects.SendHandshake) -> None:
+        """A hello reaches its source node, which answers as the peer endpoint does (it plans under
+        its own config, binds the pair to the link or remembers the refusal, names the ranks of an
+        instance over several nodes); the answer reaches the decode node's core. A hello to a cut
+        link is lost."""
+        if hello.address in self.cut_links:
             return
-        if prefill in self.spread:
-            self._bootstrap_spread(node, entry)
-            return
-        source = self.by_address(entry.source_address)
-        prefill_spec = source.registry.spec(prefill, "prefill")
+        source = self.by_address(hello.address)
+        prefill, decode = hello.prefill, hello.decode
         kind = self.kinds.get((prefill, decode), "tcp")
-        try:
-            plan = make_plan(prefill_spec, decode_spec, mode="direct",
-                             require_same_page_size=source.cfg.peer.require_same_page_size)
-        except PlanRefusal as refusal:
-            source.life.routes.refused(prefill, decode, node.identity)  # downstream.handshake does so
-            node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
-            return
-        source.life.routes.set_pair(prefill, decode, plan, Route(kind, ("127.0.0.1", 9), node.identity, node.address))
-        try:  # the decode daemon plans the answer under its own config (upstream._accepted)
-            make_plan(prefill_spec, decode_spec, mode="direct", require_same_page_size=node.cfg.peer.require_same_page_size)
-        except PlanRefusal as refusal:
-            node.handle(events.BootstrapFailed(entry, "incompatible", str(refusal)))
-            return
-        node.handle(events.PlanFound(entry, plan, None, kind))
-
-    def _bootstrap_spread(self, node: Node, entry: DestEntry) -> None:
-        """The rendezvous answered the rank map; a handshake (and a link token) with each daemon."""
-        holders = {coords: self.node(name) for coords, name in self.spread[entry.source_instance].items()}
-        tokens: dict[str, bytes] = {}
-        plan = None
-        kind = self.kinds.get((entry.source_instance, entry.rank.instance), "tcp")
-        for source in {n.name: n for n in holders.values()}.values():
-            plan = make_plan(source.registry.spec(entry.source_instance, "prefill"), entry.rank.geometry.spec,
-                             mode="direct")
-            tokens[source.address] = b"token-" + source.identity
-            source.life.routes.set_pair(entry.source_instance, entry.rank.instance, plan,
-                                        Route(kind, ("127.0.0.1", 9), node.identity, node.address,
-                                              tokens[source.address]))
-        assert plan is not None
-        node.handle(events.PlanFound(entry, plan, None, kind, {c: n.address for c, n in holders.items()}, tokens))
+        token = b"token-" + source.identity
+        holders = self.spread.get(prefill, {})
+        prefill_spec = source.registry.spec(prefill, "prefill") or next(
+            (self.node(name).registry.spec(prefill, "prefill") for name in holders.values()), None)
+        answer: messages.Message
+        if prefill in self.retry_reason:
+            answer = messages.HandshakeRetry(self.retry_reason[prefill])
+        elif prefill_spec is None:
+            answer = messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
+        else:
+            try:
+                plan = make_plan(prefill_spec, hello.spec, mode="direct",
+                                 require_same_page_size=source.cfg.peer.require_same_page_size)
+            except PlanRefusal as refusal:
+                source.life.routes.refused(prefill, decode, node.identity)
+                answer = messages.HandshakeRefused(refusal.to_wire())
+            else:
+                source.life.routes.set_pair(prefill, decode, plan,
+                                            Route(kind, ("127.0.0.1", 9), node.identity, node.address, token))
+                ranks = [[tp, pp, self.node(name).address] for (tp, pp), name in sorted(holders.items())] or None
+                answer = messages.HandshakeOk(prefill_spec.to_dict(), plan.mode, source.incarnation,
+                                              {"transport": kind}, ranks)
+        node.handle(events.HandshakeAnswered(source.address, prefill, decode, answer, token, kind))
 
     def run_job(self, node: Node, job: effects.StartJob, ok: bool = True) -> None:
         """What a data thread does: admit the chunk at the destination, account it, report back."""
@@ -249,7 +235,7 @@ class Cluster:
         return self.by_address(route.daemon)
 
     def run(self, limit: int = 10_000) -> None:
-        """Deliver everything pending (held jobs and bootstraps stay held)."""
+        """Deliver everything pending (held jobs and hellos stay held)."""
         for _ in range(limit):
             if self.queue:
                 node, event = self.queue.popleft()
@@ -262,8 +248,8 @@ class Cluster:
                 continue
             work = False
             for node in self.nodes.values():
-                if node.bootstraps and not self.hold_bootstraps:
-                    self.bootstrap(node, node.bootstraps.pop(0))
+                if node.hellos and not self.hold_hellos:
+                    self.answer_hello(node, node.hellos.pop(0))
                     work = True
                     break
                 if node.jobs and not self.hold_jobs:

@@ -109,13 +109,15 @@ def test_a_pair_refused_at_the_handshake_fails_the_prefill_engine_with_the_decod
 def test_an_abort_before_the_handshake_reaches_the_prefill_engine(cluster):
     """The decode engine aborts in the very message that carried its expect, so its daemon fails the
     request before any handshake: the prefill engine that sent first hears the abort with its reason,
-    and one that sends after it has its send failed at once."""
+    and one that sends after it has its send failed at once. Each order on a pair of its own (a
+    pair already handshaken sends the expect at once, ahead of the abort)."""
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     prefill = cluster.instance(pd, "abb-p", "prefill", spec(), NUM_PAGES)
-    decode = cluster.instance(dd, "abb-d", "decode", spec(), NUM_PAGES)
+    decoders = {order: cluster.instance(dd, f"abb-d-{order}", "decode", spec(), NUM_PAGES)
+                for order in ("send_first", "expect_first")}
     ends = _prefill_ends(pd, "aborted")
     try:
-        for order in ("send_first", "expect_first"):
+        for order, decode in decoders.items():
             rid = f"abb-{order}"
             if order == "send_first":
                 _send_held(prefill, pd, rid)
@@ -129,7 +131,7 @@ def test_an_abort_before_the_handshake_reaches_the_prefill_engine(cluster):
             assert (pre["state"], pre["code"], pre["reason"]) == ("failed", "aborted", dec["reason"]), (order, pre)
         assert _prefill_ends(pd, "aborted") - ends == 2
     finally:
-        close(prefill + decode)
+        close(prefill + [w for ws in decoders.values() for w in ws])
 
 
 def test_out_of_range_pages_get_a_precise_error(cluster):

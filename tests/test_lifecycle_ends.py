@@ -113,7 +113,7 @@ def _bootstrapping(order: str):
     """A decode rank whose bootstrap is held (the handshake did not return yet); in ``send_first`` the
     prefill engine sent the whole request before."""
     c, pn, dn, p, d = _pair()
-    c.hold_bootstraps = True
+    c.hold_hellos = True
     if order == "send_first":
         pn.send(p, "r", pages(4), 0, 16, True)
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
@@ -149,7 +149,7 @@ def test_a_decode_end_while_bootstrapping_reaches_the_prefill_side(kind, order):
     if order == "send_first":
         told = pn.outcome("r", p)
         assert (told.state, told.code, told.reason) == ("failed", code, reason)
-    c.hold_bootstraps = False
+    c.hold_hellos = False
     c.run()
     assert [m.op for m in c.sent_upstream] == ["ended", "ended"]
     if order == "expect_first":
@@ -189,12 +189,12 @@ def test_an_end_that_left_before_the_handshake_is_said_again_after_it():
     so the source cannot take the link's word for the request yet (a send that comes later is not
     failed by it); once the handshake returned, the end goes again and the source keeps it."""
     c, pn, dn, p, d = _pair()
-    c.hold_bootstraps = True
+    c.hold_hellos = True
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
     dn.handle(events.AbortCalled(d, "r", "gone"))
     c.run()
     assert pn.life.routes.ended("r", "p") is None  # no handshake over that link yet: not its word
-    c.hold_bootstraps = False
+    c.hold_hellos = False
     c.run()
     assert pn.life.routes.ended("r", "p") is not None
     assert pn.send(p, "r", pages(4), 0, 16, True) == "failed" and pn.outcome("r", p).code == "aborted"
@@ -208,12 +208,12 @@ def test_an_end_while_handshaking_again_is_an_end_not_an_abort():
     c.run()
     fresh = c.nodes["P"] = Node("P", c)  # the source daemon restarted on its address: it knows nothing
     p = fresh.rank("p", "prefill", spec())
-    c.hold_bootstraps = True
+    c.hold_hellos = True
     dn.handle(events.NoHandshake(fresh.address, "r"))  # its answer to the expect
     dn.handle(events.AbortCalled(d, "r", "gone meanwhile"))
     c.run()
     assert [m.op for m in c.sent_upstream] == ["ended"]
-    c.hold_bootstraps = False
+    c.hold_hellos = False
     c.run()  # the handshake with the new process, and the end again behind it
     assert [m.op for m in c.sent_upstream] == ["ended", "ended"]
     assert fresh.send(p, "r", pages(4), 0, 16, True) == "failed" and fresh.outcome("r", p).reason == "gone meanwhile"
@@ -229,24 +229,26 @@ def test_an_end_of_one_decode_rank_fails_the_expect_of_another_rank_of_its_insta
     pn.send(p, "r", pages(1), 0, 4, False)
     dn.expect(d[0], "r", pages(4), "p", num_tokens=16, source_node=pn)
     c.run()
-    c.hold_bootstraps = True
+    c.hold_hellos = True
     dn.expect(d[1], "r", pages(4), "p", num_tokens=16, source_node=pn)
-    c.hold_bootstraps = False
+    c.hold_hellos = False
     # rank 0 already bound the request: an abort of rank 1 while it bootstraps is the same decode side's
     dn.handle(events.AbortCalled(d[1], "r", "rank 1 let go"))
     c.run()
     assert pn.outcome("r", p).code == "aborted" and dn.outcome("r", d[1]).code == "aborted"
 
-    c.hold_bootstraps = True
+    # the pair's handshake holds, so each expect leaves at once: rank 1's follows rank 0's end
     dn.expect(d[0], "s", pages(4, 4), "p", num_tokens=16, source_node=pn)
-    dn.expect(d[1], "s", pages(4, 4), "p", num_tokens=16, source_node=pn)
-    dn.bootstraps.pop(0)  # rank 0's bootstrap: it is aborted before it returns
     dn.handle(events.AbortCalled(d[0], "s", "rank 0 let go"))
-    c.hold_bootstraps = False
-    c.run()  # rank 1's handshake and expect follow rank 0's end on the same link
+    dn.expect(d[1], "s", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
     told = dn.outcome("s", d[1])
     assert (told.state, told.code, told.reason) == ("failed", "aborted", "rank 0 let go")
-    assert pn.send(p, "s", pages(4), 0, 16, True) == "failed" and pn.outcome("s", p).code == "aborted"
+    # rank 0's expect bound the request at the source before its end: the source failed its side then,
+    # and the prefill engine's send is refused naming the decode side's reason
+    with pytest.raises(RequestError) as refused:
+        pn.send(p, "s", pages(4), 0, 16, True)
+    assert refused.value.code == "request_finished" and "rank 0 let go" in str(refused.value)
 
 
 # -- what an end may not do ------------------------------------------------------------------------

@@ -166,7 +166,7 @@ def test_an_instance_wholly_at_one_daemon_expects_as_before():
     (rank,) = [d.rank("d", "decode", spec(1))]
     d.expect(rank, "r", pages(2), "p", num_tokens=8, source_node=p)
     entry = d.inbox.get("r", rank.id)
-    c.bootstrap(d, d.bootstraps.pop(0))
+    c.answer_hello(d, d.hellos.pop(0))
     effects_seen = [e for e in c.queue if type(e[1]).__name__ == "PeerExpected"]
     assert len(effects_seen) == 1 and effects_seen[0][1].writers is None
     assert entry.source_daemons == {} and entry.source_addresses() == [p.address]
@@ -179,9 +179,9 @@ def test_an_instance_wholly_at_one_daemon_expects_as_before():
 
 def test_a_bootstrap_that_times_out_names_what_it_waited_for():
     c, a, b, d, prefill, decode = _spread(1)
-    c.hold_bootstraps = True
+    c.retry_reason["p"] = "missing ranks p/tp3/pp0"  # the rendezvous answers "retry later", again and again
     d.expect(decode[0], "r", pages(2), "p", num_tokens=8, source_node=a)
-    d.inbox.get("r", decode[0].id).waiting_for = "the source daemon A:1, which said: missing ranks p/tp3/pp0"
+    c.run()
     c.tick(d.cfg.timeouts.bootstrap_s + 1)
     outcome = d.outcome("r", decode[0])
     assert outcome.code == "bootstrap_timeout" and "missing ranks p/tp3/pp0" in outcome.reason

@@ -23,7 +23,9 @@ from ..metrics import Metrics
 from ..outbox import SrcEntry
 from ..registry import Rank, Registry
 from . import effects, events, states
+from .bootstrap import BootstrapSide
 from .decode import DecodeSide
+from .handshakes import Handshakes
 from .prefill import PrefillSide
 from .routes import RouteBook
 
@@ -32,12 +34,13 @@ log = logging.getLogger("kvxferd.lifecycle")
 Entry = Union[DestEntry, SrcEntry]
 
 
-class Lifecycle(DecodeSide, PrefillSide):
+class Lifecycle(DecodeSide, BootstrapSide, PrefillSide):
     """Every request of one daemon, both sides, and the one book of plans and routes."""
 
     def __init__(self, limits: Any, timeouts: Any, registry: Registry, inbox: Inbox, metrics: Metrics, *,
                  one_sided: Callable[[str], bool], source_up: Callable[[str], bool],
-                 wall_clock: Callable[[], float]) -> None:
+                 wall_clock: Callable[[], float], peer: Any = None, address: str = "",
+                 remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {}) -> None:
         self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
         self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
         self.registry = registry
@@ -46,6 +49,15 @@ class Lifecycle(DecodeSide, PrefillSide):
         self.one_sided = one_sided  # a transport name -> whether its writes land without this daemon
         self.source_up = source_up  # a source daemon address -> whether its link is up (a fence can be answered)
         self.wall_clock = wall_clock  # for the times in ``recent_failures`` (shown, never compared)
+        self.address = address  # this daemon's control address (a local route names it)
+        self.peer = peer  # config.Peer: require_same_page_size (plans refuse others), heartbeat_interval_s
+        #: a prefill instance -> its ranks the rank directory lists at other daemons (coords -> daemon)
+        self.remote_ranks = remote_ranks
+        #: decode side: handshakes with source daemons, and destinations waiting for a local source
+        #: an unanswered hello goes again after a heartbeat interval (at least a second)
+        self.handshakes = Handshakes(max(1.0, peer.heartbeat_interval_s if peer is not None else 1.0),
+                                     timeouts.handshake_retry_s)
+        self.local_waiting: list[DestEntry] = []
         self.routes = RouteBook(2 * limits.max_inflight_requests)
         self.sources: dict[tuple[str, str], SrcEntry] = {}
         self._by_request: dict[str, dict[str, SrcEntry]] = {}
@@ -62,6 +74,7 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.ExpectCalled: self._expect, events.SendCalled: self._send,
             events.AbortCalled: self._abort_called, events.RankGone: self._rank_gone,
             events.PlanFound: self._plan_found, events.BootstrapFailed: self._bootstrap_failed,
+            events.HandshakeAnswered: self._handshake_answered,
             events.DestChanged: lambda ev: self._dest_changed(ev.entry),
             events.ChunkRefused: lambda ev: self._fail(ev.entry, ev.code, ev.message),
             events.UpstreamAbort: self._upstream_abort, events.UpstreamFenced: self._upstream_fenced,
@@ -71,6 +84,10 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,
             events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
         }
+
+    @property
+    def require_same_page_size(self) -> bool:
+        return bool(self.peer is not None and self.peer.require_same_page_size)
 
     # -- the interface ---------------------------------------------------------------------------
     def handle(self, event: Any, now: float) -> Any:
@@ -200,6 +217,7 @@ class Lifecycle(DecodeSide, PrefillSide):
 
     # -- timers and shutdown -------------------------------------------------------------------------
     def _tick(self, ev: events.Tick) -> None:
+        self._tick_handshakes()
         self._tick_dests()
         self._tick_sources()
 

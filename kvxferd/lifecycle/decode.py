@@ -28,8 +28,9 @@ class DecodeSide:
         entry.transport = "tcp" if ev.source_address else "local"
         entry.source_address = ev.source_address
         self.inbox.add(entry)
-        self.emit(effects.Bootstrap(entry))
-        return entry.state
+        state = entry.state  # what the engine hears: the plan may be found at once (a local source)
+        self._bootstrap(entry)
+        return state
 
     def _plan_found(self: "Lifecycle", ev: events.PlanFound) -> None:
         entry = ev.entry
@@ -193,6 +194,7 @@ class DecodeSide:
     def _no_handshake(self: "Lifecycle", ev: events.NoHandshake) -> None:
         """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
         again and send the expect anew, once per request, while nothing of it has arrived yet."""
+        self._handshakes_forgotten(ev.address)
         for entry in self.inbox.for_request(ev.request_id):
             if (entry.from_source(ev.address) and entry.failure is None and entry.rehandshakes == 0
                     and entry.state == states.WAITING and entry.bytes_received == 0):
@@ -200,9 +202,10 @@ class DecodeSide:
                 states.advance(entry, states.DEST, "rehandshake", self.now)
                 log.info("event=handshake_again peer=%s request=%s rank=%s", ev.address, q(ev.request_id),
                          entry.rank.id)
-                self.emit(effects.Bootstrap(entry))
+                self._bootstrap(entry)
 
     def _source_lost(self: "Lifecycle", ev: events.SourceLost) -> None:
+        self._source_handshakes(ev.address, ev.code)
         for entry in self.inbox.all():
             if not entry.from_source(ev.address):
                 continue

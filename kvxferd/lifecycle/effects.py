@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
+from ..geometry import InstanceSpec
 from ..inbox import DestEntry
 from ..messages import Event, Message
 from ..outbox import SrcEntry, Target
@@ -47,10 +48,15 @@ class ExpectUpstream:
 
 
 @dataclass(frozen=True)
-class Bootstrap:
-    """Find the plan with the destination's source instance (a handshake when it is remote)."""
+class SendHandshake:
+    """A hello to the source daemon at ``address`` for one instance pair: the shell numbers it,
+    adds what it offers (its addresses, token, transports) and hands the answer back as
+    :class:`~.events.HandshakeAnswered`."""
 
-    entry: DestEntry
+    address: str
+    prefill: str
+    decode: str
+    spec: InstanceSpec  # the decode instance's
 
 
 @dataclass(frozen=True)
@@ -81,5 +87,5 @@ class PeerGone:
     why: str
 
 
-Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, Bootstrap, StartJob, StopReceiving,
+Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, SendHandshake, StartJob, StopReceiving,
                PeerGone]

@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..inbox import DestEntry
+from ..messages import Message
 from ..outbox import Chunk, SrcEntry, Target
 from ..planner import Plan
 from ..registry import Rank
@@ -68,6 +69,19 @@ class PlanFound:
     #: daemon's link token (empty: the whole instance is at the source address, as before)
     rank_daemons: dict[tuple[int, int], str] = field(default_factory=dict)
     tokens: dict[str, bytes] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class HandshakeAnswered:
+    """A source daemon answered a hello (:class:`~.effects.SendHandshake`): ok, refused or retry
+    later. ``token`` and ``kind``: the link's data token and the transport the shell accepted."""
+
+    address: str
+    prefill: str
+    decode: str
+    answer: Message  # HandshakeOk | HandshakeRefused | HandshakeRetry
+    token: bytes | None = None
+    kind: str = "tcp"
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ them, numbered, and hands the answers back as events) and which destinations may
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..geometry import InstanceSpec
 from ..inbox import DestEntry
@@ -118,13 +118,16 @@ class Handshakes:
             hs.waiting.append(entry)
         return hs, fresh
 
-    def due(self, now: float) -> list[tuple[Handshake, str]]:
-        """Handshakes whose time came: (handshake, what happened) for each, not applied yet."""
+    def due(self, now: float, wanted: Callable[[DestEntry], bool] | None = None) -> list[tuple[Handshake, str]]:
+        """Handshakes whose time came: (handshake, what happened) for each, not applied yet.
+
+        ``wanted``: whether a destination still waits for its handshake (default: it has not
+        failed); a handshake that no one wants any more is abandoned."""
         out = []
         for hs in list(self.book.values()):
             if hs.state == AGREED:
                 continue
-            hs.waiting = [e for e in hs.waiting if e.failure is None]
+            hs.waiting = [e for e in hs.waiting if (wanted(e) if wanted is not None else e.failure is None)]
             if not hs.waiting:
                 out.append((hs, "abandoned"))
             elif now >= hs.due:

@@ -28,7 +28,7 @@ class Transports:
 
     def __init__(self, inbox: Inbox, staging: StagingPool, *, daemon_name: str, preference: list[str],
                  timeout_s: float, max_header_bytes: int, max_pages: int, data_connections: int,
-                 landing_slots: int, landing_bytes: int, in_place_bytes: int,
+                 landing_slots: int, landing_bytes: int, in_place_bytes: int = 256 * 1024,
                  on_received: Callable[[str, Sink, Moved], None],
                  on_refused: Callable[[DestEntry, str, str], None],
                  on_invalid: Callable[[str], None],

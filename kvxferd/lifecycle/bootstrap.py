@@ -1,0 +1,249 @@
+"""Decode side of the lifecycle core: finding a destination's plan.
+
+A destination starts ``bootstrapping``. Its source instance on this daemon: the plan is
+made here, once the instance has registered. At another daemon: the instance pair's
+handshake with it (:mod:`.handshakes`), shared by every destination of the pair; and when
+the source instance's ranks are spread over several daemons (the handshake answer names
+them, as its rendezvous's directory lists them), a handshake with each of them, which
+must all agree on the plan and on the transport. Then :class:`~.events.PlanFound`, or the
+destination fails ``incompatible`` naming the daemon and the field.
+
+Hellos leave as :class:`~.effects.SendHandshake` effects; the shell numbers them and hands
+every answer back as :class:`~.events.HandshakeAnswered`. Silence, pauses and the end of
+every waiter are seen on the :class:`~.events.Tick`.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING
+
+from .. import protocol
+from ..directory import spec_difference
+from ..errors import KvxferError, PlanRefusal
+from ..geometry import InstanceSpec
+from ..inbox import DestEntry
+from ..logutil import q
+from ..messages import HandshakeOk, HandshakeRefused, HandshakeRetry
+from ..outbox import Route
+from ..planner import make_plan
+from ..registry import rank_id
+from . import effects, events
+from .handshakes import AGREED, ASKING, Handshake, Key
+
+if TYPE_CHECKING:
+    from .core import Lifecycle
+
+log = logging.getLogger("kvxferd.lifecycle")
+
+
+class BootstrapSide:
+    # -- a destination's plan ---------------------------------------------------------------------
+    def _bootstrap(self: "Lifecycle", entry: DestEntry) -> None:
+        if not entry.source_address:
+            self._bootstrap_local(entry)
+            return
+        hs = self._need(entry, entry.source_address)
+        if hs.state == AGREED:
+            self._proceed(entry)
+
+    def _need(self: "Lifecycle", entry: DestEntry, address: str) -> Handshake:
+        """The handshake of the entry's pair with ``address``; a hello leaves if none was asked."""
+        key: Key = (address, entry.source_instance, entry.rank.instance)
+        hs, fresh = self.handshakes.need(key, entry.rank.geometry.spec, entry, self.now)
+        if fresh:
+            self.emit(effects.SendHandshake(address, entry.source_instance, entry.rank.instance, hs.spec))
+        if hs.state != AGREED:
+            entry.waiting_for = self._waiting_text(entry, hs)
+        return hs
+
+    def _waiting_text(self: "Lifecycle", entry: DestEntry, hs: Handshake) -> str:
+        if hs.said:
+            return f"the source daemon {hs.address}, which said: {hs.said}"
+        if hs.address == entry.source_address:
+            return f"a handshake answer from source daemon {hs.address} (unreachable, or the instance is not registered)"
+        primary = self.handshakes.get((entry.source_address, entry.source_instance, entry.rank.instance))
+        held = _ranks_at(entry.source_instance, primary.rank_map if primary else {}, hs.address)
+        return (f"a handshake with daemon {hs.address}, holding {held} by the directory of rendezvous "
+                f"{entry.source_address}: is that address reachable from here (peer.advertise_host of that daemon)?")
+
+    def _proceed(self: "Lifecycle", entry: DestEntry) -> None:
+        """One of the entry's handshakes agreed: the plan is found once all it needs have."""
+        prefill, decode = entry.source_instance, entry.rank.instance
+        primary = self.handshakes.get((entry.source_address, prefill, decode))
+        if primary is None or primary.state != AGREED:  # forgotten meanwhile (the link went down): ask again
+            if entry.failure is None:
+                self._bootstrap(entry)
+            return
+        plan = primary.plan
+        assert plan is not None
+        if not primary.rank_map:
+            self._plan_found(events.PlanFound(entry, plan, primary.token, primary.kind))
+            return
+        addresses = sorted(set(primary.rank_map.values()))
+        if entry.failure is not None:  # it failed while bootstrapping: those it reached hear it again
+            agreed = {a for a in addresses if (hs := self.handshakes.get((a, prefill, decode))) and hs.state == AGREED}
+            self._plan_found(events.PlanFound(entry, plan, primary.token, primary.kind,
+                                              {c: a for c, a in primary.rank_map.items() if a in agreed}))
+            return
+        if self.address in addresses:
+            held = _ranks_at(prefill, primary.rank_map, self.address)
+            self._refuse(entry, PlanRefusal(f"ranks {held} of {prefill!r} are registered at this decode daemon "
+                                            f"{self.address} and the rest at other daemons: a source instance partly "
+                                            "on its decode daemon is not supported", field="ranks"))
+            return
+        others = [self._need(entry, a) for a in addresses if a != primary.address]
+        if any(hs.state != AGREED for hs in others):
+            return  # the entry waits in each handshake not agreed yet; the last one to agree proceeds it
+        refusal = _disagreement(prefill, primary, others)
+        if refusal is not None:
+            self._refuse(entry, refusal)
+            return
+        entry.waiting_for = ""
+        self._plan_found(events.PlanFound(entry, plan, primary.token, primary.kind, dict(primary.rank_map),
+                                          {hs.address: hs.token for hs in (primary, *others) if hs.token}))
+
+    def _refuse(self: "Lifecycle", entry: DestEntry, refusal: PlanRefusal) -> None:
+        self.metrics.refusals.labels(refusal.field or "unknown").inc()
+        self._bootstrap_failed(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+
+    def _bootstrap_local(self: "Lifecycle", entry: DestEntry) -> None:
+        """The source instance is on this daemon: the plan is made here, once it registered."""
+        prefill, decode = entry.source_instance, entry.rank.instance
+        cached = self.routes.local(prefill, decode)
+        if cached is not None:
+            self._plan_found(events.PlanFound(entry, cached[0]))
+            return
+        elsewhere = self.remote_ranks(prefill)
+        if elsewhere:  # its writers elsewhere would never be asked for their bytes
+            self._refuse(entry, PlanRefusal(
+                f"instance {prefill!r} has ranks at other daemons ({sorted(elsewhere)} at {sorted(set(elsewhere.values()))}) "
+                "and at this decode daemon: a source instance partly on its decode daemon is not supported",
+                field="ranks"))
+            return
+        spec = self.registry.spec(prefill, "prefill")
+        if spec is None:
+            entry.waiting_for = f"a prefill rank of instance {prefill!r} to register at this daemon"
+            self.local_waiting.append(entry)
+            return
+        try:
+            plan = make_plan(spec, entry.rank.geometry.spec, mode="direct",  # config.LOCAL_MODE_NOTE
+                             require_same_page_size=self.require_same_page_size)
+        except PlanRefusal as refusal:
+            self._refuse(entry, refusal)
+            return
+        self.routes.set_pair(prefill, decode, plan, Route("local", daemon=self.address))
+        self.metrics.handshakes.labels("ok").inc()
+        entry.waiting_for = ""
+        self._plan_found(events.PlanFound(entry, plan))
+
+    # -- answers and time -------------------------------------------------------------------------
+    def _handshake_answered(self: "Lifecycle", ev: events.HandshakeAnswered) -> None:
+        hs = self.handshakes.get((ev.address, ev.prefill, ev.decode))
+        if hs is None or hs.state != ASKING:
+            return  # the answer to a hello asked again, or to a pair forgotten meanwhile
+        answer = ev.answer
+        if isinstance(answer, HandshakeRetry):
+            hs.said = answer.reason[:500]
+            self.handshakes.move(hs, "retry", self.now)
+            for entry in hs.waiting:
+                entry.waiting_for = self._waiting_text(entry, hs)
+            return
+        if isinstance(answer, HandshakeRefused):
+            err = answer.error
+            self.metrics.handshakes.labels("refused").inc()
+            log.warning("event=handshake_refused peer=%s field=%s msg=%s", hs.address, err.get("field"),
+                        q(str(err.get("message"))[:300]))
+            self._handshake_failed(hs, PlanRefusal(str(err.get("message", "refused")),
+                                                   field=str(err.get("field") or "unknown"),
+                                                   prefill=err.get("prefill"), decode=err.get("decode")))
+            return
+        assert isinstance(answer, HandshakeOk)
+        try:
+            prefill_spec = InstanceSpec.from_dict(protocol.bounded_geometry(answer.prefill_spec, "prefill_spec"))
+            hs.plan = make_plan(prefill_spec, hs.spec, mode=answer.mode,
+                                require_same_page_size=self.require_same_page_size)
+        except KvxferError as exc:
+            self.metrics.handshakes.labels("refused").inc()
+            self._handshake_failed(hs, PlanRefusal(f"peer's handshake answer is unusable: {exc}",
+                                                   field=exc.field or "geometry"))
+            return
+        hs.rank_map = {(tp, pp): address for tp, pp, address in answer.ranks or ()}
+        hs.token, hs.kind, hs.said = ev.token, ev.kind, ""
+        self.metrics.handshakes.labels("ok").inc()
+        log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", hs.address, ev.prefill,
+                 ev.decode, hs.plan.mode, ev.kind)
+        self.handshakes.move(hs, "agreed", self.now)
+        waiting, hs.waiting = hs.waiting, []
+        for entry in waiting:
+            self._proceed(entry)
+
+    def _wants_handshake(self: "Lifecycle", entry: DestEntry) -> bool:
+        """A destination waits for its handshake while it lives, and once failed while its end went to
+        the source ahead of the handshake (it goes again behind it), within its bootstrap time."""
+        if entry.failure is None:
+            return True
+        return entry.end_told and self.now - entry.created <= self.timeouts.bootstrap_s
+
+    def _handshake_failed(self: "Lifecycle", hs: Handshake, refusal: PlanRefusal) -> None:
+        waiting = hs.waiting
+        self.handshakes.move(hs, "refused", self.now)
+        for entry in waiting:
+            self._refuse(entry, refusal)
+
+    def _tick_handshakes(self: "Lifecycle") -> None:
+        for hs, happened in self.handshakes.due(self.now, self._wants_handshake):
+            if happened == "abandoned":
+                self.metrics.handshakes.labels("timeout").inc()
+            if self.handshakes.move(hs, happened, self.now) == ASKING:
+                self.emit(effects.SendHandshake(*hs.key, hs.spec))
+        waiting, self.local_waiting = self.local_waiting, []
+        for entry in waiting:
+            if entry.failure is None:
+                self._bootstrap_local(entry)
+
+    def _source_handshakes(self: "Lifecycle", address: str, code: str) -> None:
+        """A source daemon went (peer_dead), restarted, or refused this daemon's key: its handshakes
+        say so. Asking ones ask the new process again; agreed ones are forgotten (the next
+        destination asks again)."""
+        happened = {"peer_restarted": "restarted", "peer_dead": "forgotten"}.get(code, "auth_failed")
+        for hs in self.handshakes.at(address):
+            if self.handshakes.move(hs, happened, self.now) == ASKING and happened == "restarted":
+                self.emit(effects.SendHandshake(*hs.key, hs.spec))
+
+    def _handshakes_forgotten(self: "Lifecycle", address: str) -> None:
+        """The source answered an expect ``no_handshake``: it holds none of this daemon's pairs."""
+        for hs in self.handshakes.at(address):
+            if hs.state == AGREED:
+                self.handshakes.move(hs, "forgotten", self.now)
+
+
+def _ranks_at(instance: str, rank_map: dict[tuple[int, int], str], address: str) -> str:
+    return ", ".join(rank_id(instance, *c) for c, a in sorted(rank_map.items()) if a == address)
+
+
+def _disagreement(prefill: str, primary: Handshake, others: list[Handshake]) -> PlanRefusal | None:
+    """Every daemon of a source instance computes the plan from the same two specs, and their data
+    must reach this daemon one way: a refusal naming the first that differs, else None."""
+    plan = primary.plan
+    assert plan is not None
+    for hs in others:
+        theirs = hs.plan
+        assert theirs is not None
+        held = _ranks_at(prefill, primary.rank_map, hs.address)
+        if theirs.prefill != plan.prefill:
+            field, ours, other = spec_difference(plan.prefill, theirs.prefill)
+            return PlanRefusal(f"daemon {hs.address} holding {held} answers {field} = {other!r}, the rendezvous "
+                               f"{primary.address} answers {field} = {ours!r}", field=field)
+        if theirs.mode != plan.mode:
+            return PlanRefusal(f"daemon {hs.address} plans mode {theirs.mode!r}, the rendezvous {primary.address} "
+                               f"{plan.mode!r}", field="mode", prefill=theirs.mode, decode=plan.mode)
+    kinds = {hs.address: hs.kind for hs in (primary, *others)}
+    distinct = sorted(set(kinds.values()))
+    if len(distinct) > 1:  # one destination, one way in: a fence and a receive path per request
+        one, other = (next(a for a, k in sorted(kinds.items()) if k == kind) for kind in distinct[:2])
+        return PlanRefusal(f"daemon {one} sends {prefill!r} over {distinct[0]!r} and daemon {other} over "
+                           f"{distinct[1]!r}; every daemon of a source instance must reach this decode daemon "
+                           "the same way", field="transport",
+                           fix="give every daemon of the instance the same peer.transport and NIXL install")
+    return None

@@ -1,0 +1,154 @@
+"""The decode side's handshakes, driven in process: real lifecycle cores on both sides, hellos
+and answers carried by tests/lifecycle_util.py as the peer shells carry them.
+
+One hello per instance pair, shared by its destinations; a refusal fails them naming the field;
+"retry later" pauses and asks again; silence asks again; a restarted source is asked anew; a
+handshake nobody waits for any more ends; a source instance on the decode daemon is planned
+once it registers."""
+
+from __future__ import annotations
+
+from kvxferd.lifecycle import events
+from lifecycle_util import Cluster, pages, spec
+
+
+def _pair(**cfg):
+    c = Cluster("P", "D")
+    pn, dn = c.node("P"), c.node("D")
+    for key, value in cfg.items():
+        setattr(pn.cfg.peer, key, value)
+    return c, pn, dn, pn.rank("p", "prefill", spec()), dn.rank("d", "decode", spec())
+
+
+def _handshakes(node, result: str) -> float:
+    return node.metrics.handshakes.labels(result)._value.get()
+
+
+def test_the_destinations_of_a_pair_share_one_hello_and_its_answer():
+    c, pn, dn, p, d = _pair()
+    c.hold_hellos = True
+    for rid in ("a", "b", "c"):
+        dn.expect(d, rid, pages(4, 4 * "abc".index(rid)), "p", num_tokens=16, source_node=pn)
+    assert [(h.address, h.prefill, h.decode) for h in dn.hellos] == [(pn.address, "p", "d")]
+    c.hold_hellos = False
+    c.run()
+    assert {dn.inbox.get(rid, d.id).state for rid in "abc"} == {"waiting_for_input"}
+    assert _handshakes(dn, "ok") == 1
+    dn.expect(d, "later", pages(4, 12), "p", num_tokens=16, source_node=pn)
+    assert dn.hellos == [] and dn.inbox.get("later", d.id).state == "waiting_for_input"  # agreed: no hello
+
+
+def test_a_refusal_fails_every_waiting_destination_naming_the_field_and_is_not_kept():
+    c = Cluster("P", "D")
+    pn, dn = c.node("P"), c.node("D")
+    pn.cfg.peer.require_same_page_size = True
+    pn.rank("p", "prefill", spec(page=4))
+    d = dn.rank("d", "decode", spec(page=8))
+    c.hold_hellos = True
+    dn.expect(d, "a", pages(2), "p", num_tokens=16, source_node=pn)
+    dn.expect(d, "b", pages(2, 2), "p", num_tokens=16, source_node=pn)
+    c.hold_hellos = False
+    c.run()
+    for rid in "ab":
+        told = dn.outcome(rid, d)
+        assert (told.state, told.code) == ("failed", "incompatible") and "page_size" in told.reason, told
+    assert pn.life.routes.linked("p", "d", dn.identity)  # the source remembers it refused that link
+    assert dn.metrics.refusals.labels("page_size")._value.get() == 2
+    assert len(dn.life.handshakes) == 0  # the next destination asks again
+    dn.expect(d, "c", pages(2, 4), "p", num_tokens=16, source_node=pn)
+    assert len(dn.hellos) == 1
+
+
+def test_retry_later_pauses_then_asks_again_and_a_timeout_names_what_the_source_said():
+    c, pn, dn, p, d = _pair()
+    c.retry_reason["p"] = "missing ranks p/tp1/pp0"
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    entry = dn.inbox.get("r", d.id)
+    assert entry.state == "bootstrapping" and "missing ranks p/tp1/pp0" in entry.waiting_for
+    c.hold_hellos = True
+    c.tick(dn.cfg.timeouts.handshake_retry_s / 2)
+    assert dn.hellos == []  # paused
+    c.tick(dn.cfg.timeouts.handshake_retry_s)
+    assert len(dn.hellos) == 1  # asked again
+    del c.retry_reason["p"]
+    c.hold_hellos = False
+    c.run()
+    assert entry.state == "waiting_for_input"
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r", d).state == "done"
+
+    c.retry_reason["p"] = "missing ranks p/tp1/pp0"
+    dn.life.handshakes.book.clear()  # a pair not agreed yet (say, another decode daemon's first)
+    dn.expect(d, "late", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.tick(dn.cfg.timeouts.bootstrap_s + 1)
+    told = dn.outcome("late", d)
+    assert told.code == "bootstrap_timeout" and "missing ranks p/tp1/pp0" in told.reason, told
+
+
+def test_silence_asks_again_and_the_answer_that_comes_is_taken():
+    c, pn, dn, p, d = _pair()
+    c.cut_links.add(pn.address)  # the hello is lost on the way
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    assert dn.inbox.get("r", d.id).state == "bootstrapping" and dn.hellos == []
+    c.cut_links.clear()
+    c.hold_hellos = True
+    c.tick(0.5)
+    assert dn.hellos == []  # not yet: an answer may still come
+    c.tick(1.0)
+    assert len(dn.hellos) == 1
+    c.hold_hellos = False
+    c.run()
+    assert dn.inbox.get("r", d.id).state == "waiting_for_input"
+
+
+def test_a_handshake_nobody_waits_for_ends_and_a_late_answer_changes_nothing():
+    """A destination that failed while bootstrapping told its source ``ended`` ahead of the handshake:
+    the handshake goes on within its bootstrap time (the end goes again behind it), then ends."""
+    c, pn, dn, p, d = _pair()
+    c.hold_hellos = True
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    dn.handle(events.AbortCalled(d, "r", "the user went away"))
+    c.tick(0.2)
+    assert len(dn.life.handshakes) == 1
+    c.tick(dn.cfg.timeouts.bootstrap_s)
+    assert len(dn.life.handshakes) == 0 and _handshakes(dn, "timeout") == 1
+    c.hold_hellos = False
+    c.run()  # the answer to the hello that left: no handshake asks for it any more
+    assert len(dn.life.handshakes) == 0 and _handshakes(dn, "ok") == 0
+    assert dn.outcome("r", d).code == "aborted"
+
+
+def test_an_agreed_pair_is_forgotten_when_its_source_goes_and_asked_anew_after():
+    c, pn, dn, p, d = _pair()
+    dn.expect(d, "a", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    assert [h["state"] for h in dn.life.handshakes.describe()] == []  # agreed ones are not listed
+    dn.handle(events.SourceLost(pn.address, "peer_dead", "silent for 6s"))
+    c.run()
+    assert dn.outcome("a", d).code == "peer_dead" and len(dn.life.handshakes) == 0
+    dn.expect(d, "b", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    assert len(dn.hellos) == 1  # asked anew
+    c.run()
+    pn.send(p, "b", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("b", d).state == "done"
+
+
+def test_a_source_instance_on_the_decode_daemon_is_planned_once_it_registers():
+    c = Cluster("N")
+    n = c.node("N")
+    d = n.rank("d", "decode", spec())
+    n.expect(d, "r", pages(4), "p", num_tokens=16)
+    c.run()
+    entry = n.inbox.get("r", d.id)
+    assert entry.state == "bootstrapping" and "'p'" in entry.waiting_for and n.hellos == []
+    p = n.rank("p", "prefill", spec(), pages=64)
+    c.tick(0.1)
+    assert entry.state == "waiting_for_input"
+    n.send(p, "r", pages(4, 8), 0, 16, True)
+    c.run()
+    assert n.outcome("r", d).state == "done"
