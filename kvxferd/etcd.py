@@ -122,10 +122,6 @@ class EtcdClient:
     def delete(self, key: bytes) -> int:
         return int(self.call("/v3/kv/deleterange", {"key": b64(key)}).get("deleted", 0))
 
-    def delete_prefix(self, prefix: bytes) -> int:
-        body = {"key": b64(prefix), "range_end": b64(prefix_end(prefix))}
-        return int(self.call("/v3/kv/deleterange", body).get("deleted", 0))
-
     def grant(self, ttl_s: int) -> int:
         answer = self.call("/v3/lease/grant", {"TTL": str(ttl_s)})
         if answer.get("error"):

@@ -155,9 +155,3 @@ def window_origin(num_tokens: int, window: int, start: int) -> int:
     """First token a sliding-window group moves: the last ``window`` tokens of the prompt, and
     nothing the decode side already holds (``start``)."""
     return max(start, num_tokens - window, 0)
-
-
-def state_units(plan: "Plan", name: str) -> int:
-    """Rows of one state slot (the "tokens" a state group's one chunk covers)."""
-    return plan.decode.group_spec(name).page_size
-

@@ -16,7 +16,6 @@ from __future__ import annotations
 import mmap
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Iterable
 
 import numpy as np
@@ -141,23 +140,6 @@ def allocate_cpu(geometry: RankGeometry, *, name: str = "kv", shm_dir: str | Non
         descriptors.append({"layer": layer, "kind": kind, "mem": "shm", **where,
                             "offset": offset, "nbytes": nbytes})
     return KVCache(geometry, tensors, path, descriptors, mm, fd=shared.fd, name=shared.name)
-
-
-def allocate_cuda(geometry: RankGeometry, *, device: int | str = 0) -> KVCache:
-    """Allocate regions on a GPU and describe them by CUDA IPC handles."""
-    if not torch.cuda.is_available():
-        raise RegistrationError("CUDA is not available in this process", field="mem",
-                                fix="allocate with allocate_cpu, or run on a GPU node")
-    tensors = {}
-    descriptors = []
-    for layer, kind in geometry.region_names():
-        part = geometry.group(kind.rpartition(".")[0])
-        t = torch.zeros(region_shape(part), dtype=torch_dtype(part.spec.dtype), device=device)
-        tensors[(layer, kind)] = t
-        descriptors.append({"layer": layer, "kind": kind, "mem": "cuda_ipc",
-                            "nbytes": t.numel() * t.element_size(), "offset": 0,
-                            "handle": cuda_ipc_handle(t)})
-    return KVCache(geometry, tensors, None, descriptors)
 
 
 def cuda_ipc_handle(tensor: torch.Tensor) -> dict[str, Any]:
@@ -341,10 +323,6 @@ class MemoryMapper:
         for real, (mm, base) in list(self._files.items()):
             if base.untyped_storage().data_ptr() not in used:
                 del self._files[real]
-
-
-def shm_dir_usable(path: str = "/dev/shm") -> bool:
-    return Path(path).is_dir() and os.access(path, os.W_OK)
 
 
 # engine-owned tensors (kept in their own module; re-exported here for one import path)

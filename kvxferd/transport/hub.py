@@ -76,12 +76,6 @@ class Transports:
         if own is not None and own is not self.tcp:
             own.stop_receiving(entry)
 
-    def needs_fence(self, entry: DestEntry) -> bool:
-        """Whether a failed destination must wait for its source to confirm no write is in flight:
-        one-sided writes from a remote source land without this daemon's help."""
-        own = self.find(entry.transport)
-        return bool(entry.source_address) and own is not None and own.one_sided
-
     # -- negotiation (decode side) ---------------------------------------------------------
     def offered(self) -> list[str]:
         """What a decode instance can be written by, in this daemon's preference order."""
