@@ -14,7 +14,7 @@ from typing import Iterable, Sequence
 import numpy as np
 import torch
 
-from .planner import Writer
+from .plan import Writer
 from .runcopy import native
 from .segments import SMALL_SLOTS, paired_runs, paired_segments
 

@@ -1,7 +1,7 @@
 """Pairing the cache groups of two instances: one sub-plan per group, refusals naming the group.
 
 A group is moved as an ordinary instance spec (:mod:`kvxferd.groups`), so its sub-plan is
-``make_plan`` of the two sides' group specs; its writers carry the group's name, which
+the :func:`~kvxferd.pairing.pair` of the two sides' group specs; its writers carry the group's name, which
 is how the lifecycle, the inbox and the data headers tell its chunks from the default
 group's. Before that, the groups themselves are compared field by field, so a refusal says
 ``groups.<name>.<field>`` with both values rather than the field of the derived spec.
@@ -10,47 +10,14 @@ Pure, like the planner: both daemons of a pair compute the same sub-plans.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import Any
 
 from .errors import PlanRefusal
 from .geometry import InstanceSpec
 from .groups import Group
-
-if TYPE_CHECKING:
-    from .planner import Plan
-
-
-@dataclass(frozen=True)
-class GroupPlan:
-    """The sub-plan of one cache group; its writers are tagged with ``name``."""
-
-    name: str
-    kind: str
-    window: int | None
-    plan: "Plan"
-
-    def bytes_per_unit(self) -> int:
-        """Bytes the whole group moves per token (KV groups) or per request (state groups),
-        counted once per head (replicas not counted twice)."""
-        spec = self.plan.decode
-        kinds = len(spec.region_kinds)
-        per_slot = spec.num_layers * kinds * spec.kv_heads * spec.head_slot_bits // 8
-        # a packed slot is a whole page of tokens
-        return per_slot * spec.page_size if self.kind == "state" else per_slot // spec.slot_tokens
-
-    def to_dict(self) -> dict[str, Any]:
-        unit = "request" if self.kind == "state" else "token"
-        out: dict[str, Any] = {"name": self.name, "kind": self.kind, "sliced": self.plan.sliced,
-                               f"bytes_per_{unit}": self.bytes_per_unit(),
-                               "destinations": [d.to_dict() for d in self.plan.destinations]}
-        if self.window is not None:
-            out["window"] = self.window
-            # a packed layout moves whole pages: the window's tokens may touch one page more
-            unit = self.plan.decode.slot_tokens
-            tokens = self.window if unit == 1 else (-(-(self.window - 1) // unit) + 1) * unit
-            out["max_bytes_per_request"] = self.bytes_per_unit() * tokens
-        return out
+from .pairing import pair
+from .plan import Destination, GroupPlan
 
 
 def _refuse(group: str, field: str, prefill: Any, decode: Any, fix: str) -> PlanRefusal:
@@ -97,14 +64,12 @@ def _fix(group: Group, field: str) -> str:
 def group_plans(prefill: InstanceSpec, decode: InstanceSpec, mode: str,
                 prefill_tensors: bool, decode_tensors: bool) -> tuple[GroupPlan, ...]:
     """One :class:`GroupPlan` per group, in the prefill side's order (the groups are equal)."""
-    from .planner import Destination, make_plan
-
     check_groups(prefill, decode)
     out = []
     for g in prefill.groups:
         p_spec, d_spec = prefill.group_spec(g.name), decode.group_spec(g.name)
         try:
-            sub = make_plan(p_spec, d_spec, mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
+            sub = pair(p_spec, d_spec, mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
             parts = g.parts()
             if len(parts) > 1:
                 writers = _part_writers(g.name, parts, p_spec, d_spec, mode, prefill_tensors, decode_tensors)
@@ -126,8 +91,6 @@ def _part_writers(name: str, parts: tuple[int, ...], p_spec: InstanceSpec, d_spe
     """Writers of a state whose split dimension concatenates parts split by TP one by one: each
     part is planned as a state of its own; its writers then address the whole row, shifted by
     the parts before it (their local sizes on each side), in units of one channel."""
-    from .planner import make_plan
-
     if p_spec.head_slot_bits % 8:
         raise PlanRefusal(f"one channel of the state is {p_spec.head_slot_bits} bits: parts cannot start on a byte",
                           field="head_dim", prefill=p_spec.head_slot_bits, decode=d_spec.head_slot_bits,
@@ -137,9 +100,9 @@ def _part_writers(name: str, parts: tuple[int, ...], p_spec: InstanceSpec, d_spe
     for i, size in enumerate(parts):
         one = {"attention": p_spec.attention, "num_layers": p_spec.num_layers, "head_dim": p_spec.head_dim,
                "dtype": p_spec.dtype, "page_size": p_spec.page_size, "total_kv_heads": size}
-        sub = make_plan(InstanceSpec(tp_size=p_spec.tp_size, pp_size=p_spec.pp_size, layer_splits=p_spec.splits, **one),
-                        InstanceSpec(tp_size=d_spec.tp_size, pp_size=d_spec.pp_size, layer_splits=d_spec.splits, **one),
-                        mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
+        sub = pair(InstanceSpec(tp_size=p_spec.tp_size, pp_size=p_spec.pp_size, layer_splits=p_spec.splits, **one),
+                   InstanceSpec(tp_size=d_spec.tp_size, pp_size=d_spec.pp_size, layer_splits=d_spec.splits, **one),
+                   mode=mode, prefill_tensors=prefill_tensors, decode_tensors=decode_tensors)
         for d in sub.destinations:
             out.setdefault(d.rank, []).extend(
                 replace(w, group=name, part=i, heads=(before + w.heads[0], before + w.heads[1]),

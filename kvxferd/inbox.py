@@ -20,7 +20,7 @@ import numpy as np
 from .errors import RequestError
 from .lifecycle import states
 from .group_requests import group_origin
-from .planner import Destination, Plan, Writer, group_key
+from .plan import Destination, Plan, Writer, group_key
 from .registry import Rank
 from .segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
 

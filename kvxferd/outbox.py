@@ -16,7 +16,7 @@ import numpy as np
 
 from .errors import RequestError
 from .lifecycle import states
-from .planner import Plan, Writer, group_key
+from .plan import Plan, Writer, group_key
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ import numpy as np
 
 from .errors import RequestError
 from .geometry import InstanceSpec
-from .planner import Writer
+from .plan import Writer
 
 INDEX_DTYPE = np.int64
 #: up to this many slots a chunk's runs are found with plain Python ints: numpy's fixed cost

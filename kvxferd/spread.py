@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from .directory import spec_difference
 from .errors import PlanRefusal, TransferError
 from .inbox import DestEntry
-from .planner import Plan
+from .plan import Plan
 from .registry import rank_id
 
 if TYPE_CHECKING:

@@ -24,7 +24,8 @@ from .inbox import DestEntry
 from .lifecycle import events
 from .logutil import q
 from .outbox import Route
-from .planner import Plan, make_plan
+from .plan import Plan
+from .planner import make_plan
 
 if TYPE_CHECKING:
     from .daemon import Daemon

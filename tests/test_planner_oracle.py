@@ -22,7 +22,8 @@ from hypothesis import strategies as st
 
 from kvxferd.errors import GeometryError, PlanRefusal
 from kvxferd.geometry import InstanceSpec
-from kvxferd.planner import Plan, Writer, make_plan
+from kvxferd.plan import Plan, Writer
+from kvxferd.planner import make_plan
 from kvxferd.segments import Segments, request_segments
 
 #: bits per element, restated here so a wrong table in geometry.py cannot hide itself

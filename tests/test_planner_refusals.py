@@ -16,7 +16,9 @@ import pytest
 
 from kvxferd.errors import PlanRefusal
 from kvxferd.geometry import InstanceSpec
-from kvxferd.planner import STAGED_SLICE_BYTES, Plan, check_compatible, make_plan
+from kvxferd.pairing import STAGED_SLICE_BYTES, check_compatible
+from kvxferd.plan import Plan
+from kvxferd.planner import make_plan
 
 
 def mha(**overrides: Any) -> InstanceSpec:

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from kvxferd import copier, runcopy
 from kvxferd.errors import TransferError
-from kvxferd.planner import Writer
+from kvxferd.plan import Writer
 from kvxferd.segments import head_offset_bytes
 
 CC = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)

@@ -24,7 +24,8 @@ from kvxferd.geometry import InstanceSpec, RankGeometry
 from kvxferd.inbox import DestEntry, Inbox
 from kvxferd.memory import MappedRegion
 from kvxferd.metrics import Metrics
-from kvxferd.planner import Writer, make_plan
+from kvxferd.plan import Writer
+from kvxferd.planner import make_plan
 from kvxferd.registry import Rank
 from kvxferd.segments import as_pages, paired_segments, unit_slots
 from kvxferd.transport.base import ChunkJob

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..inbox import DestEntry
 from ..outbox import Chunk, SrcEntry, Target
-from ..planner import Plan
+from ..plan import Plan
 from ..registry import Rank
 from ..transport.base import Moved
 

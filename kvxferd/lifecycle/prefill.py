@@ -17,7 +17,7 @@ from ..messages import Event, Fenced, PeerAbort
 from ..outbox import Binding, Chunk, Route, SrcEntry, Target
 from ..registry import rank_id as make_rank_id
 from ..group_requests import group_origin, source_range
-from ..planner import group_key
+from ..plan import group_key
 from ..segments import clip_slots
 from ..transport.base import ChunkJob
 from . import effects, events, states

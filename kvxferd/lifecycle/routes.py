@@ -22,7 +22,7 @@ from typing import Any
 from ..directory import spec_difference
 from ..errors import PlanRefusal
 from ..outbox import Binding, Route
-from ..planner import Plan
+from ..plan import Plan
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from typing import Any, Iterator, Protocol
 import numpy as np
 
 from ..memory import MappedRegion
-from ..planner import Writer
+from ..plan import Writer
 from ..registry import Rank
 from ..segments import chunk_bytes, head_offset_bytes, slot_count
 
