@@ -3,7 +3,7 @@
 Sync::
 
     from kvxferd.client import EngineClient
-    from kvxferd.memory import allocate_cpu
+    from kvxferd.kv_cache import allocate_cpu
 
     cache = allocate_cpu(geometry)                      # tensors the engine computes into
     with EngineClient() as kv:                          # default socket, like `kvxferd serve`

@@ -1,6 +1,6 @@
 """Registering KV tensors an engine already owns.
 
-kvxferd's own engines allocate their cache with :func:`kvxferd.memory.allocate_cpu`, so
+kvxferd's own engines allocate their cache with :func:`kvxferd.kv_cache.allocate_cpu`, so
 the file behind every region is known. A real engine (SGLang, vLLM) allocates its KV pool
 itself and hands its attention layers the tensors. Two helpers bridge that:
 
@@ -13,9 +13,6 @@ itself and hands its attention layers the tensors. Two helpers bridge that:
   ``/proc/self/maps`` (the daemon maps files, not pointers) and names a memfd or unlinked
   file by this process's descriptor of it; for CUDA it sends the storage's IPC handle plus
   the tensor's offset inside it.
-
-Kept apart from :mod:`kvxferd.memory` (which re-exports these names) and free of imports
-from it at module level, so either module can be imported first.
 """
 
 from __future__ import annotations
@@ -29,10 +26,11 @@ import numpy as np
 import torch
 
 from . import shmfile
+from .cuda_ipc import cuda_ipc_handle
 from .errors import RegistrationError
 
 _ALIGN = 4096  # each moved storage starts on a page of the file (keeps every dtype aligned)
-SHARE_FIX = "place the pool in shared memory first: kvxferd.memory.share_in_place(tensors, name=...)"
+SHARE_FIX = "place the pool in shared memory first: kvxferd.engine_memory.share_in_place(tensors, name=...)"
 
 
 def _release(path: str | None, fd: int | None) -> None:
@@ -228,8 +226,6 @@ def _describe_cpu(key: tuple[int, str], t: torch.Tensor, maps: list[_Mapping],
 
 
 def _describe_cuda(key: tuple[int, str], t: torch.Tensor) -> dict[str, Any]:  # pragma: no cover - needs a GPU
-    from .memory import cuda_ipc_handle
-
     # the handle opens the tensor's whole storage; its "storage_offset" already includes this
     # tensor's byte offset, so several tensors of one allocation each get their own region
     return {"layer": key[0], "kind": key[1], "mem": "cuda_ipc", "offset": 0,

@@ -170,7 +170,7 @@ def test_malformed_engine_messages_get_errors(cluster, payload, field):
 
 def test_register_refuses_regions_that_do_not_match_geometry(cluster):
     from kvxferd.geometry import RankGeometry
-    from kvxferd.memory import allocate_cpu
+    from kvxferd.kv_cache import allocate_cpu
     dd = cluster.daemons["decode-node"]
     geo = RankGeometry(spec(), 0, 0, 8)
     with allocate_cpu(geo, name="badreg") as cache:

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 from kvxferd.tools.oracle import CANARY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

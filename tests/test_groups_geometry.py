@@ -6,7 +6,7 @@ import pytest
 
 from kvxferd.errors import GeometryError, PlanRefusal
 from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 from kvxferd.planner import make_plan
 
 BASE = {"attention": "mha", "num_layers": 4, "head_dim": 8, "dtype": "bfloat16", "page_size": 4,

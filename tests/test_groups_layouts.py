@@ -14,7 +14,7 @@ from kvxferd.errors import ProtocolError
 from kvxferd.geometry import InstanceSpec, RankGeometry
 from kvxferd.group_plan import group_plans
 from kvxferd.group_requests import group_origin
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 from kvxferd.protocol import region_kind
 
 SWA = {"name": "swa", "kind": "window", "num_layers": 2, "head_dim": 32, "total_kv_heads": 2, "window": 39}

@@ -22,7 +22,9 @@ from e2e_util import run_case as _run_case
 from kvxferd.client import EngineClient
 from kvxferd.errors import GeometryError, RegistrationError
 from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import MemoryMapper, allocate_cpu, describe_tensors, region_shape, share_in_place
+from kvxferd.engine_memory import describe_tensors, share_in_place
+from kvxferd.kv_cache import allocate_cpu, region_shape
+from kvxferd.memory import MemoryMapper
 from kvxferd.planner import make_plan
 from kvxferd.segments import page_slots, slots, unit_slots
 

@@ -17,7 +17,7 @@ import torch
 from kvxferd import config
 from kvxferd.client import EngineClient
 from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 from kvxferd.tools.sim import DaemonProc
 
 from test_ops_config import CONFIGS, ROOT, clean_env

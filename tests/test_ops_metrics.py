@@ -20,7 +20,7 @@ import pytest
 
 from kvxferd.client import EngineClient
 from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 
 from e2e_util import cluster_run
 from ops_support import (NUM_PAGES, Scrape, base_url, http_get, kv_bytes, next_for, pages, spec,

@@ -25,7 +25,7 @@ import kvxferd
 from kvxferd import sdnotify
 from kvxferd.client import DaemonError, EngineClient
 from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.kv_cache import allocate_cpu
 from kvxferd.tools.sim import Cluster, DaemonProc
 
 from ops_support import (NUM_PAGES, base_url, http_get, in_parallel, next_for, pages, spec,

@@ -130,7 +130,7 @@ ENGINE = """
 import sys, time, torch
 from kvxferd.client import EngineClient
 from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import describe_tensors, share_in_place
+from kvxferd.engine_memory import describe_tensors, share_in_place
 s = InstanceSpec(attention="mha", num_layers=2, total_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
 g = RankGeometry(s, 0, 0, 8)
 raw = torch.zeros(4 * 8 * 4 * 2 * 16, dtype=torch.bfloat16)  # one allocation, views per layer and kind

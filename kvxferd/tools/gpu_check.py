@@ -348,7 +348,7 @@ def allocate(layout: str, sizes: Sizes, tp_size: int, tp_rank: int, device: str,
     both adapters do on CPU); on CUDA they stay where they are and ``describe_tensors`` sends
     their IPC handles.
     """
-    from ..memory import describe_tensors, share_in_place
+    from ..engine_memory import describe_tensors, share_in_place
     if layout == "sglang-NHD":
         geometry, regions, tensors = sglang_pool(sizes, tp_size, tp_rank, device)
     else:

@@ -38,7 +38,7 @@ def worker_main(argv: list[str]) -> int:
     import argparse
 
     from ..client import EngineClient
-    from ..memory import allocate_cpu
+    from ..kv_cache import allocate_cpu
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)

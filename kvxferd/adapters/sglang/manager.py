@@ -28,7 +28,7 @@ from ...config import default_socket_path
 from ...errors import KvxferError, RegistrationError
 from ...geometry import RankGeometry
 from ...groups import Group, qualified_kind
-from ...memory import describe_tensors
+from ...engine_memory import describe_tensors
 from . import topology
 from .bootstrap import get_route, put_route, reachable_address, split_host_port
 from .layout import RankFacts, aux_row_spans, build_geometry

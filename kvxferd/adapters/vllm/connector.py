@@ -33,9 +33,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from ...client import DaemonError, EngineClient
+from ...engine_memory import SharedPool, describe_tensors, share_in_place
 from ...errors import ConfigError, KvxferError
 from ...geometry import RankGeometry
-from ...memory import SharedPool, describe_tensors, share_in_place
 from .groups import FULL, MAMBA, SLIDING, GroupMap, VllmGroup, map_groups, single_group
 from .layout import (
     REQUIRED_LAYOUT,

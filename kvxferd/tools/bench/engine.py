@@ -66,7 +66,7 @@ class Layout:
 
     def allocate(self) -> list[Rank]:
         from ...geometry import RankGeometry
-        from ...memory import allocate_cpu
+        from ...kv_cache import allocate_cpu
         ranks = []
         for role, spec, num_pages in (("prefill", self.pspec, self.p_pages), ("decode", self.dspec, self.d_pages)):
             for tp in range(spec.tp_size):

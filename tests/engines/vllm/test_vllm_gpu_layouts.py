@@ -39,7 +39,7 @@ from e2e_util import Node, module_cluster
 from kvxferd.adapters.vllm.layout import LayerLayout, decide, layer_span, rank_geometry, same_for_all
 from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError
-from kvxferd.memory import describe_tensors, share_in_place
+from kvxferd.engine_memory import describe_tensors, share_in_place
 from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
 
 LAYERS, BLOCKS = 3, 10
