@@ -26,7 +26,6 @@ import os
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -745,8 +744,3 @@ def main(args: Any) -> int:
         Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(text)
     return 0 if summary.get("ok") else 1
-
-
-if __name__ == "__main__":
-    from ..cli import main as cli_main
-    sys.exit(cli_main(["soak", *sys.argv[1:]]))

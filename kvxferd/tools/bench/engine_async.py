@@ -8,7 +8,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine import Layout, Rank, failure, finish, split_rounds, summary
+from .engine_layout import Layout, Rank, failure, finish, split_rounds, summary
 
 
 async def _one(lay: Layout, ranks: list[Rank], req: str, set_idx: int, marks: list[float],

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine import Layout, Rank, failure, finish, split_rounds, summary
+from .engine_layout import Layout, Rank, failure, finish, split_rounds, summary
 
 
 def _raise_refused(outcomes: list[Any]) -> None:
