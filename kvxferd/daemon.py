@@ -2,12 +2,13 @@
 
 Control runs on one asyncio loop (uvloop when installed). The lifecycle core
 (:mod:`kvxferd.lifecycle`) holds every request and decides; the shells do the I/O: the
-engine endpoint (:mod:`.engine_endpoint`), the links to source daemons (:mod:`.upstream`),
-the peer endpoint serving decode daemons (:mod:`.downstream`), the data plane's threads
-(:mod:`.dataplane`, :mod:`.transport`), timers (:mod:`.timers`) and status (:mod:`.status`).
-Every shell turns what it hears into an event for :meth:`Daemon.dispatch`, which applies it
-to the core and carries out the effects the core returns. State is only changed on the
-loop, except the inbox's chunk accounting, which data threads do under its lock.
+engine endpoint (:mod:`.engine_endpoint`), the decode side's links to source daemons
+(:mod:`.upstream`), the prefill side's endpoint serving decode daemons (:mod:`.downstream`),
+the rendezvous (:mod:`.rendezvous`), the data plane's threads (:mod:`.dataplane`,
+:mod:`.transport`) and timers (:mod:`.timers`). Each shell is handed the parts it works with,
+never the daemon. Every shell turns what it hears into an event for :meth:`Daemon.dispatch`,
+which applies it to the core and carries out the effects the core returns. State is only
+changed on the loop, except the inbox's chunk accounting, which data threads do under its lock.
 """
 
 from __future__ import annotations
@@ -24,11 +25,13 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from . import __version__, auth, runcopy, sdnotify, status, timers
+from . import PROTOCOL_VERSION, __version__, auth, runcopy, sdnotify, status, timers
+from .advertised import Advertised
 from .binding import binding
 from .config import LOCAL_MODE_NOTE, Config, transport_preference
 from .dataplane import DataPlane
-from .downstream import Downstream
+from .directory import Directory
+from .downstream import PrefillEndpoint
 from .engine_endpoint import EngineEndpoint
 from .httpserver import OpsServer
 from .inbox import Inbox
@@ -43,7 +46,7 @@ from .staging import StagingPool
 from .transport.choices import PairTransport
 from .transport.hub import Transports
 from .transport.tcp import TcpDataServer
-from .upstream import Upstream
+from .upstream import DecodeLinks
 
 log = logging.getLogger("kvxferd.daemon")
 
@@ -60,7 +63,7 @@ class Daemon:
         self.registry = Registry(cfg.limits.max_ranks)
         self.mapper = MemoryMapper(cfg.engine.shm_dirs)
         self.started = time.time()
-        self.incarnation = os.urandom(8).hex()  # this process start; peers tell a restart by it
+        self.me = Advertised(cfg.advertise_host, cfg.peer.control_port, cfg.peer.data_port)
         self.ready = False
         self.draining = False
         self._hurry = False
@@ -80,19 +83,30 @@ class Daemon:
             on_refused=self.data.chunk_refused,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc(),
             on_fallback=self._transport_fallback)
-        self.upstream = Upstream(self)
-        self.downstream = Downstream(self)
-        self.rendezvous = Rendezvous(self)
-        self.engine = EngineEndpoint(self)
         self.life = Lifecycle(cfg.limits, cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: getattr(self.transports.find(kind), "one_sided", False),
-                              source_up=self.upstream.is_up, wall_clock=time.time)
+                              source_up=lambda address: self.decode_links.is_up(address), wall_clock=time.time)
+        #: the ranks other daemons announced to this one (or it read from etcd), by instance
+        self.directory = Directory("", cfg.peer.peer_timeout_s, cfg.limits.max_ranks)
+        self.decode_links = DecodeLinks(
+            cfg, self.ctx, self.me, keys=self.keys, peer_keys=self.peer_keys, refused_by=self.auth_refused_by,
+            metrics=self.metrics, dispatch=self.dispatch, transports=self.transports, inbox=self.inbox,
+            routes=self.life.routes, registry=self.registry, directory=self.directory, peers_changed=self.count_peers)
+        self.rendezvous = Rendezvous(cfg, self.me, self.registry, self.directory, self.decode_links.ask, self.metrics)
+        self.prefill_endpoint = PrefillEndpoint(
+            cfg, self.me, metrics=self.metrics, dispatch=self.dispatch, life=self.life, registry=self.registry,
+            rendezvous=self.rendezvous, transports=self.transports, draining=lambda: self.draining,
+            peers_changed=self.count_peers)
+        self.engine = EngineEndpoint(
+            cfg, self.ctx, self.me, metrics=self.metrics, dispatch=self.dispatch, life=self.life,
+            registry=self.registry, mapper=self.mapper, dp_seen=self.rendezvous.dp_seen, add_rank=self.add_rank,
+            drop_rank=self.drop_rank, release_mappings=self.release_unused_mappings, status=self.status,
+            draining=lambda: self.draining)
         self.data_server: TcpDataServer | None = None
         self.ops: OpsServer | None = None
-        self.control_port = cfg.peer.control_port
         self.tasks: list[asyncio.Future[Any]] = []
         self.metrics.start_time.set(self.started)
-        counts = status.StateCounts(self)
+        counts = status.StateCounts(self.inbox, self.life)
         for side in ("decode", "prefill"):
             for state in states.ACTIVE:
                 self.metrics.inflight.labels(side, state).set_function(lambda key=(side, state): counts()[key])
@@ -107,15 +121,6 @@ class Daemon:
     def _staging_changed(self, slots_in_use: int, bytes_in_use: int) -> None:
         self.metrics.staging_slots.set(slots_in_use)
         self.metrics.staging_bytes.set(bytes_in_use)
-
-    @property
-    def address(self) -> str:
-        return f"{self.cfg.advertise_host}:{self.control_port}"
-
-    @property
-    def data_address(self) -> str:
-        port = self.data_server.port if self.data_server else self.cfg.peer.data_port
-        return f"{self.cfg.advertise_host}:{port}"
 
     # -- the core and its effects ------------------------------------------------------------------
     def dispatch(self, event: Any) -> Any:
@@ -132,19 +137,26 @@ class Daemon:
         elif isinstance(effect, effects.StartJob):
             self.data.start(effect, self.transports.get(effect.kind))
         elif isinstance(effect, effects.SendUpstream):
-            self.upstream.send(effect.address, effect.message)
+            self.decode_links.send(effect.address, effect.message)
         elif isinstance(effect, effects.SendDownstream):
-            self.downstream.send(effect.identity, effect.message)
+            self.prefill_endpoint.send(effect.identity, effect.message)
         elif isinstance(effect, effects.ExpectUpstream):
-            self.upstream.send_expect(effect.address, effect.entry, effect.writers)
+            self.decode_links.send_expect(effect.address, effect.entry, effect.writers)
         elif isinstance(effect, effects.Bootstrap):
-            asyncio.ensure_future(self.upstream.bootstrap(effect.entry))
+            asyncio.ensure_future(self.decode_links.bootstrap(effect.entry))
         elif isinstance(effect, effects.StopReceiving):
             self.transports.stop_receiving(effect.entry)
         elif isinstance(effect, effects.PeerGone):
             self.transports.peer_lost(effect.kind, effect.remote, effect.data_address, effect.why)
 
     # -- ranks ------------------------------------------------------------------------------------
+    def add_rank(self, rank: Rank, rendezvous: str | None) -> None:
+        """A rank the engine endpoint registered (any rank it replaces dropped first)."""
+        self.registry.add(rank)
+        self.transports.register(rank)  # NIXL registers its memory where it is enabled and usable
+        self.rendezvous.registered(rank, rendezvous)
+        self.update_rank_metrics()
+
     def drop_rank(self, rank: Rank, reason: str) -> None:
         self.dispatch(events.RankGone(rank, reason))
         if self.registry.get(rank.id) is rank:
@@ -164,14 +176,51 @@ class Daemon:
             self.metrics.ranks.labels(role).set(n)
 
     def count_peers(self) -> None:
-        status.count_peers(self)
+        counts = {"up": 0, "down": 0, "connecting": 0}
+        for link in self.decode_links.links.values():
+            counts[link.state] = counts.get(link.state, 0) + 1
+        counts["up"] += len(self.prefill_endpoint.peers)
+        for state, n in counts.items():
+            self.metrics.peers.labels(state).set(n)
+
+    def heartbeat(self, now: float) -> None:
+        """Ping the peers (a silent one is down) and renew the ranks announced to another daemon."""
+        self.decode_links.heartbeat(now, self.cfg.peer.peer_timeout_s)
+        self.prefill_endpoint.heartbeat(now, self.cfg.peer.peer_timeout_s)
+        self.rendezvous.heartbeat()
 
     def status(self) -> dict[str, Any]:
-        return status.status(self)
+        """What an engine's ``status`` call (``kvxferd status``) answers."""
+        cfg = self.cfg
+        metrics_url = ""
+        if self.ops is not None:
+            host = cfg.metrics.bind.rpartition(":")[0] or "127.0.0.1"
+            metrics_url = f"http://{host}:{self.ops.port}/metrics"
+        now = time.monotonic()
+        links, peers = self.decode_links, self.prefill_endpoint
+        return {
+            "version": __version__, "protocol": PROTOCOL_VERSION, "pid": os.getpid(),
+            "incarnation": self.me.incarnation, "name": cfg.daemon.instance_name or socket.gethostname(),
+            "uptime_s": round(time.time() - self.started, 3), "ready": self.ready, "draining": self.draining,
+            "engine_endpoint": f"ipc://{cfg.socket_path}", "peer_endpoint": f"tcp://{self.me.address}",
+            "data_endpoint": self.me.data_address, "metrics_url": metrics_url,
+            "ranks": [r.describe() for r in self.registry],
+            "peers": links.describe(now) + peers.describe(now),
+            "requests": status.by_state(self.inbox, self.life),
+            # multipart messages between daemons and the peer messages they carried (parts > messages: batched)
+            "peer_messages": {"to_sources": links.sent.describe(), "from_sources": links.received.describe(),
+                              "to_decode": peers.sent.describe(), "from_decode": peers.received.describe()},
+            "recent_failures": list(self.life.recent_failures),
+            "auth": {"refused_here": self.auth_refusals.describe(),
+                     "refused_by_peers": self.auth_refused_by.describe()},
+            "transports": self.transports.describe(),
+            "copy_path": runcopy.copy_path(),  # native, or torch and why
+            "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
+        }
 
     # -- start, drain, stop --------------------------------------------------------------------------
     def _bind_peer(self) -> None:
-        sock = self.downstream.sock = self.ctx.socket(zmq.ROUTER)
+        sock = self.prefill_endpoint.sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         host = self.cfg.peer.bind_host
@@ -188,12 +237,13 @@ class Daemon:
                         q("enable [auth] with `kvxferd keygen` keys, or bind to loopback"))
         with binding("peer.control_port", f"{host}:{self.cfg.peer.control_port}"):
             if self.cfg.peer.control_port == 0:
-                self.control_port = sock.bind_to_random_port(f"tcp://{host}")
+                self.me.control_port = sock.bind_to_random_port(f"tcp://{host}")
             else:
                 sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
         with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
             self.data_server = self.transports.listen(host, self.cfg.peer.data_port)
-        self.rendezvous.directory.own_address = self.address  # the advertised address, as peers dial it
+        self.me.data_port = self.data_server.port
+        self.directory.own_address = self.me.address  # the advertised address, as peers dial it
 
     def _auth_refused(self, address: str, key: str, reason: str) -> None:
         """ZAP refused a peer: count it, log it (bounded), keep it for ``status``."""
@@ -222,8 +272,9 @@ class Daemon:
             except (NotImplementedError, RuntimeError):
                 pass
         self.tasks = [asyncio.ensure_future(c) for c in
-                      (self.engine.serve(), self.downstream.serve(), timers.sweeper(self), timers.heartbeats(self),
-                       timers.watchdog())]
+                      (self.engine.serve(), self.prefill_endpoint.serve(),
+                       timers.sweeper(self.registry, self.drop_rank, self.dispatch),
+                       timers.heartbeats(self.cfg.peer.heartbeat_interval_s, self.heartbeat), timers.watchdog())]
         # what start-up made (torch, numpy, the modules: some 170k objects) lives as long as the process:
         # kept out of the cyclic collector's sweeps, which otherwise walk it every time a burst of objects
         # survives (tens of thousands of page views of one large chunk), at a microsecond per view
@@ -232,7 +283,7 @@ class Daemon:
         self.metrics.up.set(1)
         metrics_url = f"http://{self.cfg.metrics.bind.rpartition(':')[0]}:{self.ops.port}/metrics" if self.ops else ""
         log.info("event=listening engine=%s peer=%s data=%s metrics=%s version=%s", q(self.cfg.socket_path),
-                 self.address, self.data_address, q(metrics_url), __version__)
+                 self.me.address, self.me.data_address, q(metrics_url), __version__)
         if self.cfg.peer.mode == "staged":
             log.info("event=mode_scope mode=staged local=direct reason=%s", q(LOCAL_MODE_NOTE))
         copy = runcopy.copy_path()
@@ -241,7 +292,7 @@ class Daemon:
             log.info("event=copy_path path=native library=%s", q(copy["library"]))
         else:  # several times slower CPU copies: said where an operator looks first
             log.warning("event=copy_path path=torch reason=%s", q(copy["reason"]))
-        sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.address}")
+        sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.me.address}")
         await self._stop.wait()
         await self._drain()
 
@@ -284,14 +335,14 @@ class Daemon:
         for t in self.tasks:
             t.cancel()
         await self.rendezvous.close()  # an etcd directory revokes its lease: the ranks here leave it now
-        self.upstream.close()
+        self.decode_links.close()
         self.transports.close()
         self.data.close()
         if self.ops:
             self.ops.close()
         self.engine.outgoing.flush()  # the last events of this loop turn leave before the socket closes
-        self.downstream.outgoing.flush()  # and the last answers and aborts to decode daemons
-        for sock in (self.engine.sock, self.downstream.sock):
+        self.prefill_endpoint.outgoing.flush()  # and the last answers and aborts to decode daemons
+        for sock in (self.engine.sock, self.prefill_endpoint.sock):
             if sock is not None:
                 sock.close(linger=500)  # up to 0.5 s to deliver the last events and aborts
         if self.authenticator is not None:

@@ -11,28 +11,32 @@ import asyncio
 import inspect
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import zmq
 
 from . import messages, protocol
+from .advertised import Advertised
 from .coalesce import Coalescer, PartCounts
-from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError
+from .config import Config
 from .directory import RankSetIncomplete
+from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError
 from .geometry import InstanceSpec
 from .lifecycle import events
+from .lifecycle.core import Lifecycle
 from .logutil import q
+from .metrics import Metrics
 from .outbox import Route
 from .planner import make_plan
-from .upstream import ignore_result, serve_router
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from .registry import Registry
+from .rendezvous import Rendezvous
+from .transport.hub import Transports
+from .zmq_loop import ignore_result, serve_router
 
 log = logging.getLogger("kvxferd.downstream")
 
 
-class DownstreamPeer:
+class DecodePeer:
     """A decode daemon that handshook with this daemon (known by its routing id)."""
 
     def __init__(self, identity: bytes, daemon: str, incarnation: str = "") -> None:
@@ -42,24 +46,35 @@ class DownstreamPeer:
         self.last_seen = time.monotonic()
 
 
-class Downstream:
-    def __init__(self, app: "Daemon") -> None:
-        self.app = app
-        self.peers: dict[bytes, DownstreamPeer] = {}
-        self.sock: Any = None  # the ROUTER socket, bound by the app
-        self.max_parts = app.cfg.limits.max_peer_batch_parts
+class PrefillEndpoint:
+    def __init__(self, cfg: Config, me: Advertised, *, metrics: Metrics, dispatch: Callable[[Any], Any],
+                 life: Lifecycle, registry: Registry, rendezvous: Rendezvous, transports: Transports,
+                 draining: Callable[[], bool], peers_changed: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.me = me
+        self.metrics = metrics
+        self.dispatch = dispatch
+        self.life = life  # the core: the route book, and the requests held here
+        self.registry = registry
+        self.rendezvous = rendezvous  # announcements, lookups, and the rank maps of instances over several daemons
+        self.transports = transports
+        self.draining = draining  # the daemon is draining: a new request is refused
+        self.peers_changed = peers_changed  # a decode daemon came or went: the peer gauges count again
+        self.peers: dict[bytes, DecodePeer] = {}
+        self.sock: Any = None  # the ROUTER socket, bound by the daemon
+        self.max_parts = self.cfg.limits.max_peer_batch_parts
         #: answers and events for one decode daemon in one loop turn leave as one multipart message:
         #: its DEALER reads the parts one by one, so a decode daemon of any version reads them as before
         self.outgoing = Coalescer(self._send_parts, self.max_parts)
         self.sent = PartCounts()
         self.received = PartCounts()
-        self._sent_metric = app.metrics.peer_parts.labels("sent")
-        self._received_metric = app.metrics.peer_parts.labels("received")
+        self._sent_metric = self.metrics.peer_parts.labels("sent")
+        self._received_metric = self.metrics.peer_parts.labels("received")
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
             "ended": self.ended, "fence": self.fence,
-            "announce": lambda _identity, msg: self.app.rendezvous.on_announce(msg),
-            "lookup": lambda _identity, msg: self.app.rendezvous.on_lookup(msg)}
+            "announce": lambda _identity, msg: self.rendezvous.on_announce(msg),
+            "lookup": lambda _identity, msg: self.rendezvous.on_lookup(msg)}
 
     async def serve(self) -> None:
         await serve_router(self.sock, self.answer, self.max_parts, self._received)
@@ -71,11 +86,10 @@ class Downstream:
     def answer(self, identity: bytes, payload: bytes, over_limit: int = 0) -> None:
         """Answer one peer message (one part of a batch); ``over_limit``: the batch's size, when
         this part lies past ``limits.max_peer_batch_parts`` and is refused instead."""
-        app = self.app
         seq = None
         raw: dict[str, Any] = {}
         try:
-            raw = protocol.decode(payload, app.cfg.limits.max_message_bytes)
+            raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
             seq = raw.get("seq") if isinstance(raw.get("seq"), int) else None
             if over_limit:
                 raise RequestError(f"a batch of {over_limit} peer messages exceeds limits.max_peer_batch_parts "
@@ -110,14 +124,13 @@ class Downstream:
 
     def _error_reply(self, exc: Exception) -> dict[str, Any]:
         """The reply for a handler that raised: a refusal, a typed error, or a bug (logged)."""
-        app = self.app
         if isinstance(exc, PlanRefusal):
-            app.metrics.refusals.labels(exc.field or "unknown").inc()
-            app.metrics.handshakes.labels("refused").inc()
+            self.metrics.refusals.labels(exc.field or "unknown").inc()
+            self.metrics.handshakes.labels("refused").inc()
             log.warning("event=handshake_refused field=%s msg=%s", exc.field, q(str(exc)[:300]))
             return messages.HandshakeRefused(exc.to_wire()).to_wire()
         if isinstance(exc, KvxferError):
-            app.metrics.invalid_messages.labels("peer").inc()
+            self.metrics.invalid_messages.labels("peer").inc()
             return messages.PeerError(exc.to_wire()).to_wire()
         log.error("event=peer_handler_crash", exc_info=exc)
         return messages.PeerError({"code": "internal", "message": repr(exc)[:300]}).to_wire()
@@ -151,9 +164,9 @@ class Downstream:
     # -- one function per operation -------------------------------------------------------------
     def ping(self, identity: bytes, msg: messages.PeerPing) -> messages.Message:
         if identity not in self.peers:
-            self.peers[identity] = DownstreamPeer(identity, msg.daemon, msg.incarnation or "")
-            self.app.count_peers()
-        return messages.Pong(self.app.address, self.app.incarnation, self.max_parts)
+            self.peers[identity] = DecodePeer(identity, msg.daemon, msg.incarnation or "")
+            self.peers_changed()
+        return messages.Pong(self.me.address, self.me.incarnation, self.max_parts)
 
     def handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
         protocol.check_version(msg.v)
@@ -161,58 +174,56 @@ class Downstream:
             return self._handshake(identity, msg)
         except PlanRefusal:
             # the link that was refused may still end the requests it expected of the pair ("ended")
-            self.app.life.routes.refused(msg.prefill_instance, msg.decode_instance, identity)
+            self.life.routes.refused(msg.prefill_instance, msg.decode_instance, identity)
             raise
 
     def _handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
-        app = self.app
         prefill = msg.prefill_instance
-        app.rendezvous.check_dp_request(prefill)  # a DP rank the instance does not have: refused now
+        self.rendezvous.check_dp_request(prefill)  # a DP rank the instance does not have: refused now
         try:  # an instance over several daemons: the whole rank set, or wait (PlanRefusal: ranks disagree)
-            ranks = app.rendezvous.handshake_ranks(prefill)
+            ranks = self.rendezvous.handshake_ranks(prefill)
         except RankSetIncomplete as missing:
             return messages.HandshakeRetry(str(missing))
-        spec = app.registry.spec(prefill, "prefill") or app.rendezvous.directory.spec(prefill, "prefill",
-                                                                                      time.monotonic())
+        spec = (self.registry.spec(prefill, "prefill")
+                or self.rendezvous.directory.spec(prefill, "prefill", time.monotonic()))
         if spec is None:
             return messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
         try:
             decode_spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.decode_spec, "decode_spec"))
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
-        existing = app.life.routes.route_at(prefill, msg.decode_instance, msg.daemon)
+        existing = self.life.routes.route_at(prefill, msg.decode_instance, msg.daemon)
         if existing is not None and existing.identity != identity and existing.identity in self.peers:
             # the pair is bound to another live link of that decode daemon; a restarted decode daemon
             # gets in once the old link misses its heartbeats, a stranger replaying a handshake never does
             return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} at {msg.daemon} is bound to "
                                            "another live peer link")
-        mode = msg.mode if msg.mode != "auto" else app.cfg.peer.mode
-        transport, remote, mode, choice = app.transports.choose(msg.to_wire(), decode_spec, mode)
+        mode = msg.mode if msg.mode != "auto" else self.cfg.peer.mode
+        transport, remote, mode, choice = self.transports.choose(msg.to_wire(), decode_spec, mode)
         plan = make_plan(spec, decode_spec, mode=mode, decode_tensors=msg.decode_tensors is not False,
-                         require_same_page_size=app.cfg.peer.require_same_page_size)
+                         require_same_page_size=self.cfg.peer.require_same_page_size)
         # a decode instance over several daemons: each handshakes; all must find the same plan
-        app.life.routes.check_pair(prefill, msg.decode_instance, plan, msg.daemon)
+        self.life.routes.check_pair(prefill, msg.decode_instance, plan, msg.daemon)
         host, port = protocol.split_address(msg.data_address)
         route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
-        app.life.routes.set_pair(prefill, msg.decode_instance, plan, route)
+        self.life.routes.set_pair(prefill, msg.decode_instance, plan, route)
         if identity not in self.peers:
-            self.peers[identity] = DownstreamPeer(identity, msg.daemon, msg.incarnation or "")
-            app.count_peers()
-        app.metrics.handshakes.labels("ok").inc()
+            self.peers[identity] = DecodePeer(identity, msg.daemon, msg.incarnation or "")
+            self.peers_changed()
+        self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
-        return messages.HandshakeOk(spec.to_dict(), plan.mode, app.incarnation, app.transports.answer(choice),
-                                    ranks, self.max_parts)
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, self.me.incarnation,
+                                    self.transports.answer(choice), ranks, self.max_parts)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
-        app = self.app
-        route = app.life.routes.route_of(msg.prefill_instance, msg.decode_instance, identity)
-        plan = app.life.routes.plan(msg.prefill_instance, msg.decode_instance)
+        route = self.life.routes.route_of(msg.prefill_instance, msg.decode_instance, identity)
+        plan = self.life.routes.plan(msg.prefill_instance, msg.decode_instance)
         if route is None or plan is None:
             return messages.PeerError.about(msg.request_id, "no_handshake", "no handshake for this instance "
-                                            "pair; handshake again", incarnation=app.incarnation)
+                                            "pair; handshake again", incarnation=self.me.incarnation)
         dst = (msg.dst[0], msg.dst[1])
-        bound = app.life.routes.request(msg.request_id, msg.prefill_instance)
+        bound = self.life.routes.request(msg.request_id, msg.prefill_instance)
         held = bound.routes.get(dst) if bound is not None else None
         if bound is not None and (bound.decode_instance != msg.decode_instance
                                   or (held is not None and held.identity != identity)):
@@ -227,45 +238,50 @@ class Downstream:
         if msg.num_tokens and start >= msg.num_tokens:
             raise ProtocolError(f"start {start} is not below num_tokens {msg.num_tokens}", field="start",
                                 fix="send a start below the request's length")
-        held = bool(app.life.sources_of(msg.request_id))  # chunks held here: the request is in flight
-        if app.draining and not held:
+        held = bool(self.life.sources_of(msg.request_id))  # chunks held here: the request is in flight
+        if self.draining() and not held:
             return messages.PeerError.about(msg.request_id, "draining", "source daemon is draining")
-        if app.life.active_count() >= app.cfg.limits.max_inflight_requests and not held:
+        if self.life.active_count() >= self.cfg.limits.max_inflight_requests and not held:
             return messages.PeerError.about(msg.request_id, "busy", f"source daemon holds "
-                                            f"{app.cfg.limits.max_inflight_requests} requests in flight")
+                                            f"{self.cfg.limits.max_inflight_requests} requests in flight")
         try:  # one-sided writes need the destination page table
-            dst_pages, dst_groups = app.transports.prepare(route.kind, route.nixl, dst, msg.extra)
+            dst_pages, dst_groups = self.transports.prepare(route.kind, route.nixl, dst, msg.extra)
         except KvxferError as exc:
             return messages.PeerError(exc.to_wire(), msg.request_id)
         writers = tuple((w[0], w[1]) for w in msg.writers) if msg.writers is not None else None
-        app.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
-                                         route, dst_pages, start, writers, msg.num_tokens, dst_groups))
+        self.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
+                                          route, dst_pages, start, writers, msg.num_tokens, dst_groups))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:
-        self.app.dispatch(events.DownstreamAbort(identity, msg.request_id, msg.code or "peer_aborted", msg.reason))
+        self.dispatch(events.DownstreamAbort(identity, msg.request_id, msg.code or "peer_aborted", msg.reason))
 
     def ended(self, identity: bytes, msg: messages.PeerEnded) -> None:
         """Not answered, like an abort; the core decides what the link may end (see ``_downstream_ended``)."""
-        self.app.dispatch(events.DownstreamEnded(identity, msg.request_id, msg.prefill_instance, msg.decode_instance,
-                                                 msg.code, msg.reason))
+        self.dispatch(events.DownstreamEnded(identity, msg.request_id, msg.prefill_instance, msg.decode_instance,
+                                             msg.code, msg.reason))
 
     def fence(self, identity: bytes, msg: messages.Fence) -> messages.Message | None:
-        return self.app.dispatch(events.FenceAsked(identity, msg.request_id))
+        return self.dispatch(events.FenceAsked(identity, msg.request_id))
 
     # -- liveness and restarts ------------------------------------------------------------------
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """Each decode daemon, as ``status`` lists it among the daemon's peers."""
+        return [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
+                 "last_seen_s": round(now - p.last_seen, 3)} for p in self.peers.values()]
+
     def heartbeat(self, now: float, timeout: float) -> None:
         for peer in list(self.peers.values()):
             if now - peer.last_seen > timeout:
                 silent_for = now - peer.last_seen
-                self.app.metrics.heartbeat_misses.inc()
+                self.metrics.heartbeat_misses.inc()
                 log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
                 self._drop(peer, "peer_dead", f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s")
 
-    def _drop(self, peer: DownstreamPeer, code: str, why: str) -> None:
+    def _drop(self, peer: DecodePeer, code: str, why: str) -> None:
         self.peers.pop(peer.identity, None)
-        self.app.count_peers()
-        self.app.dispatch(events.DownstreamLost(peer.identity, code, why))
+        self.peers_changed()
+        self.dispatch(events.DownstreamLost(peer.identity, code, why))
 
     def _incarnation(self, identity: bytes, daemon: str, incarnation: str) -> None:
         """A decode daemon named its incarnation on a ping or handshake. Another link of the same
@@ -277,7 +293,7 @@ class Downstream:
         for other in list(self.peers.values()):
             if (other.identity != identity and other.daemon == daemon and other.incarnation
                     and other.incarnation != incarnation and self._identity_gone(other.identity)):
-                self.app.metrics.peer_restarts.labels("decode").inc()
+                self.metrics.peer_restarts.labels("decode").inc()
                 log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", daemon, other.incarnation,
                             incarnation)
                 self._drop(other, "peer_restarted",
@@ -291,7 +307,7 @@ class Downstream:
         probe = zmq.Socket.shadow(self.sock.underlying)
         probe.setsockopt(zmq.ROUTER_MANDATORY, 1)
         try:
-            pong = messages.Pong(self.app.address, self.app.incarnation, self.max_parts).to_wire()
+            pong = messages.Pong(self.me.address, self.me.incarnation, self.max_parts).to_wire()
             probe.send_multipart([identity, protocol.encode(pong)], flags=zmq.NOBLOCK)
             return False
         except zmq.ZMQError as exc:

@@ -13,40 +13,59 @@ import os
 import socket
 import stat
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import zmq
+import zmq.asyncio
 
 from . import dp, messages, protocol
+from .advertised import Advertised
 from .binding import binding
+from .coalesce import Coalescer
+from .config import Config
 from .errors import KvxferError, ProtocolError, RegistrationError, RequestError
 from .geometry import RankGeometry
 from .group_requests import expect_tables, send_tables
 from .lifecycle import events
+from .lifecycle.core import Lifecycle
 from .logutil import q
+from .memory import MemoryMapper
+from .metrics import Metrics
 from .outbox import Chunk
-from .registry import ProcessRef, Rank, rank_id
+from .registry import ProcessRef, Rank, Registry, rank_id
 from .rendezvous import check_rendezvous
 from .segments import as_pages, check_whole_pages, unit_slots
-from .coalesce import Coalescer
-from .upstream import ignore_result
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from .zmq_loop import ignore_result
 
 log = logging.getLogger("kvxferd.engine")
 
 
 class EngineEndpoint:
-    def __init__(self, app: "Daemon") -> None:
-        self.app = app
-        self.cfg = app.cfg
+    def __init__(self, cfg: Config, ctx: zmq.asyncio.Context, me: Advertised, *, metrics: Metrics,
+                 dispatch: Callable[[Any], Any], life: Lifecycle, registry: Registry, mapper: MemoryMapper,
+                 dp_seen: Callable[[str, str], dp.DpSize | None], add_rank: Callable[[Rank, str | None], None],
+                 drop_rank: Callable[[Rank, str], None], release_mappings: Callable[[], None],
+                 status: Callable[[], dict[str, Any]], draining: Callable[[], bool]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.me = me
+        self.metrics = metrics
+        self.dispatch = dispatch
+        self.life = life
+        self.registry = registry
+        self.mapper = mapper  # maps the memory a registering rank names
+        self.dp_seen = dp_seen  # the dp_size a data-parallel instance's ranks said, here or elsewhere
+        self.add_rank = add_rank  # a registered rank joins the daemon (registry, transports, rendezvous)
+        self.drop_rank = drop_rank
+        self.release_mappings = release_mappings  # forget mappings no registered rank uses
+        self.status = status
+        self.draining = draining  # the daemon is draining: no new work
         self.sock: Any = None
         self.bound = False  # the socket file is ours to remove
         self.outgoing = Coalescer(self._send_parts)
         self._ops: dict[str, Callable[[bytes, Any], dict[str, Any]]] = {
             "ping": lambda identity, msg: messages.reply(),
-            "status": lambda identity, msg: messages.reply(status=self.app.status()),
+            "status": lambda identity, msg: messages.reply(status=self.status()),
             "register": self.register, "unregister": self.unregister, "poll": self.poll, "abort": self.abort,
             "expect": self.expect, "send": self.send_chunk}
 
@@ -65,7 +84,7 @@ class EngineEndpoint:
                                             fix="stop it or use another socket path")
                 except (ConnectionRefusedError, FileNotFoundError):
                     path.unlink()  # stale socket from a crashed daemon
-        self.sock = self.app.ctx.socket(zmq.ROUTER)
+        self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.MAXMSGSIZE, self.cfg.limits.max_message_bytes)
         old = os.umask(0o077)
@@ -112,7 +131,7 @@ class EngineEndpoint:
             reply = self.op(identity, msg)
         except KvxferError as exc:
             if isinstance(exc, ProtocolError):
-                self.app.metrics.invalid_messages.labels("engine").inc()
+                self.metrics.invalid_messages.labels("engine").inc()
             log.info("event=engine_error code=%s field=%s msg=%s", exc.code, exc.field, q(str(exc)[:300]))
             reply = messages.error_reply(exc.to_wire())
         except Exception as exc:  # noqa: BLE001 - a bug in one handler must not stop the daemon
@@ -134,15 +153,15 @@ class EngineEndpoint:
             fut.add_done_callback(ignore_result)
 
     def op(self, identity: bytes, msg: Any) -> dict[str, Any]:
-        if self.app.draining and msg.op in ("expect", "send") and not (
-                msg.op == "send" and (msg.request_id, msg.rank_id) in self.app.life.sources):
+        if self.draining() and msg.op in ("expect", "send") and not (
+                msg.op == "send" and (msg.request_id, msg.rank_id) in self.life.sources):
             # later chunks of a request already in flight still go through: the drain finishes it
             raise RequestError("daemon is draining and takes no new work", field="op", code="draining",
                                fix="retry on the restarted daemon")
         return self._ops[msg.op](identity, msg)
 
     def _mine(self, identity: bytes, rank_id: str, fix: str) -> Rank:
-        rank = self.app.registry.get(rank_id)
+        rank = self.registry.get(rank_id)
         if rank is None or rank.identity != identity:
             raise RequestError(f"rank {rank_id!r} is not registered on this connection", field="rank_id", fix=fix)
         return rank
@@ -156,52 +175,47 @@ class EngineEndpoint:
 
     # -- one function per call ------------------------------------------------------------------
     def register(self, identity: bytes, msg: messages.Register) -> dict[str, Any]:
-        app = self.app
         geometry = RankGeometry.from_dict(protocol.bounded_geometry(msg.geometry, "geometry"))
         dp.check_registration(msg.instance, msg.dp_rank, msg.dp_size)
         instance = msg.instance if msg.dp_rank is None else dp.dp_instance(msg.instance, msg.dp_rank)
-        app.registry.check_new(instance, msg.role, geometry)
+        self.registry.check_new(instance, msg.role, geometry)
         if msg.dp_size is not None:  # every DP rank of the instance names the same dp_size
             rid = rank_id(instance, geometry.tp_rank, geometry.pp_rank)
-            dp.check_same_size(msg.instance, rid, msg.dp_size, app.address, app.rendezvous.dp_seen(msg.instance,
-                                                                                                   msg.role))
+            dp.check_same_size(msg.instance, rid, msg.dp_size, self.me.address, self.dp_seen(msg.instance, msg.role))
         if msg.rendezvous:
             check_rendezvous(msg.rendezvous)
         process = ProcessRef.find(msg.pid) if msg.pid is not None else None
         # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
         try:
-            regions = app.mapper.map_regions(geometry, msg.regions, msg.pid)
+            regions = self.mapper.map_regions(geometry, msg.regions, msg.pid)
             if process is not None and not process.alive():  # the pid went to another process meanwhile
                 raise RegistrationError(f"engine process {process.pid} exited while registering", field="pid",
                                         fix="register from a live engine process")
         except BaseException:
-            app.release_unused_mappings()  # a refused registration keeps nothing mapped
+            self.release_mappings()  # a refused registration keeps nothing mapped
             raise
         rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size)
-        old = app.registry.get(rank.id)
+        old = self.registry.get(rank.id)
         if old is not None:
-            app.drop_rank(old, "rank re-registered (engine restarted)")
-        app.registry.add(rank)
-        app.transports.register(rank)  # NIXL registers its memory where it is enabled and usable
-        app.rendezvous.registered(rank, msg.rendezvous)
-        app.update_rank_metrics()
+            self.drop_rank(old, "rank re-registered (engine restarted)")
+        self.add_rank(rank, msg.rendezvous)
         log.info("event=rank_registered rank=%s role=%s tp=%d/%d pp=%d/%d pages=%d", rank.id, rank.role,
                  geometry.tp_rank, geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size,
                  geometry.num_pages)
-        return messages.reply(rank_id=rank.id, daemon=app.address)
+        return messages.reply(rank_id=rank.id, daemon=self.me.address)
 
     def unregister(self, identity: bytes, msg: messages.Unregister) -> dict[str, Any]:
         rank = self._mine(identity, msg.rank_id, "unregister only ranks this connection registered")
-        self.app.drop_rank(rank, "engine unregistered the rank")
+        self.drop_rank(rank, "engine unregistered the rank")
         return messages.reply()
 
     def poll(self, identity: bytes, msg: messages.Poll) -> dict[str, Any]:
         rank = self._mine(identity, msg.rank_id, "use the rank_id register returned")
-        return messages.reply(**self.app.life.poll(rank, msg.request_id))
+        return messages.reply(**self.life.poll(rank, msg.request_id))
 
     def abort(self, identity: bytes, msg: messages.Abort) -> dict[str, Any]:
         rank = self._mine(identity, msg.rank_id, "use the rank_id register returned")
-        state = self.app.dispatch(events.AbortCalled(rank, msg.request_id, msg.reason or "aborted by engine"))
+        state = self.dispatch(events.AbortCalled(rank, msg.request_id, msg.reason or "aborted by engine"))
         return messages.reply(state=state)
 
     def _pages(self, rank: Rank, pages: list[int]) -> Any:
@@ -212,7 +226,7 @@ class EngineEndpoint:
 
     def expect(self, identity: bytes, msg: messages.Expect) -> dict[str, Any]:
         rank = self._owned(identity, msg.rank_id, "decode")
-        self.app.life.check_capacity()
+        self.life.check_capacity()
         pages = self._pages(rank, msg.pages)
         num_tokens = msg.num_tokens
         capacity = pages.size * rank.geometry.spec.page_size
@@ -237,13 +251,13 @@ class EngineEndpoint:
         if msg.source_dp_rank is not None:  # a DP rank of a data-parallel instance: an instance of its own
             source = dp.dp_instance(source, msg.source_dp_rank)
         source_address = msg.source_address or ""
-        if source_address == self.app.address:
+        if source_address == self.me.address:
             source_address = ""
         if source_address:
             protocol.split_address(source_address)
         groups = expect_tables(rank.geometry, msg.groups, num_tokens) if rank.geometry.spec.groups or msg.groups else {}
-        state = self.app.dispatch(events.ExpectCalled(rank, msg.request_id, source, pages,
-                                                      num_tokens, start, source_address, groups))
+        state = self.dispatch(events.ExpectCalled(rank, msg.request_id, source, pages,
+                                                  num_tokens, start, source_address, groups))
         return messages.reply(state=state)
 
     def send_chunk(self, identity: bytes, msg: messages.Send) -> dict[str, Any]:
@@ -261,5 +275,5 @@ class EngineEndpoint:
         groups = (send_tables(rank.geometry, msg.groups, start, end, msg.last)
                   if rank.geometry.spec.groups or msg.groups else None)
         chunk = Chunk(start, end, msg.last, chunk_slots, msg.aux, groups)
-        state = self.app.dispatch(events.SendCalled(rank, msg.request_id, chunk))
+        state = self.dispatch(events.SendCalled(rank, msg.request_id, chunk))
         return messages.reply(state=state)

@@ -13,18 +13,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Awaitable, Callable
 
 from . import dp, messages, protocol
+from .advertised import Advertised
+from .config import Config
 from .directory import Coords, Directory, RankSetIncomplete
 from .errors import KvxferError, RequestError
 from .geometry import InstanceSpec
 from .logutil import q
-from .registry import Rank
+from .metrics import Metrics
+from .registry import Rank, Registry
 from .rendezvous_etcd import EtcdDirectory
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
 
 log = logging.getLogger("kvxferd.rendezvous")
 
@@ -37,16 +37,21 @@ def check_rendezvous(address: str) -> None:
 
 
 class Rendezvous:
-    def __init__(self, app: "Daemon") -> None:
-        self.app = app
-        self.directory = Directory("", app.cfg.peer.peer_timeout_s, app.cfg.limits.max_ranks)
+    def __init__(self, cfg: Config, me: Advertised, registry: Registry, directory: Directory,
+                 ask: Callable[[str, messages.Message, float], Awaitable[dict[str, Any]]], metrics: Metrics) -> None:
+        self.cfg = cfg
+        self.me = me
+        self.registry = registry  # the ranks here
+        self.directory = directory  # the ranks announced to this daemon, or read from etcd
+        self.ask = ask  # a message to another daemon and its answer (an announcement)
         #: (instance, role) of ranks here -> the rendezvous daemon they announce to
         self.remote: dict[tuple[str, str], str] = {}
         #: the last refusal a rendezvous answered, per (instance, role) (shown by status)
         self.refusals: dict[tuple[str, str], str] = {}
         self._pending: set[tuple[str, str]] = set()  # announcements waiting for their answer
         #: directory.backend = "etcd": ranks are written to and read from etcd instead of announced
-        self.etcd = EtcdDirectory(self) if app.cfg.directory.backend == "etcd" else None
+        self.etcd = (EtcdDirectory(self, cfg, me, registry, metrics.directory_errors.inc)
+                     if cfg.directory.backend == "etcd" else None)
 
     async def close(self) -> None:
         if self.etcd is not None:
@@ -54,17 +59,17 @@ class Rendezvous:
 
     # -- ranks here ------------------------------------------------------------------------------
     def local(self, instance: str, role: str) -> dict[Coords, InstanceSpec]:
-        return {r.coords: r.geometry.spec for r in self.app.registry if r.instance == instance and r.role == role}
+        return {r.coords: r.geometry.spec for r in self.registry if r.instance == instance and r.role == role}
 
-    def _local_dp(self, base: str, role: str) -> dp.DpSize | None:
-        for r in self.app.registry:
+    def local_dp(self, base: str, role: str) -> dp.DpSize | None:
+        for r in self.registry:
             if r.role == role and r.dp_size is not None and dp.split(r.instance)[0] == base:
-                return dp.DpSize(r.dp_size, r.id, self.app.address)
+                return dp.DpSize(r.dp_size, r.id, self.me.address)
         return None
 
     def dp_seen(self, base: str, role: str) -> dp.DpSize | None:
         """The ``dp_size`` of the data-parallel instance ``base`` as a rank here or an announcement said."""
-        return self._local_dp(base, role) or self.directory.dp_seen(base, role, time.monotonic())
+        return self.local_dp(base, role) or self.directory.dp_seen(base, role, time.monotonic())
 
     def check_dp_request(self, instance: str) -> None:
         """A handshake for a DP rank (``<name>@dp<k>``) the instance does not have is refused now."""
@@ -72,7 +77,7 @@ class Rendezvous:
         if self.etcd is not None:
             self.etcd.ask(base, "prefill")
         if dp_rank is not None:
-            plain = self.app.registry.spec(base, "prefill") is not None or self.directory.plain(base, "prefill")
+            plain = self.registry.spec(base, "prefill") is not None or self.directory.plain(base, "prefill")
             dp.check_request(base, dp_rank, self.dp_seen(base, "prefill"), plain)
 
     def registered(self, rank: Rank, rendezvous: str | None) -> None:
@@ -81,7 +86,7 @@ class Rendezvous:
         if not rendezvous:
             return
         key = (rank.instance, rank.role)
-        if rendezvous == self.app.address:
+        if rendezvous == self.me.address:
             self.directory.manage(*key)
             return
         self.remote[key] = rendezvous
@@ -111,8 +116,8 @@ class Rendezvous:
             return  # the last one is still on its way; the next heartbeat renews
         local = self.local(instance, role)
         spec = next(iter(local.values()), None)
-        dp_size = next((r.dp_size for r in self.app.registry if r.instance == instance and r.role == role), None)
-        msg = messages.Announce(self.app.address, self.app.incarnation, instance, role,
+        dp_size = next((r.dp_size for r in self.registry if r.instance == instance and r.role == role), None)
+        msg = messages.Announce(self.me.address, self.me.incarnation, instance, role,
                                 spec.to_dict() if spec is not None else {}, [list(c) for c in sorted(local)],
                                 dp_size)
         self._pending.add(key)
@@ -120,8 +125,7 @@ class Rendezvous:
 
     async def _announce(self, address: str, key: tuple[str, str], msg: messages.Announce) -> None:
         try:
-            link = self.app.upstream.link(address)
-            reply = await link.request(msg, timeout=max(1.0, self.app.cfg.peer.heartbeat_interval_s))
+            reply = await self.ask(address, msg, max(1.0, self.cfg.peer.heartbeat_interval_s))
         except (asyncio.TimeoutError, TimeoutError, asyncio.CancelledError):
             return  # unanswered: the next heartbeat tries again
         except KvxferError as exc:
@@ -151,7 +155,7 @@ class Rendezvous:
         known = set(self.directory.remote(msg.instance, msg.role, now))
         self.directory.announce(msg.instance, msg.role, spec, [tuple(c) for c in msg.ranks], msg.daemon,
                                 msg.incarnation, now, local, msg.dp_size,
-                                self._local_dp(dp.split(msg.instance)[0], msg.role))
+                                self.local_dp(dp.split(msg.instance)[0], msg.role))
         if known != set(self.directory.remote(msg.instance, msg.role, now)):
             log.info("event=ranks_announced instance=%s daemon=%s ranks=%s", msg.instance, msg.daemon,
                      ",".join(f"{tp}.{pp}" for tp, pp in msg.ranks))
@@ -186,7 +190,7 @@ class Rendezvous:
                               spec=self._spec(msg.instance, msg.role))
 
     def _spec(self, instance: str, role: str) -> dict[str, Any] | None:
-        spec = self.app.registry.spec(instance, role) or self.directory.spec(instance, role, time.monotonic())
+        spec = self.registry.spec(instance, role) or self.directory.spec(instance, role, time.monotonic())
         return spec.to_dict() if spec is not None else None
 
     def _dp_ranks(self, base: str, role: str, dp_size: int) -> messages.Ranks:
@@ -211,7 +215,7 @@ class Rendezvous:
         if not self.directory.managed(instance, "prefill"):
             return None
         held = self.directory.ranks(instance, "prefill", time.monotonic(), self.local(instance, "prefill"))
-        if all(address == self.app.address for address in held.values()):
+        if all(address == self.me.address for address in held.values()):
             return None
         return [[tp, pp, a] for (tp, pp), a in sorted(held.items())]
 
@@ -227,7 +231,7 @@ class Rendezvous:
                 held[f"{instance}/{role}"] = {f"{tp}.{pp}": h.daemon for (tp, pp), h in sorted(remote.items())}
             # the whole map this rendezvous answers: its own ranks too (which daemon holds which rank)
             where = {(tp, pp): h.daemon for (tp, pp), h in remote.items()}
-            where.update({c: self.app.address for c in self.local(instance, role)})
+            where.update({c: self.me.address for c in self.local(instance, role)})
             if where:
                 maps[f"{instance}/{role}"] = {f"{tp}.{pp}": a for (tp, pp), a in sorted(where.items())}
         if held:

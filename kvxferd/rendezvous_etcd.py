@@ -18,16 +18,17 @@ import asyncio
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any, Callable, Protocol
 
 from . import directory_etcd as de
 from . import dp
-from .config import lease_ttl
+from .advertised import Advertised
+from .config import Config, lease_ttl
+from .directory import Coords, Directory
 from .etcd import EtcdClient, EtcdError
+from .geometry import InstanceSpec
 from .logutil import q
-
-if TYPE_CHECKING:
-    from .rendezvous import Rendezvous
+from .registry import Registry
 
 log = logging.getLogger("kvxferd.directory")
 
@@ -35,14 +36,29 @@ log = logging.getLogger("kvxferd.directory")
 ASKED_ROUNDS = 120
 
 
+class Fed(Protocol):
+    """What the rounds feed: the rendezvous's directory, its book of refusals, and the ranks here
+    (:class:`~kvxferd.rendezvous.Rendezvous`)."""
+
+    directory: Directory
+    refusals: dict[tuple[str, str], str]
+
+    def local(self, instance: str, role: str) -> dict[Coords, InstanceSpec]: ...
+
+    def local_dp(self, base: str, role: str) -> dp.DpSize | None: ...
+
+
 class EtcdDirectory:
-    def __init__(self, rendezvous: "Rendezvous") -> None:
+    def __init__(self, rendezvous: Fed, cfg: Config, me: Advertised, registry: Registry,
+                 count_error: Callable[[], None]) -> None:
         self.rv = rendezvous
-        app = rendezvous.app
-        cfg = app.cfg.directory
-        self.cluster = cfg.cluster
-        self.client = EtcdClient(list(cfg.etcd_endpoints), cfg.etcd_timeout_s)
-        self.ttl = lease_ttl(app.cfg)
+        self.cfg = cfg
+        self.me = me
+        self.registry = registry  # the ranks here, whose keys this daemon writes
+        self.count_error = count_error  # a round or read etcd did not answer (kvxferd_directory_errors_total)
+        self.cluster = cfg.directory.cluster
+        self.client = EtcdClient(list(cfg.directory.etcd_endpoints), cfg.directory.etcd_timeout_s)
+        self.ttl = lease_ttl(cfg)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-etcd")
         self.lease = 0
         self._written: dict[bytes, bytes] = {}  # what etcd holds of ours (touched by the etcd thread only)
@@ -69,7 +85,7 @@ class EtcdDirectory:
         key = (instance, role)
         new = key not in self._asked
         self._asked[key] = time.monotonic()
-        if len(self._asked) > self.rv.app.cfg.limits.max_ranks:  # bounded: forget the longest unasked
+        if len(self._asked) > self.cfg.limits.max_ranks:  # bounded: forget the longest unasked
             del self._asked[min(self._asked, key=self._asked.__getitem__)]
         if new:
             self.kick()
@@ -137,12 +153,11 @@ class EtcdDirectory:
             self._busy = False
 
     def _want(self) -> dict[bytes, bytes]:
-        app = self.rv.app
-        return de.desired(self.cluster, app.address, app.incarnation,
-                          ((r.instance, r.role, r.coords, r.geometry.spec, r.dp_size) for r in app.registry))
+        return de.desired(self.cluster, self.me.address, self.me.incarnation,
+                          ((r.instance, r.role, r.coords, r.geometry.spec, r.dp_size) for r in self.registry))
 
     def _watched(self) -> list[tuple[str, str]]:
-        horizon = time.monotonic() - ASKED_ROUNDS * self.rv.app.cfg.peer.heartbeat_interval_s
+        horizon = time.monotonic() - ASKED_ROUNDS * self.cfg.peer.heartbeat_interval_s
         for key in [k for k, t in self._asked.items() if t < horizon]:
             del self._asked[key]
         managed = {(dp.split(i)[0], r) for i, r in self.rv.directory.managed_keys()}
@@ -178,8 +193,8 @@ class EtcdDirectory:
         known = {i for i, r in rv.directory.keys() if r == role and (i == base or dp.split(i)[0] == base)}
         for instance in sorted(known | set(parsed.held)):
             local = rv.local(instance, role)
-            refusals = de.feed(rv.directory, instance, role, parsed.held.get(instance, {}), rv.app.address, now,
-                               local, rv._local_dp(dp.split(instance)[0], role))
+            refusals = de.feed(rv.directory, instance, role, parsed.held.get(instance, {}), self.me.address, now,
+                               local, rv.local_dp(dp.split(instance)[0], role))
             for why in refusals:
                 if rv.refusals.get((instance, role)) != why:
                     log.warning("event=directory_refused instance=%s msg=%s", instance, q(why[:300]))
@@ -188,7 +203,7 @@ class EtcdDirectory:
                 rv.refusals.pop((instance, role), None)
 
     def _failed(self, exc: EtcdError) -> None:
-        self.rv.app.metrics.directory_errors.inc()
+        self.count_error()
         message = str(exc)[:500]
         if self.error is None:
             log.warning("event=directory_unreachable endpoint=%s error=%s", exc.endpoint, q(message))

@@ -143,8 +143,8 @@ def open_engine_fd(pid: int | None, fd: int, shm_dirs: list[str]) -> int:
                 raise RegistrationError(
                     f"descriptor {fd} of engine process {pid} is {target}, neither a memfd nor a file in the "
                     f"allowed directories {shm_dirs}", field="regions.fd",
-                    fix="register a memfd (kvxferd.kv_cache.allocate_cpu / engine_memory.share_in_place) or a file under "
-                        "engine.shm_dirs")
+                    fix="register a memfd (kvxferd.kv_cache.allocate_cpu / engine_memory.share_in_place) or a "
+                        "file under engine.shm_dirs")
     except BaseException:
         os.close(own)
         raise

@@ -6,13 +6,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import Any, Callable
 
 from . import sdnotify
 from .lifecycle import events
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from .registry import Rank, Registry
 
 log = logging.getLogger("kvxferd.timers")
 
@@ -20,35 +18,31 @@ TICK_S = 0.1  # phase timeouts and fence deadlines
 LIVENESS_S = 0.5  # engine processes
 
 
-async def sweeper(app: "Daemon") -> None:
+async def sweeper(registry: Registry, drop_rank: Callable[[Rank, str], None], dispatch: Callable[[Any], Any]) -> None:
     last_liveness = 0.0
     while True:
         await asyncio.sleep(TICK_S)
         now = time.monotonic()
         if now - last_liveness >= LIVENESS_S:
             last_liveness = now
-            _engines_alive(app)
-        app.dispatch(events.Tick())
+            _engines_alive(registry, drop_rank)
+        dispatch(events.Tick())
 
 
-def _engines_alive(app: "Daemon") -> None:
+def _engines_alive(registry: Registry, drop_rank: Callable[[Rank, str], None]) -> None:
     # one call per check: its loop variables die with it, so none of them keeps a dropped
     # rank (and through it the engine's memory mapping) alive between checks
-    for rank in app.registry:
+    for rank in registry:
         if rank.process is not None and not rank.process.alive():
             log.warning("event=engine_gone rank=%s pid=%d", rank.id, rank.process.pid)
-            app.drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
+            drop_rank(rank, f"engine process {rank.process.pid} of rank {rank.id} exited")
 
 
-async def heartbeats(app: "Daemon") -> None:
-    interval = app.cfg.peer.heartbeat_interval_s
-    timeout = app.cfg.peer.peer_timeout_s
+async def heartbeats(interval_s: float, beat: Callable[[float], None]) -> None:
+    """``beat(now)`` every ``interval_s``: the daemon pings its peers and renews its announcements."""
     while True:
-        now = time.monotonic()
-        app.upstream.heartbeat(now, timeout)
-        app.downstream.heartbeat(now, timeout)
-        app.rendezvous.heartbeat()  # renews the leases of ranks announced to another daemon
-        await asyncio.sleep(interval)
+        beat(time.monotonic())
+        await asyncio.sleep(interval_s)
 
 
 async def watchdog() -> None:

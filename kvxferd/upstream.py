@@ -12,84 +12,57 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import zmq
+import zmq.asyncio
 
-from . import PROTOCOL_VERSION, linkwatch, messages, protocol, spread
+from . import PROTOCOL_VERSION, auth, linkwatch, messages, protocol, spread
+from .advertised import Advertised
 from .coalesce import Coalescer, PartCounts
+from .config import Config
+from .directory import Directory
 from .errors import KvxferError, PlanRefusal, ProtocolError, RequestError, TransferError
 from .geometry import InstanceSpec
-from .inbox import DestEntry
+from .inbox import DestEntry, Inbox
 from .lifecycle import events
+from .lifecycle.routes import RouteBook
 from .logutil import q
+from .metrics import Metrics
 from .outbox import Route
 from .plan import Plan
 from .planner import make_plan
-
-if TYPE_CHECKING:
-    from .daemon import Daemon
+from .registry import Registry
+from .transport.hub import Transports
+from .zmq_loop import ignore_result
 
 log = logging.getLogger("kvxferd.upstream")
 
 MAX_UNANSWERED = 256  # numbered messages a link remembers the sending time of
 
 
-def ignore_result(fut: asyncio.Future[Any]) -> None:
-    if not fut.cancelled():
-        fut.exception()
-
-
-async def serve_router(sock: Any, answer: Callable[[bytes, bytes, int], None], limit: int,
-                       received: Callable[[int], None] | None = None) -> None:
-    """Answer every part of every message a ROUTER socket receives, by routing id, in order.
-
-    A peer that batches sends the control messages of one loop turn as the parts of one
-    multipart message; each part is a message of its own, answered on its own (its own
-    ``seq``). Parts past ``limit`` are refused, not run: ``answer`` gets the batch's size as
-    its third argument for them (0 for the others).
-
-    A ready socket hands over its next message without a turn of the loop; after about
-    ``limit`` parts the loop gets one anyway (other work, and the flush of the answers). A turn
-    per message instead cost a third of the CPU of a message sent on its own.
-    """
-    taken = 0
-    while True:
-        frames = await sock.recv_multipart(copy=True)
-        parts = len(frames) - 1
-        if received is not None:
-            received(parts)
-        identity = frames[0]
-        for i in range(1, len(frames)):
-            answer(identity, frames[i], parts if i > limit else 0)
-        taken += parts
-        if taken >= limit:
-            taken = 0
-            await asyncio.sleep(0)
-
-
 class PeerLink:
     """This daemon's connection to a peer daemon that hosts prefill instances."""
 
-    def __init__(self, app: "Daemon", upstream: "Upstream", address: str) -> None:
+    def __init__(self, links: "DecodeLinks", address: str) -> None:
         self.address = address
-        self.sock = app.ctx.socket(zmq.DEALER)
+        self.sock = links.ctx.socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10000)
         self.sock.setsockopt(zmq.RCVHWM, 10000)
-        self.sock.setsockopt(zmq.MAXMSGSIZE, app.cfg.limits.max_message_bytes)
-        self.max_bytes = app.cfg.limits.max_message_bytes
+        self.sock.setsockopt(zmq.MAXMSGSIZE, links.cfg.limits.max_message_bytes)
+        self.max_bytes = links.cfg.limits.max_message_bytes
         self.monitor: zmq.Socket | None = None  # CURVE links: handshake outcomes (linkwatch)
         self.auth_error = ""
         host, port = protocol.split_address(address)
-        if app.keys is not None:
-            server_key = app.peer_keys.get(address)
+        if links.keys is not None:
+            server_key = links.peer_keys.get(address)
             if server_key is None:
                 self.sock.close(0)
                 raise RequestError(f"no CURVE server key configured for peer {address}", field="auth.peer_keys",
                                    fix=f"add \"{address}=<its public key>\" to auth.peer_keys")
-            self.sock.curve_secretkey = app.keys.secret.encode()
-            self.sock.curve_publickey = app.keys.public.encode()
+            self.sock.curve_secretkey = links.keys.secret.encode()
+            self.sock.curve_publickey = links.keys.public.encode()
             self.sock.curve_serverkey = server_key.encode()
             self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
         self.sock.connect(f"tcp://{host}:{port}")
@@ -111,14 +84,14 @@ class PeerLink:
         #: what this link sends in one loop turn leaves as one multipart message, once the source said
         #: (``batch`` in its pong or handshake answer) that it reads every part: a source that did not
         #: would take only the last part, so until then, and for such a source, one message each
-        self.max_parts = app.cfg.limits.max_peer_batch_parts
+        self.max_parts = links.cfg.limits.max_peer_batch_parts
         self.outgoing = Coalescer(lambda parts: self._send_parts(parts[1:]), max_parts=1)
-        self.sent = upstream.sent
-        self.metric_sent = app.metrics.peer_parts.labels("sent")
-        self.reader = asyncio.ensure_future(self._read(upstream))
-        self.watcher = None if self.monitor is None or app.keys is None else asyncio.ensure_future(
-            linkwatch.watch(self.monitor, address, app.keys.public,
-                            lambda message: upstream.auth_failed(self, message),
+        self.sent = links.sent
+        self.metric_sent = links.metrics.peer_parts.labels("sent")
+        self.reader = asyncio.ensure_future(self._read(links))
+        self.watcher = None if self.monitor is None or links.keys is None else asyncio.ensure_future(
+            linkwatch.watch(self.monitor, address, links.keys.public,
+                            lambda message: links.auth_failed(self, message),
                             lambda: setattr(self, "auth_error", "")))
 
     def send(self, message: messages.Message) -> None:
@@ -167,32 +140,32 @@ class PeerLink:
             self.waiting.pop(seq, None)
             self.sent_at.pop(seq, None)
 
-    async def _read(self, upstream: "Upstream") -> None:
-        received = upstream.app.metrics.peer_parts.labels("received")
+    async def _read(self, links: "DecodeLinks") -> None:
+        received = links.metrics.peer_parts.labels("received")
         while True:
             try:  # a source of any version: one message, or the parts of one (answers of one turn)
                 frames = await self.sock.recv_multipart(copy=True)
             except (zmq.ZMQError, asyncio.CancelledError):
                 return
-            upstream.received.add(len(frames))
+            links.received.add(len(frames))
             received.observe(len(frames))
             for data in frames:
-                self._one(upstream, data)
+                self._one(links, data)
 
-    def _one(self, upstream: "Upstream", data: bytes) -> None:
+    def _one(self, links: "DecodeLinks", data: bytes) -> None:
         try:
             msg = protocol.decode(data, self.max_bytes)
         except ProtocolError:
-            upstream.app.metrics.invalid_messages.labels("peer").inc()
+            links.metrics.invalid_messages.labels("peer").inc()
             return
-        upstream.seen(self)
+        links.seen(self)
         if msg.get("op") in ("pong", "handshake_ok"):
             self.peer_reads(msg.get("batch"))
         fut = self.waiting.get(msg.get("seq")) if isinstance(msg.get("seq"), int) else None
         if fut is not None and not fut.done():
             fut.set_result(msg)
             return
-        upstream.handle(self, msg)
+        links.handle(self, msg)
 
     def close(self) -> None:
         self.outgoing.flush()  # what this turn queued (an abort) leaves before the socket closes
@@ -208,11 +181,27 @@ class PeerLink:
         self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
 
 
-class Upstream:
+class DecodeLinks:
     """Every link to a source daemon, and the bootstrap of destinations (finding their plan)."""
 
-    def __init__(self, app: "Daemon") -> None:
-        self.app = app
+    def __init__(self, cfg: Config, ctx: zmq.asyncio.Context, me: Advertised, *, keys: auth.KeyPair | None,
+                 peer_keys: dict[str, str], refused_by: auth.RefusalBook, metrics: Metrics,
+                 dispatch: Callable[[Any], Any], transports: Transports, inbox: Inbox, routes: RouteBook,
+                 registry: Registry, directory: Directory, peers_changed: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.me = me
+        self.keys = keys  # this daemon's CURVE key pair (None: links are not authenticated)
+        self.peer_keys = peer_keys  # the server key of each source daemon
+        self.refused_by = refused_by  # the source daemons that refused this daemon's key
+        self.metrics = metrics
+        self.dispatch = dispatch
+        self.transports = transports
+        self.inbox = inbox
+        self.routes = routes  # a local plan (the source instance on this daemon) is kept in the route book
+        self.registry = registry
+        self.directory = directory  # the ranks other daemons announced (a source instance partly elsewhere)
+        self.peers_changed = peers_changed  # a link came, went, or changed state: the peer gauges count again
         self.links: dict[str, PeerLink] = {}
         self.sent = PartCounts()  # multipart messages to source daemons, and the messages they carried
         self.received = PartCounts()
@@ -231,7 +220,7 @@ class Upstream:
         num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
         self.send(address, messages.PeerExpect(
             entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
-            entry.start or None, self.app.transports.expect_fields(address, entry),
+            entry.start or None, self.transports.expect_fields(address, entry),
             [list(w) for w in writers] if writers is not None else None))
 
     def link(self, address: str) -> PeerLink:
@@ -240,79 +229,89 @@ class Upstream:
             link.close()  # libzmq does not retry a refused key: a new link tries again
             link = None
         if link is None:
-            link = self.links[address] = PeerLink(self.app, self, address)
-            self.app.count_peers()
+            link = self.links[address] = PeerLink(self, address)
+            self.peers_changed()
         return link
+
+    async def ask(self, address: str, message: messages.Message, timeout: float) -> dict[str, Any]:
+        """A numbered message to the daemon at ``address`` and its answer (an announcement to a
+        rendezvous goes this way)."""
+        return await self.link(address).request(message, timeout)
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """Each link, as ``status`` lists it among the daemon's peers."""
+        return [{"address": l.address, "state": l.state, "side": "prefill", "last_seen_s": round(now - l.last_seen, 3),
+                 "auth_error": l.auth_error, "incarnation": l.peer_incarnation, "batch": l.outgoing.max_parts,
+                 "plans": sorted(f"{p}->{d}" for p, d in l.handshakes)} for l in self.links.values()]
 
     # -- bootstrap: the plan with the source instance -------------------------------------------
     async def bootstrap(self, entry: DestEntry) -> None:
-        app = self.app
-        deadline = entry.created + app.cfg.timeouts.bootstrap_s
+        deadline = entry.created + self.cfg.timeouts.bootstrap_s
         spec = entry.rank.geometry.spec
         link = None
         try:
             if entry.source_address:
                 link = self.link(entry.source_address)
-                plan = await self._remote_plan(link, entry.source_instance, entry.rank.instance, spec, deadline)
+                plan = await self.remote_plan(link, entry.source_instance, entry.rank.instance, spec, deadline)
             else:
                 plan = await self._local_plan(entry.source_instance, entry.rank.instance, spec, deadline)
         except PlanRefusal as refusal:
-            app.metrics.refusals.labels(refusal.field or "unknown").inc()
-            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            self.metrics.refusals.labels(refusal.field or "unknown").inc()
+            self.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
             return
         except (asyncio.TimeoutError, TimeoutError):
             why = link.retry_reasons.get((entry.source_instance, entry.rank.instance)) if link is not None else None
-            app.dispatch(events.BootstrapFailed(
+            self.dispatch(events.BootstrapFailed(
                 entry, "bootstrap_timeout", f"no plan with source instance {entry.source_instance!r} within "
-                f"{app.cfg.timeouts.bootstrap_s}s " + (f"(the source daemon said: {why})" if why else
-                                                       "(source daemon unreachable or instance not registered)")))
+                f"{self.cfg.timeouts.bootstrap_s}s " + (f"(the source daemon said: {why})" if why else
+                                                        "(source daemon unreachable or instance not registered)")))
             return
         except KvxferError as exc:
-            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
+            self.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
             return
         if link is None:
-            app.dispatch(events.PlanFound(entry, plan))
+            self.dispatch(events.PlanFound(entry, plan))
             return
-        kind = app.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
+        kind = self.transports.receive_kind(link.address, entry.source_instance, entry.rank.instance)
         rank_map = link.rank_maps.get((entry.source_instance, entry.rank.instance))
         if not rank_map:
-            app.dispatch(events.PlanFound(entry, plan, link.token, kind))
+            self.dispatch(events.PlanFound(entry, plan, link.token, kind))
             return
         try:  # an instance over several daemons: a handshake with each of them too
-            tokens, kind = await spread.other_daemons(self, entry, link, plan, rank_map, deadline)
+            tokens, kind = await spread.other_daemons(self, self.me.address, self.transports.receive_kind, entry,
+                                                      link, plan, rank_map, deadline)
         except PlanRefusal as refusal:
-            app.metrics.refusals.labels(refusal.field or "unknown").inc()
-            app.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+            self.metrics.refusals.labels(refusal.field or "unknown").inc()
+            self.dispatch(events.BootstrapFailed(entry, "incompatible", str(refusal)))
             return
         except KvxferError as exc:
-            app.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
+            self.dispatch(events.BootstrapFailed(entry, exc.code, str(exc)))
             return
-        app.dispatch(events.PlanFound(entry, plan, link.token, kind, rank_map, tokens))
+        self.dispatch(events.PlanFound(entry, plan, link.token, kind, rank_map, tokens))
 
     async def _local_plan(self, prefill: str, decode: str, spec: InstanceSpec, deadline: float) -> Plan:
-        app = self.app
         while True:
-            cached = app.life.routes.local(prefill, decode)
+            cached = self.routes.local(prefill, decode)
             if cached is not None:
                 return cached[0]
-            elsewhere = app.rendezvous.directory.remote(prefill, "prefill", time.monotonic())
+            elsewhere = self.directory.remote(prefill, "prefill", time.monotonic())
             if elsewhere:  # its writers elsewhere would never be asked for their bytes
                 raise PlanRefusal(f"instance {prefill!r} has ranks at other daemons ({sorted(elsewhere)} at "
                                   f"{sorted({h.daemon for h in elsewhere.values()})}) and at this decode daemon: "
                                   "a source instance partly on its decode daemon is not supported", field="ranks")
-            prefill_spec = app.registry.spec(prefill, "prefill")
+            prefill_spec = self.registry.spec(prefill, "prefill")
             if prefill_spec is not None:
                 plan = make_plan(prefill_spec, spec, mode="direct",  # config.LOCAL_MODE_NOTE
-                                 require_same_page_size=app.cfg.peer.require_same_page_size)
-                app.life.routes.set_pair(prefill, decode, plan, Route("local", daemon=app.address))
-                app.metrics.handshakes.labels("ok").inc()
+                                 require_same_page_size=self.cfg.peer.require_same_page_size)
+                self.routes.set_pair(prefill, decode, plan, Route("local", daemon=self.me.address))
+                self.metrics.handshakes.labels("ok").inc()
                 return plan
             if time.monotonic() >= deadline:
                 raise asyncio.TimeoutError
-            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
+            await asyncio.sleep(self.cfg.timeouts.handshake_retry_s)
 
-    async def _remote_plan(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
-                           deadline: float) -> Plan:
+    async def remote_plan(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
+                          deadline: float) -> Plan:
         key = (prefill, decode)
         fut = link.handshakes.get(key)
         if fut is None or (fut.done() and (fut.cancelled() or fut.exception() is not None)):
@@ -321,25 +320,25 @@ class Upstream:
         return await asyncio.wait_for(asyncio.shield(fut), max(0.001, deadline - time.monotonic()))
 
     def _transports_for(self) -> list[str]:
-        return self.app.transports.offered()
+        return self.transports.offered()
 
     async def _handshake(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                          deadline: float) -> Plan:
-        app = self.app
         while True:
             if link.auth_error:
                 raise TransferError(link.auth_error, field="auth", code="auth_failed")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                app.metrics.handshakes.labels("timeout").inc()
+                self.metrics.handshakes.labels("timeout").inc()
                 raise asyncio.TimeoutError
             hello = messages.Handshake(
-                PROTOCOL_VERSION, app.address, app.data_address, prefill, decode, spec.to_dict(), app.cfg.peer.mode,
-                self._transports_for(), link.token, app.incarnation,
-                extra=app.transports.handshake_fields(link.address, prefill, decode))
+                PROTOCOL_VERSION, self.me.address, self.me.data_address, prefill, decode, spec.to_dict(),
+                self.cfg.peer.mode, self._transports_for(), link.token, self.me.incarnation,
+                extra=self.transports.handshake_fields(link.address, prefill, decode))
             asked = time.monotonic()
             try:
-                reply = await link.request(hello, timeout=min(remaining, max(1.0, app.cfg.peer.heartbeat_interval_s)))
+                reply = await link.request(hello,
+                                           timeout=min(remaining, max(1.0, self.cfg.peer.heartbeat_interval_s)))
             except asyncio.TimeoutError:
                 continue
             op = reply.get("op")
@@ -349,33 +348,32 @@ class Upstream:
                 return self._accepted(link, prefill, decode, spec, reply)
             if op == "handshake_refused":
                 err = reply.get("error") or {}
-                app.metrics.handshakes.labels("refused").inc()
+                self.metrics.handshakes.labels("refused").inc()
                 log.warning("event=handshake_refused peer=%s field=%s msg=%s", link.address, err.get("field"),
                             q(str(err.get("message"))[:300]))
                 raise PlanRefusal(str(err.get("message", "refused")), field=str(err.get("field") or "unknown"),
                                   prefill=err.get("prefill"), decode=err.get("decode"))
             if op == "handshake_retry" and isinstance(reply.get("reason"), str):
                 self._retry_said(link, prefill, decode, reply["reason"][:500])
-            await asyncio.sleep(app.cfg.timeouts.handshake_retry_s)
+            await asyncio.sleep(self.cfg.timeouts.handshake_retry_s)
 
     def _retry_said(self, link: PeerLink, prefill: str, decode: str, reason: str) -> None:
         """Keep a source's "retry later" (missing ranks...): a bootstrap that times out names it."""
         link.retry_reasons[(prefill, decode)] = reason
-        for entry in self.app.inbox.all():
+        for entry in self.inbox.all():
             if (entry.state == "bootstrapping" and entry.from_source(link.address)
                     and (entry.source_instance, entry.rank.instance) == (prefill, decode)):
                 entry.waiting_for = f"the source daemon {link.address}, which said: {reason}"
 
     def _accepted(self, link: PeerLink, prefill: str, decode: str, spec: InstanceSpec,
                   reply: dict[str, Any]) -> Plan:
-        app = self.app
         try:
             prefill_spec = InstanceSpec.from_dict(protocol.bounded_geometry(reply.get("prefill_spec"), "prefill_spec"))
             mode = reply.get("mode")
             plan = make_plan(prefill_spec, spec, mode=mode if mode in ("direct", "staged") else "auto",
-                             require_same_page_size=app.cfg.peer.require_same_page_size)
+                             require_same_page_size=self.cfg.peer.require_same_page_size)
         except KvxferError as exc:
-            app.metrics.handshakes.labels("refused").inc()
+            self.metrics.handshakes.labels("refused").inc()
             raise PlanRefusal(f"peer's handshake answer is unusable: {exc}", field=exc.field or "geometry")
         link.retry_reasons.pop((prefill, decode), None)
         if reply.get("ranks") is not None:
@@ -386,8 +384,8 @@ class Upstream:
             link.rank_maps[(prefill, decode)] = {(tp, pp): address for tp, pp, address in ranks}
         else:
             link.rank_maps.pop((prefill, decode), None)
-        app.metrics.handshakes.labels("ok").inc()
-        transport = app.transports.accepted(link.address, prefill, decode, reply)
+        self.metrics.handshakes.labels("ok").inc()
+        transport = self.transports.accepted(link.address, prefill, decode, reply)
         log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", link.address,
                  prefill, decode, plan.mode, transport)
         return plan
@@ -400,28 +398,28 @@ class Upstream:
             if op == "abort":
                 m = messages.parse_peer(msg)
                 assert isinstance(m, messages.PeerAbort)
-                self.app.dispatch(events.UpstreamAbort(link.address, m.request_id, m.code or "peer_aborted", m.reason))
+                self.dispatch(events.UpstreamAbort(link.address, m.request_id, m.code or "peer_aborted", m.reason))
             elif op == "error" and isinstance(msg.get("request_id"), str):
                 self._error(link, msg["request_id"], msg)
             elif op == "fenced":
                 m = messages.parse_peer(msg)
                 assert isinstance(m, messages.Fenced)
-                self.app.dispatch(events.UpstreamFenced(link.address, m.request_id))
+                self.dispatch(events.UpstreamFenced(link.address, m.request_id))
             elif op == "pong":
                 self.note_incarnation(link, msg.get("incarnation"), sent_before=link.answered(msg))
         except KvxferError:
-            self.app.metrics.invalid_messages.labels("peer").inc()
+            self.metrics.invalid_messages.labels("peer").inc()
 
     def _error(self, link: PeerLink, request_id: str, msg: dict[str, Any]) -> None:
         err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
         if err.get("code") == "no_handshake":
             link.handshakes.clear()
-            self.app.dispatch(events.NoHandshake(link.address, request_id))
+            self.dispatch(events.NoHandshake(link.address, request_id))
             # that expect reached the new process: so did every one sent after it
-            sent = [e.expects_sent[link.address] for e in self.app.inbox.for_request(request_id)
+            sent = [e.expects_sent[link.address] for e in self.inbox.for_request(request_id)
                     if link.address in e.expects_sent]
             self.note_incarnation(link, msg.get("incarnation"), sent_before=max(sent) if sent else None)
-        self.app.dispatch(events.UpstreamAbort(
+        self.dispatch(events.UpstreamAbort(
             link.address, request_id, str(err.get("code", "peer_error"))[:64],
             f"source daemon {link.address}: {str(err.get('message'))[:300]}", started_only=True))
 
@@ -435,13 +433,12 @@ class Upstream:
         old, link.peer_incarnation = link.peer_incarnation, incarnation
         if not old or old == incarnation:
             return False
-        app = self.app
-        app.metrics.peer_restarts.labels("prefill").inc()
+        self.metrics.peer_restarts.labels("prefill").inc()
         log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
         link.handshakes.clear()  # its handshakes went with it; the next request handshakes again
-        app.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
-        app.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
-        app.dispatch(events.SourceLost(link.address, "peer_restarted",
+        self.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
+        self.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
+        self.dispatch(events.SourceLost(link.address, "peer_restarted",
                                        f"source daemon {link.address} restarted (incarnation {old} -> "
                                        f"{incarnation}); the request's source side went with the old process",
                                        sent_before=sent_before))
@@ -449,16 +446,15 @@ class Upstream:
 
     def auth_failed(self, link: PeerLink, message: str) -> None:
         """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
-        app = self.app
         link.auth_error = message
-        app.metrics.peer_auth_failures.inc()
-        record, log_now = app.auth_refused_by.note(message, address=link.address)
+        self.metrics.peer_auth_failures.inc()
+        record, log_now = self.refused_by.note(message, address=link.address)
         if log_now:
             log.warning("event=peer_auth_failed peer=%s count=%s msg=%s", link.address, record["count"], q(message))
         for fut in link.waiting.values():  # the handshake in progress ends with it
             if not fut.done():
                 fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
-        app.dispatch(events.SourceLost(link.address, "auth_failed", message))
+        self.dispatch(events.SourceLost(link.address, "auth_failed", message))
 
     # -- liveness -------------------------------------------------------------------------------
     def seen(self, link: PeerLink) -> None:
@@ -467,35 +463,33 @@ class Upstream:
             if link.state == "down":
                 log.info("event=peer_back peer=%s", link.address)
             link.state = "up"
-            self.app.count_peers()
+            self.peers_changed()
 
     def heartbeat(self, now: float, timeout: float) -> None:
         """Ping every source; a silent one is down (its requests fail); an idle down one is closed."""
-        app = self.app
         for link in list(self.links.values()):
-            link.ping(messages.PeerPing(app.address, app.incarnation))
+            link.ping(messages.PeerPing(self.me.address, self.me.incarnation))
             if link.state == "up" and now - link.last_seen > timeout:
                 self._link_down(link, now - link.last_seen)
             elif link.state == "connecting" and now - link.last_seen > timeout:
                 link.state = "down"
-                app.count_peers()
-            if link.state == "down" and not any(e.from_source(link.address) for e in app.inbox.all()):
+                self.peers_changed()
+            if link.state == "down" and not any(e.from_source(link.address) for e in self.inbox.all()):
                 # nothing waits on it: without this every address an engine ever named keeps a socket
                 link.close()
                 self.links.pop(link.address, None)
-                app.transports.source_gone(link.address)
-                app.count_peers()
+                self.transports.source_gone(link.address)
+                self.peers_changed()
 
     def _link_down(self, link: PeerLink, silent_for: float) -> None:
-        app = self.app
         link.state = "down"
         link.handshakes.clear()
         link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
-        app.metrics.heartbeat_misses.inc()
-        app.count_peers()
+        self.metrics.heartbeat_misses.inc()
+        self.peers_changed()
         log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
-        app.transports.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
-        app.dispatch(events.SourceLost(link.address, "peer_dead",
+        self.transports.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
+        self.dispatch(events.SourceLost(link.address, "peer_dead",
                                        f"source daemon {link.address} unresponsive for {silent_for:.1f}s"))
 
     def close(self) -> None:
