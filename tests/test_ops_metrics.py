@@ -18,9 +18,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvxferd.client import EngineClient
-from kvxferd.geometry import RankGeometry
-from kvxferd.kv_cache import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu
 
 from e2e_util import cluster_run
 from ops_support import (NUM_PAGES, Scrape, base_url, http_get, kv_bytes, next_for, pages, spec,
@@ -228,7 +228,7 @@ def test_dashboard_and_alerts_only_use_exported_metrics(pair):
 
 def test_readme_lists_every_metric():
     """The README's metric table names each metric a daemon exports, and nothing else."""
-    from kvxferd.metrics import Metrics
+    from kvxferd.ops.metrics import Metrics
     readme = (ROOT / "README.md").read_text()
     section = readme[readme.index("## Operating kvxferd"):]
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from kvxferd.inbox import Inbox
-from kvxferd.staging import StagingPool
+from kvxferd.datapath.staging import StagingPool
+from kvxferd.lifecycle.inbox import Inbox
 from kvxferd.transport.hub import Transports
 
 

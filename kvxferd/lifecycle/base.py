@@ -13,12 +13,12 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
 from ..errors import RequestError
-from ..inbox import DestEntry, Inbox
-from ..logutil import q
-from ..metrics import Metrics
-from ..outbox import SrcEntry
-from ..registry import Registry
+from ..ops.logutil import q
+from ..ops.metrics import Metrics
 from . import effects, events, states
+from .inbox import DestEntry, Inbox
+from .outbox import SrcEntry
+from .registry import Registry
 from .routes import RouteBook
 
 log = logging.getLogger("kvxferd.lifecycle")

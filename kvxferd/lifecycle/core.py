@@ -15,12 +15,12 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..errors import RequestError
-from ..inbox import DestEntry
-from ..registry import Rank
 from . import effects, events, states
 from .base import Entry
 from .decode import DecodeSide
+from .inbox import DestEntry
 from .prefill import PrefillSide
+from .registry import Rank
 
 
 class Lifecycle(DecodeSide, PrefillSide):

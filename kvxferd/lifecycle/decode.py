@@ -1,6 +1,6 @@
 """Decode side of the lifecycle core: destinations (one request at one decode rank).
 
-Entries live in the :class:`~kvxferd.inbox.Inbox`, which data threads share under its lock
+Entries live in the :class:`~kvxferd.lifecycle.inbox.Inbox`, which data threads share under its lock
 to admit and account chunks; every other change to a destination happens here.
 """
 
@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 
-from ..inbox import DestEntry
-from ..logutil import q
-from ..messages import Event, Fence, PeerAbort, PeerEnded
+from ..ops.logutil import q
+from ..wire.messages import Event, Fence, PeerAbort, PeerEnded
 from . import effects, events, states
 from .base import LifecycleBase
+from .inbox import DestEntry
 
 log = logging.getLogger("kvxferd.lifecycle")
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..inbox import DestEntry
-from ..messages import Event, Message
-from ..outbox import SrcEntry, Target
 from ..transport.base import ChunkJob
+from ..wire.messages import Event, Message
+from .inbox import DestEntry
+from .outbox import SrcEntry, Target
 
 
 @dataclass(frozen=True)

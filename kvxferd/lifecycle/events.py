@@ -9,11 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from ..inbox import DestEntry
-from ..outbox import Chunk, SrcEntry, Target
-from ..plan import Plan
-from ..registry import Rank
+from ..model.plan import Plan
 from ..transport.base import Moved
+from .inbox import DestEntry
+from .outbox import Chunk, SrcEntry, Target
+from .registry import Rank
 
 
 # -- engine calls ---------------------------------------------------------------------------

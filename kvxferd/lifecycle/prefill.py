@@ -12,16 +12,16 @@ import logging
 from typing import Any
 
 from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
-from ..logutil import q
-from ..messages import Event, Fenced, PeerAbort
-from ..outbox import Binding, Chunk, Route, SrcEntry, Target
-from ..registry import rank_id as make_rank_id
-from ..group_requests import group_origin, source_range
-from ..plan import group_key
-from ..segments import clip_slots
+from ..model.group_requests import group_origin, source_range
+from ..model.plan import group_key
+from ..model.segments import clip_slots
+from ..ops.logutil import q
 from ..transport.base import ChunkJob
+from ..wire.messages import Event, Fenced, PeerAbort
 from . import effects, events, states
 from .base import LifecycleBase
+from .outbox import Binding, Chunk, Route, SrcEntry, Target
+from .registry import rank_id as make_rank_id
 from .routes import DecodeEnd
 
 log = logging.getLogger("kvxferd.lifecycle")

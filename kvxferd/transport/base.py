@@ -14,13 +14,13 @@ from typing import Any, Iterator, Protocol
 
 import numpy as np
 
-from ..memory import MappedRegion
-from ..plan import Writer
-from ..registry import Rank
-from ..segments import chunk_bytes, head_offset_bytes, slot_count
+from ..datapath.regions import MappedRegion
+from ..lifecycle.registry import Rank
+from ..model.plan import Writer
+from ..model.segments import chunk_bytes, head_offset_bytes, slot_count
 
 
-#: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.dataplane`):
+#: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.transport.dataplane`):
 #: small enough that the connection it shares is never held long by one
 SMALL_CHUNK = 256 * 1024
 

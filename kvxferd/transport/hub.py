@@ -12,14 +12,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..inbox import DestEntry, Inbox, Sink
-from ..registry import Rank
-from ..staging import StagingPool
+from ..datapath.staging import StagingPool
+from ..lifecycle.inbox import DestEntry, Inbox, Sink
+from ..lifecycle.registry import Rank
 from . import choices
 from .base import Moved, Transport
 from .choices import PairTransport, TransportChoices
 from .local import LocalTransport
-from .nixl_support import NixlSupport
+from .nixl.support import NixlSupport
 from .tcp import TcpDataServer, TcpTransport
 
 

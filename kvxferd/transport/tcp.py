@@ -9,7 +9,7 @@ round trip per batch instead of one per chunk. A receiver refuses a small chunk 
 the connection, since its payload is not worth reading. Large contiguous runs
 go straight between KV pages and the socket (``sendmsg`` of page views, ``recv_into`` page
 views); small fragments (head slices, tiny pages) are gathered into staging slots (see
-:mod:`kvxferd.staging`) with one index kernel per piece, so syscalls stay few.
+:mod:`kvxferd.datapath.staging`) with one index kernel per piece, so syscalls stay few.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .. import protocol
-from ..copier import scatter, settle
+from ..datapath.copier import scatter, settle
+from ..datapath.pipeline import receive_blocks, send_blocks
+from ..datapath.staging import Piece, StagingPool, block_bytes, pack
 from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
-from ..inbox import Inbox, Sink
-from ..registry import rank_id
-from ..pipeline import receive_blocks, send_blocks
-from ..staging import Piece, StagingPool, block_bytes, pack
+from ..lifecycle.inbox import Inbox, Sink
+from ..lifecycle.registry import rank_id
+from ..wire import protocol
 from .base import SMALL_CHUNK, ChunkJob, Moved
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch

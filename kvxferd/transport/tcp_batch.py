@@ -1,7 +1,7 @@
 """Small chunks to one peer in one write, and their replies read after.
 
 A data thread hands tcp the small chunks queued for one peer together (see
-:mod:`kvxferd.dataplane`). Their frames (header, then payload) are laid out one behind the
+:mod:`kvxferd.transport.dataplane`). Their frames (header, then payload) are laid out one behind the
 other as the views of one scattered ``sendmsg``: page views for direct payloads, and for
 staged ones the pieces gathered one behind the other into a single staging slot. Then the
 replies are read in order, one per frame. A staged payload larger than the slot goes in
@@ -20,9 +20,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .. import protocol
+from ..datapath.staging import StagingPool, block_bytes, pack
 from ..errors import KvxferError
-from ..staging import StagingPool, block_bytes, pack
+from ..wire import protocol
 from .base import ChunkJob, Moved
 from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
 

@@ -47,7 +47,7 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
 if __name__ == "__main__":
     if len(sys.argv) > 1:
-        from ...signals import cleanup_on_signals
+        from ...ops.signals import cleanup_on_signals
         with cleanup_on_signals():  # SIGTERM from the bench: engine_main's finally unlinks the caches
             out = engine_main(json.loads(sys.argv[1]))
         print(json.dumps(out, default=str), flush=True)

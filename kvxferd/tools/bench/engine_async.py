@@ -73,7 +73,7 @@ async def _missing_prefill(ranks: list[Rank], plan: list[tuple[str, int | None]]
 
 
 async def drive_async(lay: Layout, ranks: list[Rank], result: dict[str, Any], t_setup: float) -> None:
-    from ...client import AsyncEngineClient
+    from ...sdk.client import AsyncEngineClient
     failures: list[dict[str, Any]] = result["failures"]
     try:
         for r in ranks:

@@ -57,8 +57,8 @@ class Layout:
         return [(f"{self.tag}-{i}", self.fixed.get(i)) for i in range(self.total)]
 
     def allocate(self) -> list[Rank]:
-        from ...geometry import RankGeometry
-        from ...kv_cache import allocate_cpu
+        from ...model.geometry import RankGeometry
+        from ...sdk.kv_cache import allocate_cpu
         ranks = []
         for role, spec, num_pages in (("prefill", self.pspec, self.p_pages), ("decode", self.dspec, self.d_pages)):
             for tp in range(spec.tp_size):
