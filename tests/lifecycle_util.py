@@ -19,14 +19,14 @@ from kvxferd.errors import KvxferError, PlanRefusal
 from kvxferd.lifecycle import effects, events
 from kvxferd.lifecycle.core import Lifecycle
 from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import Moved
 from kvxferd.lifecycle.outbox import Chunk, Route
-from kvxferd.lifecycle.registry import Rank, Registry, rank_id
-from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.lifecycle.registry import Rank, Registry
+from kvxferd.model.geometry import InstanceSpec, RankGeometry, rank_id
 from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import as_pages, unit_slots
 from kvxferd.ops.config import Config
 from kvxferd.ops.metrics import Metrics
-from kvxferd.transport.base import Moved
 from kvxferd.wire import messages
 
 

@@ -22,6 +22,7 @@ from kvxferd.datapath import copier, runcopy, staging
 from kvxferd.datapath.regions import MappedRegion
 from kvxferd.errors import GeometryError, RequestError, TransferError
 from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import ChunkJob
 from kvxferd.lifecycle.registry import Rank
 from kvxferd.model import segments
 from kvxferd.model.geometry import InstanceSpec, RankGeometry
@@ -29,7 +30,6 @@ from kvxferd.model.plan import Writer
 from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import as_pages, paired_segments, unit_slots
 from kvxferd.ops.metrics import Metrics
-from kvxferd.transport.base import ChunkJob
 
 CC = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 

@@ -22,11 +22,12 @@ from kvxferd.datapath.regions import MappedRegion
 from kvxferd.datapath.staging import StagingPool
 from kvxferd.errors import KvxferError, PeerHungUp, RequestError
 from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import ChunkJob, Moved
 from kvxferd.lifecycle.registry import Rank
 from kvxferd.model.geometry import InstanceSpec, RankGeometry
 from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import unit_slots
-from kvxferd.transport.base import SMALL_CHUNK, ChunkJob, Moved
+from kvxferd.transport.base import SMALL_CHUNK
 from kvxferd.transport.tcp import TcpDataServer, TcpTransport
 from kvxferd.wire import protocol
 

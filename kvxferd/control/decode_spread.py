@@ -14,8 +14,7 @@ from typing import Callable, Protocol
 from ..directory.holders import spec_difference
 from ..errors import PlanRefusal, TransferError
 from ..lifecycle.inbox import DestEntry
-from ..lifecycle.registry import rank_id
-from ..model.geometry import InstanceSpec
+from ..model.geometry import InstanceSpec, rank_id
 from ..model.plan import Plan
 
 

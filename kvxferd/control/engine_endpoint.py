@@ -23,9 +23,9 @@ from ..errors import KvxferError, ProtocolError, RegistrationError, RequestError
 from ..lifecycle import events
 from ..lifecycle.core import Lifecycle
 from ..lifecycle.outbox import Chunk
-from ..lifecycle.registry import ProcessRef, Rank, Registry, rank_id
+from ..lifecycle.registry import ProcessRef, Rank, Registry
 from ..model import dp
-from ..model.geometry import RankGeometry
+from ..model.geometry import RankGeometry, rank_id
 from ..model.group_requests import expect_tables, send_tables
 from ..model.segments import as_pages, check_whole_pages, unit_slots
 from ..ops.config import Config

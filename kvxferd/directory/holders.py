@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from ..errors import PlanRefusal, RegistrationError
-from ..lifecycle.registry import rank_id
 from ..model import dp
-from ..model.geometry import InstanceSpec
+from ..model.geometry import InstanceSpec, rank_id
 
 Coords = tuple[int, int]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..transport.base import ChunkJob
 from ..wire.messages import Event, Message
 from .inbox import DestEntry
+from .jobs import ChunkJob
 from .outbox import SrcEntry, Target
 
 

@@ -10,8 +10,8 @@ from typing import Any
 import numpy as np
 
 from ..model.plan import Plan
-from ..transport.base import Moved
 from .inbox import DestEntry
+from .jobs import Moved
 from .outbox import Chunk, SrcEntry, Target
 from .registry import Rank
 

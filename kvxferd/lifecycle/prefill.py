@@ -12,16 +12,16 @@ import logging
 from typing import Any
 
 from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
+from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
 from ..model.plan import group_key
 from ..model.segments import clip_slots
 from ..ops.logutil import q
-from ..transport.base import ChunkJob
 from ..wire.messages import Event, Fenced, PeerAbort
 from . import effects, events, states
 from .base import LifecycleBase
+from .jobs import ChunkJob
 from .outbox import Binding, Chunk, Route, SrcEntry, Target
-from .registry import rank_id as make_rank_id
 from .routes import DecodeEnd
 
 log = logging.getLogger("kvxferd.lifecycle")

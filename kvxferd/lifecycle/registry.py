@@ -7,7 +7,7 @@ from typing import Iterator
 
 from ..datapath.regions import MappedRegion
 from ..errors import RegistrationError
-from ..model.geometry import InstanceSpec, RankGeometry
+from ..model.geometry import InstanceSpec, RankGeometry, rank_id
 
 
 @dataclass(frozen=True)
@@ -35,10 +35,6 @@ def _start_time(pid: int) -> str | None:
         return None
     fields = stat[stat.rfind(")") + 2:].split()
     return fields[19] if len(fields) > 19 else None
-
-
-def rank_id(instance: str, tp_rank: int, pp_rank: int) -> str:
-    return f"{instance}/tp{tp_rank}/pp{pp_rank}"
 
 
 @dataclass

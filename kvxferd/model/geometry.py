@@ -354,6 +354,11 @@ class InstanceSpec:
         return cls(**kwargs)
 
 
+def rank_id(instance: str, tp_rank: int, pp_rank: int) -> str:
+    """How engines, logs and the directory name one rank of an instance."""
+    return f"{instance}/tp{tp_rank}/pp{pp_rank}"
+
+
 @dataclass(frozen=True)
 class RankGeometry:
     """One engine rank's cache: the instance spec plus where this rank sits in it."""

@@ -25,8 +25,9 @@ from typing import Any, Callable, Hashable
 
 from ..lifecycle import effects, events
 from ..lifecycle.inbox import DestEntry
+from ..lifecycle.jobs import Moved
 from ..ops.metrics import Metrics
-from .base import Moved, Transport
+from .base import Transport
 
 log = logging.getLogger("kvxferd.data")
 

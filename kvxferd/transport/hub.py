@@ -14,9 +14,10 @@ import numpy as np
 
 from ..datapath.staging import StagingPool
 from ..lifecycle.inbox import DestEntry, Inbox, Sink
+from ..lifecycle.jobs import Moved
 from ..lifecycle.registry import Rank
 from . import choices
-from .base import Moved, Transport
+from .base import Transport
 from .choices import PairTransport, TransportChoices
 from .local import LocalTransport
 from .nixl.support import NixlSupport

@@ -11,8 +11,9 @@ from typing import Any, Callable, Hashable
 from ..datapath.copier import copy_regions, settle
 from ..errors import KvxferError, TransferError
 from ..lifecycle.inbox import Inbox, Sink
-from ..lifecycle.registry import rank_id
-from .base import SMALL_CHUNK, ChunkJob, Moved
+from ..lifecycle.jobs import ChunkJob, Moved
+from ..model.geometry import rank_id
+from .base import SMALL_CHUNK
 
 
 class LocalTransport:

@@ -28,9 +28,10 @@ from ..datapath.pipeline import receive_blocks, send_blocks
 from ..datapath.staging import Piece, StagingPool, block_bytes, pack
 from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
 from ..lifecycle.inbox import Inbox, Sink
-from ..lifecycle.registry import rank_id
+from ..lifecycle.jobs import ChunkJob, Moved
+from ..model.geometry import rank_id
 from ..wire import protocol
-from .base import SMALL_CHUNK, ChunkJob, Moved
+from .base import SMALL_CHUNK
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
 

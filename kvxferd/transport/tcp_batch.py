@@ -22,8 +22,8 @@ import torch
 
 from ..datapath.staging import StagingPool, block_bytes, pack
 from ..errors import KvxferError
+from ..lifecycle.jobs import ChunkJob, Moved
 from ..wire import protocol
-from .base import ChunkJob, Moved
 from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
 
 Outcome = Moved | BaseException

@@ -13,9 +13,9 @@ from ...datapath.copier import scatter, settle
 from ...errors import KvxferError, ProtocolError, RequestError
 from ...lifecycle.inbox import DestEntry, Sink
 from ...ops.logutil import q
-from ...lifecycle.registry import rank_id
+from ...model.geometry import rank_id
 from ...datapath.staging import block_bytes
-from ..base import Moved
+from ...lifecycle.jobs import Moved
 from .staging import LandingRing
 
 log = logging.getLogger("kvxferd.nixl")

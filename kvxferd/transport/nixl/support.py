@@ -20,7 +20,7 @@ from ...lifecycle.registry import Rank
 from ...model.segments import as_pages
 from ...datapath.staging import StagingPool
 from .. import choices
-from ..base import Moved
+from ...lifecycle.jobs import Moved
 from ..choices import Fallback
 from .transport import NixlPeer, NixlTransport, _why
 

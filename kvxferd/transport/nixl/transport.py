@@ -56,7 +56,7 @@ from ...lifecycle.registry import Rank
 from ...datapath.copier import gather, settle
 from ...model.segments import paired_segments
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
-from ..base import ChunkJob, Moved
+from ...lifecycle.jobs import ChunkJob, Moved
 from ..framing import SMALL_RUN
 from .api import BACKEND, NixlPeer, _descs, _mem, _Registered, load_api
 from .receive import NixlReceiver, _why
