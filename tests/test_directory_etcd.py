@@ -60,7 +60,8 @@ def test_fed_ranks_complete_the_set_and_keys_gone_from_etcd_withdraw_them():
     d, s = Directory("A:1", lease_s=5.0), spec(4, heads=4)
     local = {(0, 0): s, (1, 0): s}
     held = etcd_keys.parse("c1", "prefill", "p", _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None),
-                                                      ("p", (2, 0), "B:1", s, None), ("p", (3, 0), "B:1", s, None))).held
+                                                      ("p", (2, 0), "B:1", s, None),
+                                                      ("p", (3, 0), "B:1", s, None))).held
     assert etcd_keys.feed(d, "p", "prefill", held["p"], "A:1", 0.0, local, None) == []
     assert d.ranks("p", "prefill", 1.0, local) == {(0, 0): "A:1", (1, 0): "A:1", (2, 0): "B:1", (3, 0): "B:1"}
     # B's lease expired in etcd: its keys are gone, and the rank set names what is missing

@@ -5,10 +5,11 @@ Control runs on one asyncio loop (uvloop when installed). The lifecycle core
 engine endpoint (:mod:`.engine_endpoint`), the decode side's links to source daemons
 (:mod:`.decode_links`), the prefill side's endpoint serving decode daemons
 (:mod:`.prefill_endpoint`), the rendezvous (:mod:`.rendezvous`), the data plane's threads
-(:mod:`kvxferd.transport.dataplane`, :mod:`kvxferd.transport`) and timers (:mod:`.timers`). Each shell is handed the parts it works with,
-never the daemon. Every shell turns what it hears into an event for :meth:`Daemon.dispatch`,
-which applies it to the core and carries out the effects the core returns. State is only
-changed on the loop, except the inbox's chunk accounting, which data threads do under its lock.
+(:mod:`kvxferd.transport.dataplane`, :mod:`kvxferd.transport`) and timers (:mod:`.timers`).
+Each shell is handed the parts it works with, never the daemon. Every shell turns what it
+hears into an event for :meth:`Daemon.dispatch`, which applies it to the core and carries
+out the effects the core returns. State is only changed on the loop, except the inbox's
+chunk accounting, which data threads do under its lock.
 """
 
 from __future__ import annotations
