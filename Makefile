@@ -7,8 +7,8 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo demo-vllm test plan bench venv clean
 
-# the package build compiles the native run copy (kvxferd/runcopy.c) where a C compiler exists
-$(STAMP): pyproject.toml setup.py kvxferd/runcopy.c Makefile
+# the package build compiles the native run copy (kvxferd/datapath/runcopy.c) where a C compiler exists
+$(STAMP): pyproject.toml setup.py kvxferd/datapath/runcopy.c Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# CPU torch first, so the dependency range never pulls a CUDA build

@@ -22,7 +22,7 @@ def _load_geometry(path: str) -> dict[str, Any]:
 
 def _live_ranks(args: argparse.Namespace) -> dict[str, Any] | int:
     """``--rendezvous``: the rendezvous's answer for ``--instance`` (or an exit code, said why)."""
-    from .lookup import lookup
+    from .directory.lookup import lookup
     try:
         return lookup(args.rendezvous, args.instance, args.role, args.timeout)
     except KvxferError as exc:
@@ -31,9 +31,9 @@ def _live_ranks(args: argparse.Namespace) -> dict[str, Any] | int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .geometry import InstanceSpec
-    from .lookup import daemons_of, format_ranks
-    from .planner import make_plan
+    from .directory.lookup import daemons_of, format_ranks
+    from .model.geometry import InstanceSpec
+    from .model.planner import make_plan
 
     live: dict[str, Any] | None = None
     if args.rendezvous:
@@ -145,7 +145,7 @@ def _refused(args: argparse.Namespace, exc: KvxferError) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import config, logutil
+    from .ops import config, logutil
     path = args.check_config if isinstance(args.check_config, str) else args.config
     if isinstance(args.check_config, str) and args.config and args.config != args.check_config:
         print("kvxferd: give the file once: --check-config FILE, or --config FILE --check-config",
@@ -180,7 +180,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         logging.getLogger("kvxferd.config").warning(
             "event=config_env_override key=%s var=%s value=%s file=%s file_value=%s", key, cfg.source_of(key),
             logutil.q(str(cfg.value_of(key))), logutil.q(file), logutil.q(str(file_value)))
-    from .daemon import run
+    from .control.daemon import run
     try:
         code = run(cfg)
     except KvxferError as exc:
@@ -213,8 +213,8 @@ def _exit_after_nixl(code: int) -> int:
     its own teardown at process exit, e.g. its InfiniBand module on a host that has
     libibverbs but no RDMA device, which would turn a clean stop into a SIGSEGV status.
     """
-    from .transport import nixl
-    if not nixl.loaded():
+    from .transport.nixl.api import loaded
+    if not loaded():
         return code
     import logging
     logging.shutdown()
@@ -225,7 +225,7 @@ def _exit_after_nixl(code: int) -> int:
 
 def _find_socket(args: argparse.Namespace) -> tuple[str | None, list[str]]:
     """The engine socket of the daemon to ask: as given, else where `serve` would bind it."""
-    from . import config
+    from .ops import config
     if args.socket:
         return args.socket, [args.socket]
     if args.config:
@@ -239,7 +239,7 @@ def _find_socket(args: argparse.Namespace) -> tuple[str | None, list[str]]:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from .client import EngineClient
+    from .sdk.client import EngineClient
     try:
         socket_path, tried = _find_socket(args)
     except KvxferError as exc:
@@ -364,7 +364,7 @@ def _format_rank_maps(rendezvous: dict[str, Any]) -> list[str]:
 
 
 def cmd_keygen(args: argparse.Namespace) -> int:
-    from . import auth
+    from .wire import auth
     pair = auth.generate()
     try:
         path = auth.write_keypair(args.out, pair)

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator
 import pytest
 import zmq
 
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, DaemonProc, Worker, in_parallel  # noqa: F401 - in_parallel named for the tests
 
 EVENT_TIMEOUT = 60
@@ -132,7 +132,7 @@ def hold_half_sent(prefill: list[Worker], decode: list[Worker], request_id: str,
 def wait_in_flight(daemon, key: str, timeout: float = 60) -> None:
     """Wait until the daemon reports a request in ``side:state`` (both sides engaged)."""
     deadline = time.monotonic() + timeout
-    from kvxferd.client import EngineClient
+    from kvxferd.sdk.client import EngineClient
     with EngineClient(daemon.socket_path, timeout=5) as client:
         while time.monotonic() < deadline:
             if client.status()["requests"].get(key):

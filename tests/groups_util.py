@@ -8,7 +8,7 @@ import urllib.request
 from typing import Any
 
 from e2e_util import Cluster, close, finished, spec
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Worker
 
 NUM_PAGES = 48
@@ -35,7 +35,7 @@ def with_draft(tp: int) -> InstanceSpec:
 
 
 def as_group(d: dict[str, Any]):
-    from kvxferd.groups import Group
+    from kvxferd.model.groups import Group
     return Group.from_dict(d)
 
 

@@ -2,7 +2,7 @@
 with the shells replaced by a deterministic loop that delivers effects as the next events.
 
 Each :class:`Node` is one daemon's core. :class:`Cluster` carries peer messages between
-nodes, runs chunk jobs through the destination's real :class:`~kvxferd.inbox.Inbox` (the
+nodes, runs chunk jobs through the destination's real :class:`~kvxferd.lifecycle.inbox.Inbox` (the
 checks and accounting a data thread does, with no bytes to copy), and advances a fake clock.
 Jobs can be held in flight, hellos held (a handshake that has not left yet), and peers cut, so
 every order can be driven. A source node answers a hello as the peer endpoint does: it plans
@@ -17,19 +17,19 @@ from typing import Any
 
 import numpy as np
 
-from kvxferd import messages
-from kvxferd.config import Config
 from kvxferd.errors import KvxferError, PlanRefusal
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.inbox import DestEntry, Inbox
 from kvxferd.lifecycle import effects, events
 from kvxferd.lifecycle.core import Lifecycle
-from kvxferd.metrics import Metrics
-from kvxferd.outbox import Chunk, Route
-from kvxferd.planner import make_plan
-from kvxferd.registry import Rank, Registry, rank_id
-from kvxferd.segments import as_pages, unit_slots
-from kvxferd.transport.base import Moved
+from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import Moved
+from kvxferd.lifecycle.outbox import Chunk, Route
+from kvxferd.lifecycle.registry import Rank, Registry
+from kvxferd.model.geometry import InstanceSpec, RankGeometry, rank_id
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import as_pages, unit_slots
+from kvxferd.ops.config import Config
+from kvxferd.ops.metrics import Metrics
+from kvxferd.wire import messages
 
 
 def spec(tp: int = 1, layers: int = 2, heads: int = 2, page: int = 4) -> InstanceSpec:

@@ -16,7 +16,7 @@ import zmq
 from e2e_util import Cluster
 from e2e_util import run_case as e2e_run_case
 from kvxferd.tools.sim import Worker
-from kvxferd.transport import nixl as nixl_mod
+from kvxferd.transport.nixl import api as nixl_api
 
 #: UCX on loopback TCP only: no RDMA devices, no shared-memory shortcut between the daemons
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
@@ -26,13 +26,13 @@ NUM_PAGES = 64
 
 def _probe() -> str:
     """Empty if a NIXL agent with the UCX backend starts here, else why not."""
-    ok, why = nixl_mod.available()
+    ok, why = nixl_api.available()
     if not ok:
         return why
     saved = {k: os.environ.get(k) for k in UCX_ENV}
     os.environ.update(UCX_ENV)
     try:
-        api = nixl_mod.load_api()
+        api = nixl_api.load_api()
         agent = api.nixl_agent("kvxferd-probe", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
         if "UCX" not in agent.backends:
             return f"NIXL started without its UCX backend (plugins: {agent.get_plugin_list()})"
@@ -92,7 +92,7 @@ class FakePrefillDaemon:
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        api = nixl_mod.load_api()
+        api = nixl_api.load_api()
         self.agent = api.nixl_agent(f"fake-prefill-{os.getpid()}", api.nixl_agent_config(
             enable_prog_thread=True, backends=["UCX"]))
         self.handshake: dict | None = None

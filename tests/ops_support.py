@@ -13,7 +13,7 @@ from typing import Any, Callable
 from prometheus_client.parser import text_string_to_metric_families
 
 from e2e_util import close_cluster, in_parallel  # noqa: F401 - re-exported for the engine tests
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, DaemonProc, Worker
 
 EVENT_TIMEOUT = 60.0
@@ -124,7 +124,7 @@ class Scrape:
 
 def status_now(d: DaemonProc) -> dict[str, Any]:
     """The daemon's status over its engine socket (cheap enough to poll)."""
-    from kvxferd.client import EngineClient
+    from kvxferd.sdk.client import EngineClient
     with EngineClient(d.socket_path, timeout=30) as client:
         return client.status()
 

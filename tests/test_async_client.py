@@ -7,9 +7,9 @@ import asyncio
 import torch
 
 from e2e_util import cluster_run, spec
-from kvxferd.client import AsyncEngineClient, DaemonError
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import AsyncEngineClient, DaemonError
+from kvxferd.sdk.kv_cache import allocate_cpu
 
 
 def test_async_client_moves_bytes_and_reports_events():

@@ -13,8 +13,8 @@ import zmq
 
 from e2e_util import (assert_verified, close, cluster_run, finished, in_parallel, spec, start_nodes, transfer,
                       untouched_bytes, wait_in_flight)
-from kvxferd import auth, protocol
 from kvxferd.errors import ConfigError
+from kvxferd.wire import auth, protocol
 
 NUM_PAGES = 16
 

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from e2e_util import assert_verified, close, cluster_run, finished, in_parallel, spec, transfer
-from kvxferd import auth
+from kvxferd.wire import auth
 
 from ops_support import Scrape, wait_for
 

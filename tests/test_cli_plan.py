@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 
 MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
 

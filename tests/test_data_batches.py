@@ -19,7 +19,7 @@ import msgpack
 import pytest
 
 from e2e_util import NUM_PAGES, Node, cluster_run, finished, module_cluster, move_batched_rounds, spec
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.procstats import scrape
 from test_fuzz_data import N_TOKENS, FakePrefillDaemon, _recv, frame, oracle_payload
 from test_fuzz_engine import canary

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from kvxferd.directory import Directory, RankSetIncomplete
+from kvxferd.directory.holders import Directory, RankSetIncomplete
 from kvxferd.errors import PlanRefusal, RegistrationError
 from lifecycle_util import spec
 
@@ -97,7 +97,7 @@ def test_the_directory_is_bounded():
 # -- data-parallel instances: each DP rank is an instance <name>@dp<k>, all agreeing on dp_size ----
 
 def test_dp_ranks_announce_their_dp_size_and_a_disagreeing_one_is_refused_naming_both_values():
-    from kvxferd import dp
+    from kvxferd.model import dp
     d, s = _dir(), spec(1, heads=2)
     d.announce(dp.dp_instance("p", 2), "prefill", s, [(0, 0)], "B:1", "inc", 0.0, {}, dp_size=4)
     assert d.dp_seen("p", "prefill", 0.5) == dp.DpSize(4, "p@dp2/tp0/pp0", "B:1")
@@ -117,8 +117,8 @@ def test_dp_ranks_announce_their_dp_size_and_a_disagreeing_one_is_refused_naming
 
 
 def test_dp_names_registration_and_request_checks():
-    from kvxferd import dp
     from kvxferd.errors import RequestError
+    from kvxferd.model import dp
     assert dp.split(dp.dp_instance("p", 3)) == ("p", 3) and dp.split("p") == ("p", None)
     assert dp.split("a@dpx") == ("a@dpx", None)
     dp.check_registration("p", None, None)

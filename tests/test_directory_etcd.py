@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd import config, directory_etcd as de
-from kvxferd.directory import Directory, RankSetIncomplete
+from kvxferd.directory import etcd_keys
+from kvxferd.directory.etcd_client import EtcdClient, EtcdUnreachable, parse_endpoint, prefix_end
+from kvxferd.directory.holders import Directory, RankSetIncomplete
 from kvxferd.errors import ConfigError, PlanRefusal
-from kvxferd.etcd import EtcdClient, EtcdUnreachable, parse_endpoint, prefix_end
+from kvxferd.model.geometry import InstanceSpec
+from kvxferd.ops import config
 from kvxferd.tools.sim import free_port
-from kvxferd.geometry import InstanceSpec
 from lifecycle_util import spec as _spec
 
 
@@ -21,13 +22,14 @@ def spec(*args, **kwargs) -> InstanceSpec:
 
 
 def _kvs(*rows: tuple[str, tuple[int, int], str, object, int | None]) -> list[tuple[bytes, bytes, int]]:
-    return [(de.rank_key("c1", "prefill", inst, coords), de.encode_value(daemon, f"inc-{daemon}", s, dp_size), 7)
+    return [(etcd_keys.rank_key("c1", "prefill", inst, coords),
+             etcd_keys.encode_value(daemon, f"inc-{daemon}", s, dp_size), 7)
             for inst, coords, daemon, s, dp_size in rows]
 
 
 def test_keys_follow_the_documented_layout_and_a_prefix_range_covers_exactly_the_prefix():
-    assert de.rank_key("default", "prefill", "llama", (2, 1)) == b"/kvxferd/default/ranks/prefill/llama/2.1"
-    assert de.instance_prefix("default", "decode", "x") == b"/kvxferd/default/ranks/decode/x"
+    assert etcd_keys.rank_key("default", "prefill", "llama", (2, 1)) == b"/kvxferd/default/ranks/prefill/llama/2.1"
+    assert etcd_keys.instance_prefix("default", "decode", "x") == b"/kvxferd/default/ranks/decode/x"
     assert prefix_end(b"/a/b") == b"/a/c"
     assert prefix_end(b"a\xff") == b"b"
 
@@ -36,7 +38,7 @@ def test_a_range_read_groups_ranks_by_instance_and_daemon_and_drops_lookalike_na
     s = spec(4, heads=4)
     kvs = _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None), ("p", (2, 0), "B:1", s, None),
                ("p2", (0, 0), "C:1", s, None), ("p@dp1", (0, 0), "D:1", s, 2))
-    parsed = de.parse("c1", "prefill", "p", kvs)
+    parsed = etcd_keys.parse("c1", "prefill", "p", kvs)
     assert sorted(parsed.held) == ["p", "p@dp1"]  # p2 is another instance
     assert sorted(parsed.held["p"]["A:1"].ranks) == [(0, 0), (1, 0)] and parsed.held["p"]["B:1"].ranks == [(2, 0)]
     assert parsed.held["p@dp1"]["D:1"].dp_size == 2 and parsed.held["p"]["B:1"].incarnation == "inc-B:1"
@@ -46,10 +48,10 @@ def test_a_range_read_groups_ranks_by_instance_and_daemon_and_drops_lookalike_na
 def test_a_bad_key_is_named_and_skipped_the_rest_is_read():
     s = spec(2, heads=2)
     kvs = _kvs(("p", (0, 0), "A:1", s, None)) + [
-        (b"/kvxferd/c1/ranks/prefill/p/x.y", de.encode_value("B:1", "i", s, None), 1),
+        (b"/kvxferd/c1/ranks/prefill/p/x.y", etcd_keys.encode_value("B:1", "i", s, None), 1),
         (b"/kvxferd/c1/ranks/prefill/p/1.0", b"{not json", 1),
         (b"/kvxferd/c1/ranks/prefill/p/1.0", b'{"daemon": "B:1", "spec": {}}', 1)]
-    parsed = de.parse("c1", "prefill", "p", kvs)
+    parsed = etcd_keys.parse("c1", "prefill", "p", kvs)
     assert list(parsed.held["p"]) == ["A:1"]
     assert [k for k, _ in parsed.bad] == ["/kvxferd/c1/ranks/prefill/p/x.y"] + ["/kvxferd/c1/ranks/prefill/p/1.0"] * 2
 
@@ -57,13 +59,15 @@ def test_a_bad_key_is_named_and_skipped_the_rest_is_read():
 def test_fed_ranks_complete_the_set_and_keys_gone_from_etcd_withdraw_them():
     d, s = Directory("A:1", lease_s=5.0), spec(4, heads=4)
     local = {(0, 0): s, (1, 0): s}
-    held = de.parse("c1", "prefill", "p", _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None),
-                                               ("p", (2, 0), "B:1", s, None), ("p", (3, 0), "B:1", s, None))).held
-    assert de.feed(d, "p", "prefill", held["p"], "A:1", 0.0, local, None) == []
+    held = etcd_keys.parse("c1", "prefill", "p", _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None),
+                                                      ("p", (2, 0), "B:1", s, None),
+                                                      ("p", (3, 0), "B:1", s, None))).held
+    assert etcd_keys.feed(d, "p", "prefill", held["p"], "A:1", 0.0, local, None) == []
     assert d.ranks("p", "prefill", 1.0, local) == {(0, 0): "A:1", (1, 0): "A:1", (2, 0): "B:1", (3, 0): "B:1"}
     # B's lease expired in etcd: its keys are gone, and the rank set names what is missing
-    gone = de.parse("c1", "prefill", "p", _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None))).held
-    de.feed(d, "p", "prefill", gone["p"], "A:1", 2.0, local, None)
+    gone = etcd_keys.parse("c1", "prefill", "p",
+                           _kvs(("p", (0, 0), "A:1", s, None), ("p", (1, 0), "A:1", s, None))).held
+    etcd_keys.feed(d, "p", "prefill", gone["p"], "A:1", 2.0, local, None)
     with pytest.raises(RankSetIncomplete) as missing:
         d.ranks("p", "prefill", 2.0, local)
     assert missing.value.missing == [(2, 0), (3, 0)] and "p/tp2/pp0, p/tp3/pp0" in str(missing.value)
@@ -72,34 +76,35 @@ def test_fed_ranks_complete_the_set_and_keys_gone_from_etcd_withdraw_them():
 def test_a_rank_in_etcd_with_another_spec_is_refused_by_the_directory_rules_and_clears_when_fixed():
     d, s, odd = Directory("A:1", lease_s=5.0), spec(2, heads=2), spec(2, heads=2, page=8)
     local = {(0, 0): s}
-    held = de.parse("c1", "prefill", "p", _kvs(("p", (1, 0), "B:1", odd, None))).held["p"]
-    refusals = de.feed(d, "p", "prefill", held, "A:1", 0.0, local, None)
+    held = etcd_keys.parse("c1", "prefill", "p", _kvs(("p", (1, 0), "B:1", odd, None))).held["p"]
+    refusals = etcd_keys.feed(d, "p", "prefill", held, "A:1", 0.0, local, None)
     assert len(refusals) == 1 and "p/tp1/pp0" in refusals[0] and "page_size" in refusals[0]
     with pytest.raises(PlanRefusal) as refused:
         d.ranks("p", "prefill", 0.5, local)
     assert refused.value.field == "page_size" and "= 8" in str(refused.value) and "= 4" in str(refused.value)
-    fixed = de.parse("c1", "prefill", "p", _kvs(("p", (1, 0), "B:1", s, None))).held["p"]
-    assert de.feed(d, "p", "prefill", fixed, "A:1", 1.0, local, None) == []
+    fixed = etcd_keys.parse("c1", "prefill", "p", _kvs(("p", (1, 0), "B:1", s, None))).held["p"]
+    assert etcd_keys.feed(d, "p", "prefill", fixed, "A:1", 1.0, local, None) == []
     assert d.ranks("p", "prefill", 1.5, local) == {(0, 0): "A:1", (1, 0): "B:1"}
 
 
 def test_dp_ranks_with_different_dp_sizes_are_refused_naming_dp_size():
     d, s = Directory("A:1", lease_s=5.0), spec(1, heads=2)
-    parsed = de.parse("c1", "prefill", "m", _kvs(("m@dp0", (0, 0), "B:1", s, 2), ("m@dp1", (0, 0), "C:1", s, 3))).held
-    assert de.feed(d, "m@dp0", "prefill", parsed["m@dp0"], "A:1", 0.0, {}, None) == []
-    refusals = de.feed(d, "m@dp1", "prefill", parsed["m@dp1"], "A:1", 0.0, {}, None)
+    parsed = etcd_keys.parse("c1", "prefill", "m",
+                             _kvs(("m@dp0", (0, 0), "B:1", s, 2), ("m@dp1", (0, 0), "C:1", s, 3))).held
+    assert etcd_keys.feed(d, "m@dp0", "prefill", parsed["m@dp0"], "A:1", 0.0, {}, None) == []
+    refusals = etcd_keys.feed(d, "m@dp1", "prefill", parsed["m@dp1"], "A:1", 0.0, {}, None)
     assert refusals and "dp_size" in refusals[0] and "3" in refusals[0] and "2" in refusals[0]
 
 
 def test_a_daemon_writes_changed_ranks_and_deletes_those_that_went():
     s, t = spec(2, heads=2), spec(2, heads=2, page=8)
-    want = de.desired("c1", "B:1", "inc", [("p", "prefill", (0, 0), s, None), ("p", "prefill", (1, 0), s, None)])
-    puts, deletes = de.diff(want, {})
+    want = etcd_keys.desired("c1", "B:1", "inc", [("p", "prefill", (0, 0), s, None), ("p", "prefill", (1, 0), s, None)])
+    puts, deletes = etcd_keys.diff(want, {})
     assert sorted(puts) == [b"/kvxferd/c1/ranks/prefill/p/0.0", b"/kvxferd/c1/ranks/prefill/p/1.0"] and not deletes
-    later = de.desired("c1", "B:1", "inc", [("p", "prefill", (0, 0), t, None)])
-    puts, deletes = de.diff(later, want)
+    later = etcd_keys.desired("c1", "B:1", "inc", [("p", "prefill", (0, 0), t, None)])
+    puts, deletes = etcd_keys.diff(later, want)
     assert list(puts) == [b"/kvxferd/c1/ranks/prefill/p/0.0"] and deletes == [b"/kvxferd/c1/ranks/prefill/p/1.0"]
-    assert de.diff(later, later) == ({}, [])
+    assert etcd_keys.diff(later, later) == ({}, [])
 
 
 def test_lease_ttl_follows_the_peer_timeout_unless_set_and_is_at_least_two_seconds():

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd import config
+from kvxferd.ops import config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]

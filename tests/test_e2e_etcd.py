@@ -16,14 +16,15 @@ import urllib.request
 import pytest
 
 from e2e_util import NUM_PAGES, Node, both_orders_byte_exact, close, module_cluster, peer_socket, run_case, spec
-from kvxferd import PROTOCOL_VERSION, cli, messages, protocol
-from kvxferd import directory_etcd as de
-from kvxferd.client import EngineClient
+from kvxferd import PROTOCOL_VERSION, cli
+from kvxferd.directory import etcd_keys
+from kvxferd.directory.etcd_client import EtcdClient, EtcdError
+from kvxferd.directory.lookup import daemons_of, lookup
 from kvxferd.errors import KvxferError
-from kvxferd.etcd import EtcdClient, EtcdError
-from kvxferd.lookup import daemons_of, lookup
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools import launch
 from kvxferd.tools.sim import free_port
+from kvxferd.wire import messages, protocol
 
 ETCD = shutil.which("etcd")
 CLUSTER = "e2e"
@@ -88,8 +89,8 @@ def _status(daemon):
 
 def _in_etcd(url: str, instance: str) -> dict[str, str]:
     """rank (tp.pp) -> the daemon its key names, as etcd holds it now."""
-    kvs = EtcdClient([url]).get_prefix(de.instance_prefix(CLUSTER, "prefill", instance) + b"/")
-    parsed = de.parse(CLUSTER, "prefill", instance, kvs)
+    kvs = EtcdClient([url]).get_prefix(etcd_keys.instance_prefix(CLUSTER, "prefill", instance) + b"/")
+    parsed = etcd_keys.parse(CLUSTER, "prefill", instance, kvs)
     return {f"{tp}.{pp}": daemon for daemon, h in parsed.held.get(instance, {}).items() for tp, pp in h.ranks}
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from e2e_util import (Cluster, Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for,
                       peer_socket, spec, start_nodes, transfer, wait_in_flight)
-from kvxferd.client import DaemonError, EngineClient
+from kvxferd.sdk.client import DaemonError, EngineClient
 from ops_support import Scrape
 
 NUM_PAGES = 32
@@ -171,8 +171,8 @@ def test_malformed_engine_messages_get_errors(cluster, payload, field):
 
 
 def test_register_refuses_regions_that_do_not_match_geometry(cluster):
-    from kvxferd.geometry import RankGeometry
-    from kvxferd.memory import allocate_cpu
+    from kvxferd.model.geometry import RankGeometry
+    from kvxferd.sdk.kv_cache import allocate_cpu
     dd = cluster.daemons["decode-node"]
     geo = RankGeometry(spec(), 0, 0, 8)
     with allocate_cpu(geo, name="badreg") as cache:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import pytest
 
 from e2e_util import Node, close, cluster_run, finished, module_cluster, spec, start_nodes
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from groups_util import (CONV, NUM_PAGES, SSM, as_group, gpt_oss, group_bytes, metric, never_used, qwen_next,
                          request_ids, run_groups, untouched, with_draft)
 

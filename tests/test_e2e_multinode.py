@@ -11,8 +11,8 @@ import pytest
 
 from e2e_util import (NUM_PAGES, Node, assert_verified, both_orders_byte_exact, close, cluster_run, finished,
                       hold_half_sent, module_cluster, spec, start_nodes, transfer, wait_in_flight)
-from kvxferd.client import EngineClient
-from kvxferd.geometry import RankGeometry
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import Worker
 
 

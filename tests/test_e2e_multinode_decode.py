@@ -11,7 +11,7 @@ import pytest
 
 from e2e_util import (NUM_PAGES, Node, assert_verified, both_orders_byte_exact, close, cluster_run, finished,
                       hold_half_sent, module_cluster, spec, start_nodes, transfer, wait_in_flight)
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 
 NODES = ("node-a", "node-b", "node-d1", "node-d2")
 
@@ -97,7 +97,7 @@ def test_a_decode_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(r
 def test_decode_daemons_whose_ranks_disagree_on_geometry_are_refused_naming_both(cluster):
     """d/0 at D1 and d/1 at D2 registered with different page sizes: the second decode daemon's
     handshake with the source is refused naming both daemons, the field and both values."""
-    from kvxferd.geometry import RankGeometry
+    from kvxferd.model.geometry import RankGeometry
     from kvxferd.tools.sim import Worker
     a, b, d1, d2 = (cluster.daemons[n] for n in NODES)
     (prefill,) = cluster.instances((a, "gp", "prefill", spec(tp_size=1, total_kv_heads=4), NUM_PAGES))

@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from e2e_util import assert_verified, close, finished, module_cluster, pages_for, peer_socket, spec
-from kvxferd import protocol
-from kvxferd.client import EngineClient
-from kvxferd.geometry import RankGeometry
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import Worker
+from kvxferd.wire import protocol
 
 NUM_PAGES = 64
 

@@ -13,8 +13,8 @@ import pytest
 import zmq
 
 from e2e_util import NUM_PAGES, Node, disjoint_requests, finished, module_cluster, sources_for, spec, untouched_bytes
-from kvxferd import protocol
-from kvxferd.client import DaemonError, EngineClient
+from kvxferd.sdk.client import DaemonError, EngineClient
+from kvxferd.wire import protocol
 
 MAX_BATCH = 4
 
@@ -98,7 +98,7 @@ def test_answers_of_one_batch_leave_as_one_multipart_message_in_order(cluster):
 def test_async_client_batches_too(cluster):
     import asyncio
 
-    from kvxferd.client import AsyncEngineClient
+    from kvxferd.sdk.client import AsyncEngineClient
     dd = cluster.daemons["decode-node"]
 
     async def main() -> None:

@@ -19,10 +19,10 @@ import pytest
 import torch
 
 from e2e_util import module_cluster, spec
-from kvxferd.client import DaemonError, EngineClient
 from kvxferd.errors import RegistrationError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import SharedPool, describe_tensors, share_in_place
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.sdk.client import DaemonError, EngineClient
+from kvxferd.sdk.engine_memory import SharedPool, describe_tensors, share_in_place
 
 MARK = 0x5A
 
@@ -91,7 +91,7 @@ def test_share_in_place_refuses_non_cpu_tensors_naming_index_and_device():
 
 
 def test_named_shared_file_is_removed_at_normal_exit_without_close():
-    code = ("import torch\nfrom kvxferd.memory import share_in_place\n"
+    code = ("import torch\nfrom kvxferd.sdk.engine_memory import share_in_place\n"
             "t = torch.ones(1000)\np = share_in_place([t], name='t-exit', shm_dir='/dev/shm')\n"
             "print(p.path, flush=True)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -109,7 +109,7 @@ def test_describe_refuses_private_memory_naming_the_tensor_and_the_fix():
         describe_tensors({(3, "k"): torch.zeros(64)})
     text = str(err.value)
     assert "(layer 3, kind 'k')" in text and "private memory" in text
-    assert "kvxferd.memory.share_in_place(" in text
+    assert "kvxferd.sdk.engine_memory.share_in_place(" in text
 
 
 def test_describe_refuses_non_contiguous_naming_shape_and_stride():
@@ -329,7 +329,7 @@ def test_async_client_forwards_start(nodes):
     """AsyncEngineClient.expect carries start: the daemon's start check answers it."""
     import asyncio
 
-    from kvxferd.client import AsyncEngineClient
+    from kvxferd.sdk.client import AsyncEngineClient
 
     dd = nodes.daemons["decode-node"]
     s = spec(num_layers=1, page_size=4, total_kv_heads=2)

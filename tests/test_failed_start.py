@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import DaemonProc
 
 

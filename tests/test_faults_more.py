@@ -22,7 +22,7 @@ import zmq
 
 from e2e_util import Node, assert_verified, close, finished, module_cluster, pages_for, peer_socket, spec, transfer
 from kvxferd import PROTOCOL_VERSION
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import HEARTBEAT_S, PEER_TIMEOUT_S  # what Cluster configures
 from test_fuzz_engine import canary, wait_idle
 

@@ -9,9 +9,9 @@ import threading
 
 import pytest
 
-from kvxferd import protocol
 from kvxferd.transport import framing
 from kvxferd.transport.framing import FrameReader, sendmsg_all
+from kvxferd.wire import protocol
 
 
 @pytest.fixture

@@ -33,7 +33,7 @@ import pytest
 import zmq
 
 from e2e_util import cluster_run, finished, spec
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
 from test_fuzz_engine import canary, junk, wait_idle
 

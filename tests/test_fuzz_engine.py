@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from e2e_util import Cluster, assert_verified, pages_for, spec, transfer
-from kvxferd.client import EngineClient
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu
 from kvxferd.tools.oracle import CANARY
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 from e2e_util import Node, assert_verified, cluster_run, pages_for, peer_socket, spec, start_nodes, transfer
 from kvxferd import PROTOCOL_VERSION
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import free_port
 from test_fuzz_engine import canary, encoded_mutations, junk, value, wait_idle
 

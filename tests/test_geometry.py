@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from kvxferd.errors import GeometryError, KvxferError
-from kvxferd.geometry import DTYPE_BITS, InstanceSpec, RankGeometry, even_layer_splits
+from kvxferd.model.geometry import DTYPE_BITS, InstanceSpec, RankGeometry, even_layer_splits
 
 
 def spec(**overrides: Any) -> InstanceSpec:

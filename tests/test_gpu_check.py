@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools import gpu_check as gc
 from kvxferd.tools.oracle import logical_cache, logical_pages
 from nixl_util import NIXL_MISSING

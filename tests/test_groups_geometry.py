@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.errors import GeometryError, PlanRefusal
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import allocate_cpu
-from kvxferd.planner import make_plan
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.planner import make_plan
+from kvxferd.sdk.kv_cache import allocate_cpu
 
 BASE = {"attention": "mha", "num_layers": 4, "head_dim": 8, "dtype": "bfloat16", "page_size": 4,
         "total_kv_heads": 4}

@@ -11,11 +11,11 @@ from __future__ import annotations
 import pytest
 
 from kvxferd.errors import ProtocolError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.group_plan import group_plans
-from kvxferd.group_requests import group_origin
-from kvxferd.memory import allocate_cpu
-from kvxferd.protocol import region_kind
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.group_plan import group_plans
+from kvxferd.model.group_requests import group_origin
+from kvxferd.sdk.kv_cache import allocate_cpu
+from kvxferd.wire.protocol import region_kind
 
 SWA = {"name": "swa", "kind": "window", "num_layers": 2, "head_dim": 32, "total_kv_heads": 2, "window": 39}
 

@@ -19,12 +19,14 @@ import torch
 
 from e2e_util import module_cluster
 from e2e_util import run_case as _run_case
-from kvxferd.client import EngineClient
+from kvxferd.datapath.regions import MemoryMapper
 from kvxferd.errors import GeometryError, RegistrationError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import MemoryMapper, allocate_cpu, describe_tensors, region_shape, share_in_place
-from kvxferd.planner import make_plan
-from kvxferd.segments import page_slots, slots, unit_slots
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import page_slots, slots, unit_slots
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
+from kvxferd.sdk.kv_cache import allocate_cpu, region_shape
 
 NUM_PAGES = 20
 _ids = itertools.count()

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd import messages
 from kvxferd.errors import RequestError
 from kvxferd.lifecycle import events
+from kvxferd.wire import messages
 
 from lifecycle_util import Cluster, Node, pages, spec
 

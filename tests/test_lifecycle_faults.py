@@ -110,8 +110,8 @@ def test_one_sided_failure_waits_for_the_fence():
 def _hybrid_half_written():
     """A hybrid request over a NIXL route: the full-attention WRITE returned, the state group's
     (a job of its own) is still in flight."""
-    from kvxferd.geometry import InstanceSpec
-    from kvxferd.groups import Group
+    from kvxferd.model.geometry import InstanceSpec
+    from kvxferd.model.groups import Group
     hybrid = InstanceSpec(attention="mha", num_layers=2, head_dim=8, dtype="bfloat16", page_size=4, total_kv_heads=2,
                           groups=(Group("ssm", "state", 2, dtype="float32", shape=(4, 8), split_dim=0),))
     c = Cluster("P", "D")

@@ -7,7 +7,7 @@ import pytest
 
 from kvxferd.errors import RequestError
 from kvxferd.lifecycle import events
-from kvxferd.registry import rank_id
+from kvxferd.model.geometry import rank_id
 from lifecycle_util import Cluster, nbytes_of, pages, spec
 
 

@@ -8,9 +8,9 @@ import pytest
 
 from kvxferd.errors import PlanRefusal
 from kvxferd.lifecycle import events
+from kvxferd.lifecycle.outbox import Route
 from kvxferd.lifecycle.routes import RouteBook
-from kvxferd.outbox import Route
-from kvxferd.planner import make_plan
+from kvxferd.model.planner import make_plan
 from lifecycle_util import Cluster, nbytes_of, pages, spec
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from e2e_util import Node, module_cluster, spec
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from test_fuzz_engine import wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from e2e_util import spec
+from kvxferd.datapath.regions import MemoryMapper
 from kvxferd.errors import RegistrationError
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import MemoryMapper, allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.kv_cache import allocate_cpu
 
 PID = os.getpid()  # the test process is the engine: the mapper opens its descriptors
 
@@ -110,8 +111,8 @@ def test_a_cuda_handle_names_its_gpu_by_uuid_and_an_unseen_one_is_refused():
     the GPU by UUID, keeps the index only for handles without one, and refuses a GPU it cannot see."""
     import torch
 
+    from kvxferd.datapath.cuda_ipc import local_device
     from kvxferd.errors import RegistrationError
-    from kvxferd.memory import local_device
 
     assert local_device({"device": 3}) == 3  # an older client: its index as sent
     with pytest.raises(RegistrationError) as err:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvxferd import PROTOCOL_VERSION, messages, protocol
+from kvxferd import PROTOCOL_VERSION
 from kvxferd.errors import ProtocolError
+from kvxferd.wire import messages, protocol
 
 
 def test_peer_expect_wire_is_the_map_peers_speak():

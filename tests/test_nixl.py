@@ -21,11 +21,13 @@ import numpy as np
 import pytest
 
 from e2e_util import Node, close, cluster_run, finished, spec, start_nodes
-from kvxferd import PROTOCOL_VERSION, config, protocol
-from kvxferd.client import EngineClient
+from kvxferd import PROTOCOL_VERSION
 from kvxferd.errors import ConfigError, PlanRefusal, ProtocolError, RequestError, TransferError
-from kvxferd.transport import nixl as nixl_mod
-from kvxferd.transport.nixl_support import NixlSupport
+from kvxferd.ops import config
+from kvxferd.sdk.client import EngineClient
+from kvxferd.transport.nixl import api as nixl_api
+from kvxferd.transport.nixl.support import NixlSupport
+from kvxferd.wire import protocol
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
 
@@ -37,7 +39,7 @@ def cluster(request):
     with cluster_run(request) as c:
         # NIXL enabled but not installed: every module that could provide it fails to import
         stubs = c.root / "no-nixl"
-        for name in nixl_mod.MODULES:
+        for name in nixl_api.MODULES:
             (stubs / name).mkdir(parents=True)
             (stubs / name / "__init__.py").write_text('raise ImportError("simulated: NIXL is not installed")\n')
         start_nodes(c, Node("prefill-nixl", env=NIXL_ENV), Node("decode-nixl", env=NIXL_ENV),
@@ -297,7 +299,7 @@ def test_peer_schemas_bound_the_nixl_fields():
 
 
 def test_remote_bases_and_descriptors_are_built_in_wire_order():
-    peer = nixl_mod.NixlPeer("agent", spec(page_size=4, head_dim=32))
+    peer = nixl_api.NixlPeer("agent", spec(page_size=4, head_dim=32))
     assert peer.spec.page_bytes == 4 * 256
     peer.update([[1, 0, layer, kind, 1 << 20 | (layer << 12) | (kind == "v") << 8, 64 * 1024, -1]
                  for layer in range(3) for kind in ("k", "v")])
@@ -309,13 +311,13 @@ def test_remote_bases_and_descriptors_are_built_in_wire_order():
     with pytest.raises(TransferError) as err:
         peer.bases((1, 0), (2, 4), ("k", "v"))
     assert "layer 3" in str(err.value)
-    descs = nixl_mod._descs(np.array([1000, 5000], dtype=np.uint64), np.array([0, 40]), np.array([8, 16]), -1)
+    descs = nixl_api._descs(np.array([1000, 5000], dtype=np.uint64), np.array([0, 40]), np.array([8, 16]), -1)
     assert descs.tolist() == [[1000, 8, 0], [1040, 16, 0], [5000, 8, 0], [5040, 16, 0]]
 
 
 def test_strided_decode_regions_are_addressed_by_their_stride_and_must_agree_on_it():
     dspec = spec(page_size=4, head_dim=32)  # 256-byte rows, 1 KiB pages
-    peer = nixl_mod.NixlPeer("agent", dspec)
+    peer = nixl_api.NixlPeer("agent", dspec)
     stride = 3 * dspec.page_bytes
     peer.update([[0, 0, layer, kind, 1 << 20, 7 * stride + dspec.page_bytes, -1, stride]
                  for layer in range(4) for kind in ("k", "v")])
@@ -364,7 +366,7 @@ def test_expect_over_nixl_is_checked_before_any_write():
     loaded = []
     support.transport = type("Loader", (), {
         "load": lambda self, agent, mds, regions=None: loaded.append((agent, mds))})()
-    peer = nixl_mod.NixlPeer("agent-d", spec(page_size=4, head_dim=32))
+    peer = nixl_api.NixlPeer("agent-d", spec(page_size=4, head_dim=32))
     assert peer.spec.page_bytes == 1024
     peer.update([[0, 0, 0, "k", 1 << 20, 16 * 1024, -1], [0, 0, 0, "v", 2 << 20, 16 * 1024, -1]])
     assert support.expect_pages(peer, (0, 0), {"dst_pages": [0, 15]}).tolist() == [0, 15]

@@ -7,7 +7,7 @@ must pass on these daemons exactly as it would on fresh ones.
 
 Reported against real deployments: after several such instances, direct WRITEs failed with
 ``NIXL_ERR_NOT_FOUND``. The cause was stale remote descriptors hiding newer regions mapped at
-reused addresses (see ``kvxferd/transport/nixl_remote.py``); ``tests/test_nixl_remote.py``
+reused addresses (see ``kvxferd/transport/nixl/remote.py``); ``tests/test_nixl_remote.py``
 reproduces it deterministically. This sequence of geometries passes with or without that
 overlap, depending on where the decode daemon maps each engine's memory, and stays as the
 end-to-end regression case for the report.

@@ -26,7 +26,7 @@ import pytest
 
 from e2e_util import Node, close, cluster_run, start_nodes
 from groups_util import gpt_oss, never_used, qwen_next, run_groups, untouched, with_draft
-from kvxferd.geometry import DTYPE_BITS, InstanceSpec
+from kvxferd.model.geometry import DTYPE_BITS, InstanceSpec
 from nixl_util import NIXL_ENV, NIXL_MISSING, metric
 
 SLOT = 4096
@@ -131,8 +131,8 @@ def test_a_nixl_expect_must_carry_every_groups_table_inside_its_regions():
     """The prefill side checks each group's destination table against the regions the decode rank
     described for that group (a state group's regions hold its slots), before any WRITE."""
     from kvxferd.errors import ProtocolError, RequestError
-    from kvxferd.transport.nixl_api import NixlPeer
-    from kvxferd.transport.nixl_support import NixlSupport
+    from kvxferd.transport.nixl.api import NixlPeer
+    from kvxferd.transport.nixl.support import NixlSupport
 
     dspec = qwen_next(1)
     support = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20, max_pages=8)

@@ -24,10 +24,10 @@ import torch
 
 from e2e_util import Node, module_cluster
 from e2e_util import run_case as e2e_run_case
-from kvxferd.client import EngineClient
-from kvxferd.engine_memory import describe_tensors, share_in_place
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.segments import slot_count
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.segments import slot_count
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
 from nixl_util import NIXL_MISSING, metric
 from transport_util import ONLY_NIXL, Carried
 NUM_PAGES = 24

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from kvxferd.errors import TransferError
-from kvxferd.inbox import Inbox
-from kvxferd.transport.nixl_remote import Gate, Loaded, RemoteBook, pair_blobs
+from kvxferd.lifecycle.inbox import Inbox
+from kvxferd.transport.nixl.remote import Gate, Loaded, RemoteBook, pair_blobs
 from nixl_util import UCX_ENV, needs_nixl
 
 
@@ -38,11 +38,12 @@ def _write(transport, local: np.ndarray, remote: np.ndarray, agent: str) -> str:
 def test_a_stale_region_inside_a_newer_one_is_reloaded_away(monkeypatch):
     for key, value in UCX_ENV.items():
         monkeypatch.setenv(key, value)
-    from kvxferd.transport import nixl as nixl_mod
-    api = nixl_mod.load_api()
+    from kvxferd.transport.nixl.api import load_api
+    from kvxferd.transport.nixl.transport import NixlTransport
+    api = load_api()
     decode = api.nixl_agent("decode-stale", api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"]))
-    prefill = nixl_mod.NixlTransport("prefill-stale", Inbox(lambda entry: None), timeout_s=5.0,
-                                     max_header_bytes=1 << 16)
+    prefill = NixlTransport("prefill-stale", Inbox(lambda entry: None), timeout_s=5.0,
+                            max_header_bytes=1 << 16)
     memory = torch.zeros(4 << 20, dtype=torch.uint8)
     src = torch.ones(4096, dtype=torch.uint8)
     src_reg = prefill.agent.register_memory(np.array([[src.data_ptr(), 4096, 0]], dtype=np.uint64), "DRAM")

@@ -22,12 +22,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from e2e_util import Cluster, Node, close, cluster_run, finished, module_cluster, spec, untouched_bytes
-from kvxferd import config, protocol
-from kvxferd.client import EngineClient
+from kvxferd.datapath.staging import Piece, StagingPool, block_pieces, pack
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
-from kvxferd.inbox import Sink
-from kvxferd.staging import Piece, StagingPool, block_pieces, pack
-from kvxferd.transport.nixl_staging import Assemblies, Credits, LandingRings, RingInfo
+from kvxferd.lifecycle.inbox import Sink
+from kvxferd.ops import config
+from kvxferd.sdk.client import EngineClient
+from kvxferd.transport.nixl.staging import Assemblies, Credits, LandingRings, RingInfo
+from kvxferd.wire import protocol
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
 

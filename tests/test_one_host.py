@@ -14,10 +14,10 @@ import sys
 
 import torch
 
-from kvxferd import config
-from kvxferd.client import EngineClient
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.ops import config
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu
 from kvxferd.tools.sim import DaemonProc
 
 from test_ops_config import CONFIGS, ROOT, clean_env

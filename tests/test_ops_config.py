@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvxferd import config
-from kvxferd.config import tomllib
 from kvxferd.errors import ConfigError
+from kvxferd.ops import config
+from kvxferd.ops.config import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"

@@ -18,9 +18,9 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from kvxferd.client import EngineClient
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu
 
 from e2e_util import cluster_run
 from ops_support import (NUM_PAGES, Scrape, base_url, http_get, kv_bytes, next_for, pages, spec,
@@ -228,7 +228,7 @@ def test_dashboard_and_alerts_only_use_exported_metrics(pair):
 
 def test_operations_doc_lists_every_metric():
     """The metric table of docs/OPERATIONS.md names each metric a daemon exports, and nothing else."""
-    from kvxferd.metrics import Metrics
+    from kvxferd.ops.metrics import Metrics
     doc = (ROOT / "docs/OPERATIONS.md").read_text()
     section = doc[doc.index("## Metrics and health"):].split("\n## ", 1)[0]
     exported = {f.name + ("_total" if f.type == "counter" else "") for f in Metrics().registry.collect()}

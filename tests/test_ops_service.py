@@ -22,10 +22,10 @@ from pathlib import Path
 import pytest
 
 import kvxferd
-from kvxferd import sdnotify
-from kvxferd.client import DaemonError, EngineClient
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.ops import sdnotify
+from kvxferd.sdk.client import DaemonError, EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu
 from kvxferd.tools.sim import Cluster, DaemonProc
 
 from ops_support import (NUM_PAGES, base_url, http_get, in_parallel, next_for, pages, spec,
@@ -185,7 +185,7 @@ def test_systemd_unit_verifies(tmp_path):
 
 def test_container_and_unit_use_real_settings():
     """Every KVXFERD_* variable the deploy files set is a real setting."""
-    from kvxferd.config import unknown_env
+    from kvxferd.ops.config import unknown_env
     for path in ("Dockerfile", "deploy/kvxferd.service", "deploy/kubernetes/daemonset.yaml"):
         names = set(re.findall(r"\b(KVXFERD_[A-Z0-9_]+)", (ROOT / path).read_text()))
         names.discard("KVXFERD_")
@@ -236,7 +236,7 @@ def test_status_finds_the_daemon_and_reports_everything(cluster):
     assert failure["request_id"] == "st-abort" and failure["code"] == "aborted" and failure["side"] == "decode"
     assert 'operator said "stop" now' in failure["reason"]
     # the copy path this installation runs (the daemon is started from it), in status, metrics and the log
-    from kvxferd import runcopy
+    from kvxferd.datapath import runcopy
     assert st["copy_path"] == runcopy.copy_path()
     assert f'kvxferd_copy_path{{path="{st["copy_path"]["path"]}"}} 1.0' in http_get(st["metrics_url"])[2]
     assert f"event=copy_path path={st['copy_path']['path']}" in dd.log()

@@ -45,7 +45,7 @@ def installed_copy_path(tmp: Path, wheel: Path) -> dict[str, str]:
     out = subprocess.run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    probe = "import json, kvxferd.runcopy as r; print(json.dumps({**r.copy_path(), 'module': r.__file__}))"
+    probe = "import json, kvxferd.datapath.runcopy as r; print(json.dumps({**r.copy_path(), 'module': r.__file__}))"
     deps = os.pathsep.join(site.getsitepackages())
     got = subprocess.run([str(python), "-c", probe], capture_output=True, text=True, timeout=120, cwd=tmp,
                          env={**os.environ, "PYTHONPATH": deps})
@@ -58,7 +58,7 @@ def installed_copy_path(tmp: Path, wheel: Path) -> dict[str, str]:
 def test_a_wheel_carries_the_native_copy_and_loads_it(tmp_path):
     wheel, log = build_wheel(tmp_path)
     with zipfile.ZipFile(wheel) as z:
-        libraries = [n for n in z.namelist() if n.startswith("kvxferd/_runcopy") and n.endswith(".so")]
+        libraries = [n for n in z.namelist() if n.startswith("kvxferd/datapath/_runcopy") and n.endswith(".so")]
     assert len(libraries) == 1, z.namelist()
     assert "Deprecat" not in log and "license" not in log.lower(), log[-3000:]  # no warnings of ours
     found = installed_copy_path(tmp_path, wheel)

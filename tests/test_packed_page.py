@@ -17,13 +17,13 @@ from hypothesis import strategies as st
 
 from e2e_util import close, finished, module_cluster
 from e2e_util import run_case as _run_case
-from kvxferd.client import DaemonError, EngineClient
 from kvxferd.errors import GeometryError, PlanRefusal, RequestError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import allocate_cpu, region_shape
-from kvxferd.planner import make_plan
-from kvxferd.segments import (check_whole_pages, clip_slots, paired_segments, slot_count, slots,
-                              unit_slots)
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import (check_whole_pages, clip_slots, paired_segments, slot_count, slots,
+                                    unit_slots)
+from kvxferd.sdk.client import DaemonError, EngineClient
+from kvxferd.sdk.kv_cache import allocate_cpu, region_shape
 
 NUM_PAGES = 24
 _ids = itertools.count()
@@ -293,7 +293,7 @@ def test_packed_vs_nhd_refused_at_handshake(cluster):
 def test_vllm_cpu_cache_shared_and_described_moves_byte_exact(cluster):
     """vLLM's CPU layer tensors (views of one storage, K^T then V per block and head), put in
     shared memory with share_in_place and registered with describe_tensors."""
-    from kvxferd.memory import describe_tensors, share_in_place
+    from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
 
     pd, dd = cluster.daemons["prefill-node"], cluster.daemons["decode-node"]
     s = packed(num_layers=2, total_kv_heads=2, head_dim=32, dtype="float32", page_size=32)

@@ -18,7 +18,7 @@ import zmq
 
 from e2e_util import (NUM_PAGES, Node, disjoint_requests, finished, module_cluster, move_batched_rounds, peer_socket,
                       sources_for, spec)
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.procstats import scrape
 
 SOURCE_PARTS = 8  # the prefill daemon reads at most this many parts per message

@@ -11,8 +11,8 @@ import threading
 import pytest
 import torch
 
-from kvxferd.pipeline import receive_blocks, send_blocks
-from kvxferd.staging import StagingPool
+from kvxferd.datapath.pipeline import receive_blocks, send_blocks
+from kvxferd.datapath.staging import StagingPool
 
 SLOT = 4096
 

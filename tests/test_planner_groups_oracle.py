@@ -25,11 +25,11 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import GeometryError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.group_requests import group_origin, source_range
-from kvxferd.groups import Group
-from kvxferd.planner import make_plan
-from kvxferd.segments import paired_segments, request_segments, unit_slots
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.group_requests import group_origin, source_range
+from kvxferd.model.groups import Group
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import paired_segments, request_segments, unit_slots
 from test_planner_oracle import canary, flat_index, ref_heads, ref_slots
 
 SETTINGS = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -21,9 +21,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import GeometryError, PlanRefusal
-from kvxferd.geometry import InstanceSpec
-from kvxferd.planner import Plan, Writer, make_plan
-from kvxferd.segments import Segments, request_segments
+from kvxferd.model.geometry import InstanceSpec
+from kvxferd.model.plan import Plan, Writer
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import Segments, request_segments
 
 #: bits per element, restated here so a wrong table in geometry.py cannot hide itself
 REF_BITS = {"bfloat16": 16, "float16": 16, "float32": 32, "int8": 8, "float8_e4m3fn": 8,

@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 
 from kvxferd.errors import PlanRefusal
-from kvxferd.geometry import InstanceSpec
-from kvxferd.planner import STAGED_SLICE_BYTES, Plan, check_compatible, make_plan
+from kvxferd.model.geometry import InstanceSpec
+from kvxferd.model.pairing import STAGED_SLICE_BYTES, check_compatible
+from kvxferd.model.plan import Plan
+from kvxferd.model.planner import make_plan
 
 
 def mha(**overrides: Any) -> InstanceSpec:

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from e2e_util import Cluster, Worker, assert_verified, close, finished, in_parallel, spec, transfer
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import HEARTBEAT_S, PEER_TIMEOUT_S
 from nixl_util import NIXL_ENV, NIXL_MISSING
 

@@ -1,6 +1,6 @@
 """The native run copy and the torch path give the same bytes as a per-run reference.
 
-The library is compiled here from ``kvxferd/runcopy.c`` with the system C compiler, so the
+The library is compiled here from ``kvxferd/datapath/runcopy.c`` with the system C compiler, so the
 test exercises the source in the tree (not a stale build). Every case runs three ways: the
 native library (with and without streaming stores), the torch fallback, and a plain
 Python loop over byte slices that shares no code with either.
@@ -17,13 +17,13 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxferd import copier, runcopy
+from kvxferd.datapath import copier, runcopy
 from kvxferd.errors import TransferError
-from kvxferd.planner import Writer
-from kvxferd.segments import head_offset_bytes
+from kvxferd.model.plan import Writer
+from kvxferd.model.segments import head_offset_bytes
 
 CC = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
-pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler (cc, gcc, clang) to build kvxferd/runcopy.c")
+pytestmark = pytest.mark.skipif(CC is None, reason="no C compiler (cc, gcc, clang) to build kvxferd/datapath/runcopy.c")
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.errors import RequestError
-from kvxferd.planner import Writer
-from kvxferd.segments import paired_segments, request_segments, slots, token_offsets
+from kvxferd.model.plan import Writer
+from kvxferd.model.segments import paired_segments, request_segments, slots, token_offsets
 
 PAGE_SIZES = (1, 2, 3, 4, 5, 8, 16)
 

@@ -1,7 +1,7 @@
 """A crashed engine's KV memory goes with it; a daemon restart keeps it registrable.
 
 Real daemon and engine processes over their real sockets. An engine's CPU cache is a
-memfd (kvxferd/shmfile.py), so the evidence is where the kernel shows memory: no file
+memfd (kvxferd/datapath/shmfile.py), so the evidence is where the kernel shows memory: no file
 in /dev/shm ever, and which processes map it or hold a descriptor of it
 (/proc/<pid>/maps and /proc/<pid>/fd). Memory no process maps or holds is freed.
 """
@@ -15,7 +15,7 @@ import sys
 import time
 
 from e2e_util import assert_verified, in_parallel, spec, transfer, wait_in_flight
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from kvxferd.tools import launch
 
 NUM_PAGES = 16
@@ -128,9 +128,9 @@ def test_engine_registers_again_after_a_daemon_restart_and_its_memory_goes_when_
 
 ENGINE = """
 import sys, time, torch
-from kvxferd.client import EngineClient
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.memory import describe_tensors, share_in_place
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
 s = InstanceSpec(attention="mha", num_layers=2, total_kv_heads=2, head_dim=16, dtype="bfloat16", page_size=4)
 g = RankGeometry(s, 0, 0, 8)
 raw = torch.zeros(4 * 8 * 4 * 2 * 16, dtype=torch.bfloat16)  # one allocation, views per layer and kind

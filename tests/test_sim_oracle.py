@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from e2e_util import spec
-from kvxferd.geometry import RankGeometry
-from kvxferd.memory import allocate_cpu
+from kvxferd.model.geometry import RankGeometry
+from kvxferd.sdk.kv_cache import allocate_cpu
 from kvxferd.tools.oracle import check_rank, fill_rank, logical_cache, logical_pages
 
 

@@ -18,16 +18,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvxferd import copier, runcopy, segments, staging
+from kvxferd.datapath import copier, runcopy, staging
+from kvxferd.datapath.regions import MappedRegion
 from kvxferd.errors import GeometryError, RequestError, TransferError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.inbox import DestEntry, Inbox
-from kvxferd.memory import MappedRegion
-from kvxferd.metrics import Metrics
-from kvxferd.planner import Writer, make_plan
-from kvxferd.registry import Rank
-from kvxferd.segments import as_pages, paired_segments, unit_slots
-from kvxferd.transport.base import ChunkJob
+from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import ChunkJob
+from kvxferd.lifecycle.registry import Rank
+from kvxferd.model import segments
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.plan import Writer
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import as_pages, paired_segments, unit_slots
+from kvxferd.ops.metrics import Metrics
 
 CC = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
 
@@ -119,7 +121,7 @@ def copy_cases(draw: st.DrawFn) -> dict:
 @pytest.fixture(scope="module")
 def lib(tmp_path_factory: pytest.TempPathFactory) -> runcopy.RunCopy:
     if CC is None:
-        pytest.skip("no C compiler (cc, gcc, clang) to build kvxferd/runcopy.c")
+        pytest.skip("no C compiler (cc, gcc, clang) to build kvxferd/datapath/runcopy.c")
     return runcopy.RunCopy(runcopy.build(tmp_path_factory.mktemp("runcopy") / "runcopy.so", cc=CC))
 
 

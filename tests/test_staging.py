@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from e2e_util import Node, assert_verified, close, finished, module_cluster, spec, transfer
+from kvxferd.datapath.staging import StagingPool, block_bytes, pack
 from kvxferd.errors import TransferError
-from kvxferd.staging import StagingPool, block_bytes, pack
 
 
 @settings(max_examples=200, deadline=None)

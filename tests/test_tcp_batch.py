@@ -18,17 +18,18 @@ import numpy as np
 import pytest
 import torch
 
-from kvxferd import protocol
+from kvxferd.datapath.regions import MappedRegion
+from kvxferd.datapath.staging import StagingPool
 from kvxferd.errors import KvxferError, PeerHungUp, RequestError
-from kvxferd.geometry import InstanceSpec, RankGeometry
-from kvxferd.inbox import DestEntry, Inbox
-from kvxferd.memory import MappedRegion
-from kvxferd.planner import make_plan
-from kvxferd.registry import Rank
-from kvxferd.segments import unit_slots
-from kvxferd.staging import StagingPool
-from kvxferd.transport.base import SMALL_CHUNK, ChunkJob, Moved
+from kvxferd.lifecycle.inbox import DestEntry, Inbox
+from kvxferd.lifecycle.jobs import ChunkJob, Moved
+from kvxferd.lifecycle.registry import Rank
+from kvxferd.model.geometry import InstanceSpec, RankGeometry
+from kvxferd.model.planner import make_plan
+from kvxferd.model.segments import unit_slots
+from kvxferd.transport.base import SMALL_CHUNK
 from kvxferd.transport.tcp import TcpDataServer, TcpTransport
+from kvxferd.wire import protocol
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 8, 64, 16  # bf16: a full row of 8 heads is 1 KiB, a page 16 KiB
 PAGES = 12

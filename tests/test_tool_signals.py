@@ -194,7 +194,7 @@ def test_a_signal_during_a_cleanup_ends_the_tool_after_the_cleanup(tmp_path):
     marker = tmp_path / "cleaned"
     script = (
         "import os, signal, sys\n"
-        "from kvxferd.signals import cleanup_on_signals, deferred\n"
+        "from kvxferd.ops.signals import cleanup_on_signals, deferred\n"
         "with cleanup_on_signals():\n"
         "    with deferred():\n"
         "        os.kill(os.getpid(), signal.SIGTERM)\n"

@@ -8,7 +8,7 @@ import sys
 
 
 def test_serving_and_the_clients_import_no_tool_module():
-    code = ("import sys, kvxferd.cli, kvxferd.daemon, kvxferd.client, kvxferd.adapters.vllm, "
+    code = ("import sys, kvxferd.cli, kvxferd.control.daemon, kvxferd.sdk.client, kvxferd.adapters.vllm, "
             "kvxferd.adapters.sglang\n"
             "kvxferd.cli.build_parser()\n"
             "print(sorted(m for m in sys.modules if m.startswith('kvxferd.tools')))")

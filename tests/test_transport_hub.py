@@ -2,15 +2,9 @@
 
 from __future__ import annotations
 
-import numpy as np
-
-from kvxferd.geometry import RankGeometry
-from kvxferd.inbox import DestEntry, Inbox
-from kvxferd.registry import Rank
-from kvxferd.staging import StagingPool
+from kvxferd.datapath.staging import StagingPool
+from kvxferd.lifecycle.inbox import Inbox
 from kvxferd.transport.hub import Transports
-
-from lifecycle_util import spec
 
 
 def _hub(preference=("tcp",)):
@@ -23,13 +17,6 @@ def _hub(preference=("tcp",)):
     return hub, received
 
 
-def _entry(transport: str, source: str) -> DestEntry:
-    rank = Rank("d", "decode", RankGeometry(spec(), num_pages=4), {}, b"e")
-    entry = DestEntry("r", rank, "p", np.arange(2), 8, created=0.0, phase_since=0.0)
-    entry.transport, entry.source_address = transport, source
-    return entry
-
-
 def test_both_directions_are_found_by_the_name_a_route_recorded():
     hub, _ = _hub()
     try:
@@ -39,14 +26,3 @@ def test_both_directions_are_found_by_the_name_a_route_recorded():
         assert hub.offered() == ["tcp"]
     finally:
         hub.close()
-
-
-def test_only_one_sided_writes_from_a_remote_source_need_a_fence():
-    hub, _ = _hub()
-    try:
-        assert not hub.needs_fence(_entry("tcp", "h:1"))
-        assert not hub.needs_fence(_entry("local", ""))
-        assert not hub.needs_fence(_entry("nixl", "h:1"))  # no NIXL agent here: no WRITE can land
-    finally:
-        hub.close()
-

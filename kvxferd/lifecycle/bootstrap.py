@@ -16,30 +16,26 @@ every waiter are seen on the :class:`~.events.Tick`.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from .. import protocol
-from ..directory import spec_difference
+from ..directory.holders import spec_difference
 from ..errors import KvxferError, PlanRefusal
-from ..geometry import InstanceSpec
-from ..inbox import DestEntry
-from ..logutil import q
-from ..messages import HandshakeOk, HandshakeRefused, HandshakeRetry
-from ..outbox import Route
-from ..planner import make_plan
-from ..registry import rank_id
+from ..model.geometry import InstanceSpec, rank_id
+from ..model.planner import make_plan
+from ..ops.logutil import q
+from ..wire import protocol
+from ..wire.messages import HandshakeOk, HandshakeRefused, HandshakeRetry
 from . import effects, events
+from .base import LifecycleBase
 from .handshakes import AGREED, ASKING, Handshake, Key
-
-if TYPE_CHECKING:
-    from .core import Lifecycle
+from .inbox import DestEntry
+from .outbox import Route
 
 log = logging.getLogger("kvxferd.lifecycle")
 
 
-class BootstrapSide:
+class BootstrapSide(LifecycleBase):
     # -- a destination's plan ---------------------------------------------------------------------
-    def _bootstrap(self: "Lifecycle", entry: DestEntry) -> None:
+    def _bootstrap(self, entry: DestEntry) -> None:
         if not entry.source_address:
             self._bootstrap_local(entry)
             return
@@ -47,7 +43,7 @@ class BootstrapSide:
         if hs.state == AGREED:
             self._proceed(entry)
 
-    def _need(self: "Lifecycle", entry: DestEntry, address: str) -> Handshake:
+    def _need(self, entry: DestEntry, address: str) -> Handshake:
         """The handshake of the entry's pair with ``address``; a hello leaves if none was asked."""
         key: Key = (address, entry.source_instance, entry.rank.instance)
         hs, fresh = self.handshakes.need(key, entry.rank.geometry.spec, entry, self.now)
@@ -57,7 +53,7 @@ class BootstrapSide:
             entry.waiting_for = self._waiting_text(entry, hs)
         return hs
 
-    def _waiting_text(self: "Lifecycle", entry: DestEntry, hs: Handshake) -> str:
+    def _waiting_text(self, entry: DestEntry, hs: Handshake) -> str:
         if hs.said:
             return f"the source daemon {hs.address}, which said: {hs.said}"
         if hs.address == entry.source_address:
@@ -67,7 +63,7 @@ class BootstrapSide:
         return (f"a handshake with daemon {hs.address}, holding {held} by the directory of rendezvous "
                 f"{entry.source_address}: is that address reachable from here (peer.advertise_host of that daemon)?")
 
-    def _proceed(self: "Lifecycle", entry: DestEntry) -> None:
+    def _proceed(self, entry: DestEntry) -> None:
         """One of the entry's handshakes agreed: the plan is found once all it needs have."""
         prefill, decode = entry.source_instance, entry.rank.instance
         primary = self.handshakes.get((entry.source_address, prefill, decode))
@@ -103,11 +99,11 @@ class BootstrapSide:
         self._plan_found(events.PlanFound(entry, plan, primary.token, primary.kind, dict(primary.rank_map),
                                           {hs.address: hs.token for hs in (primary, *others) if hs.token}))
 
-    def _refuse(self: "Lifecycle", entry: DestEntry, refusal: PlanRefusal) -> None:
+    def _refuse(self, entry: DestEntry, refusal: PlanRefusal) -> None:
         self.metrics.refusals.labels(refusal.field or "unknown").inc()
         self._bootstrap_failed(events.BootstrapFailed(entry, "incompatible", str(refusal)))
 
-    def _bootstrap_local(self: "Lifecycle", entry: DestEntry) -> None:
+    def _bootstrap_local(self, entry: DestEntry) -> None:
         """The source instance is on this daemon: the plan is made here, once it registered."""
         prefill, decode = entry.source_instance, entry.rank.instance
         cached = self.routes.local(prefill, decode)
@@ -138,7 +134,7 @@ class BootstrapSide:
         self._plan_found(events.PlanFound(entry, plan))
 
     # -- answers and time -------------------------------------------------------------------------
-    def _handshake_answered(self: "Lifecycle", ev: events.HandshakeAnswered) -> None:
+    def _handshake_answered(self, ev: events.HandshakeAnswered) -> None:
         hs = self.handshakes.get((ev.address, ev.prefill, ev.decode))
         if hs is None or hs.state != ASKING:
             return  # the answer to a hello asked again, or to a pair forgotten meanwhile
@@ -178,20 +174,20 @@ class BootstrapSide:
         for entry in waiting:
             self._proceed(entry)
 
-    def _wants_handshake(self: "Lifecycle", entry: DestEntry) -> bool:
+    def _wants_handshake(self, entry: DestEntry) -> bool:
         """A destination waits for its handshake while it lives, and once failed while its end went to
         the source ahead of the handshake (it goes again behind it), within its bootstrap time."""
         if entry.failure is None:
             return True
         return entry.end_told and self.now - entry.created <= self.timeouts.bootstrap_s
 
-    def _handshake_failed(self: "Lifecycle", hs: Handshake, refusal: PlanRefusal) -> None:
+    def _handshake_failed(self, hs: Handshake, refusal: PlanRefusal) -> None:
         waiting = hs.waiting
         self.handshakes.move(hs, "refused", self.now)
         for entry in waiting:
             self._refuse(entry, refusal)
 
-    def _tick_handshakes(self: "Lifecycle") -> None:
+    def _tick_handshakes(self) -> None:
         for hs, happened in self.handshakes.due(self.now, self._wants_handshake):
             if happened == "abandoned":
                 self.metrics.handshakes.labels("timeout").inc()
@@ -202,7 +198,7 @@ class BootstrapSide:
             if entry.failure is None:
                 self._bootstrap_local(entry)
 
-    def _source_handshakes(self: "Lifecycle", address: str, code: str) -> None:
+    def _source_handshakes(self, address: str, code: str) -> None:
         """A source daemon went (peer_dead), restarted, or refused this daemon's key: its handshakes
         say so. Asking ones ask the new process again; agreed ones are forgotten (the next
         destination asks again)."""
@@ -211,7 +207,7 @@ class BootstrapSide:
             if self.handshakes.move(hs, happened, self.now) == ASKING and happened == "restarted":
                 self.emit(effects.SendHandshake(*hs.key, hs.spec))
 
-    def _handshakes_forgotten(self: "Lifecycle", address: str) -> None:
+    def _handshakes_forgotten(self, address: str) -> None:
         """The source answered an expect ``no_handshake``: it holds none of this daemon's pairs."""
         for hs in self.handshakes.at(address):
             if hs.state == AGREED:

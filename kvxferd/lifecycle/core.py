@@ -12,64 +12,22 @@ so an abort touches each entry at most once and no call chain grows with it.
 
 from __future__ import annotations
 
-import logging
-from collections import OrderedDict, deque
-from typing import Any, Callable, Union
+from typing import Any, Callable
 
 from ..errors import RequestError
-from ..inbox import DestEntry, Inbox
-from ..logutil import q
-from ..metrics import Metrics
-from ..outbox import SrcEntry
-from ..registry import Rank, Registry
 from . import effects, events, states
-from .bootstrap import BootstrapSide
+from .base import Entry
 from .decode import DecodeSide
-from .handshakes import Handshakes
+from .inbox import DestEntry
 from .prefill import PrefillSide
-from .routes import RouteBook
-
-log = logging.getLogger("kvxferd.lifecycle")
-
-Entry = Union[DestEntry, SrcEntry]
+from .registry import Rank
 
 
-class Lifecycle(DecodeSide, BootstrapSide, PrefillSide):
+class Lifecycle(DecodeSide, PrefillSide):
     """Every request of one daemon, both sides, and the one book of plans and routes."""
 
-    def __init__(self, limits: Any, timeouts: Any, registry: Registry, inbox: Inbox, metrics: Metrics, *,
-                 one_sided: Callable[[str], bool], source_up: Callable[[str], bool],
-                 wall_clock: Callable[[], float], peer: Any = None, address: str = "",
-                 remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {}) -> None:
-        self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
-        self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
-        self.registry = registry
-        self.inbox = inbox
-        self.metrics = metrics
-        self.one_sided = one_sided  # a transport name -> whether its writes land without this daemon
-        self.source_up = source_up  # a source daemon address -> whether its link is up (a fence can be answered)
-        self.wall_clock = wall_clock  # for the times in ``recent_failures`` (shown, never compared)
-        self.address = address  # this daemon's control address (a local route names it)
-        self.peer = peer  # config.Peer: require_same_page_size (plans refuse others), heartbeat_interval_s
-        #: a prefill instance -> its ranks the rank directory lists at other daemons (coords -> daemon)
-        self.remote_ranks = remote_ranks
-        #: decode side: handshakes with source daemons, and destinations waiting for a local source
-        #: an unanswered hello goes again after a heartbeat interval (at least a second)
-        self.handshakes = Handshakes(max(1.0, peer.heartbeat_interval_s if peer is not None else 1.0),
-                                     timeouts.handshake_retry_s)
-        self.local_waiting: list[DestEntry] = []
-        self.routes = RouteBook(2 * limits.max_inflight_requests)
-        self.sources: dict[tuple[str, str], SrcEntry] = {}
-        self._by_request: dict[str, dict[str, SrcEntry]] = {}
-        self.held_chunks = 0  # chunks of the sources above, counted as they come and go (a bounded total)
-        self.finished: OrderedDict[tuple[str, str], dict[str, Any]] = OrderedDict()
-        #: request -> decode daemons (peer identities) waiting for "fenced" once its jobs return
-        self.fence_waiters: dict[str, set[bytes]] = {}
-        self.recent_failures: list[dict[str, Any]] = []
-        self.now = 0.0
-        self._effects: list[effects.Effect] = []
-        self._failures: deque[tuple[Entry, str, str, bool]] = deque()
-        self._failing = False
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # the books: :class:`~.base.LifecycleBase`
         self._handlers: dict[type, Callable[[Any], Any]] = {
             events.ExpectCalled: self._expect, events.SendCalled: self._send,
             events.AbortCalled: self._abort_called, events.RankGone: self._rank_gone,
@@ -85,10 +43,6 @@ class Lifecycle(DecodeSide, BootstrapSide, PrefillSide):
             events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
         }
 
-    @property
-    def require_same_page_size(self) -> bool:
-        return bool(self.peer is not None and self.peer.require_same_page_size)
-
     # -- the interface ---------------------------------------------------------------------------
     def handle(self, event: Any, now: float) -> Any:
         """Apply one event at time ``now``; effects wait in :meth:`take_effects`."""
@@ -98,9 +52,6 @@ class Lifecycle(DecodeSide, BootstrapSide, PrefillSide):
     def take_effects(self) -> list[effects.Effect]:
         out, self._effects = self._effects, []
         return out
-
-    def emit(self, effect: effects.Effect) -> None:
-        self._effects.append(effect)
 
     # -- failures: one bounded worklist ------------------------------------------------------------
     def _fail(self, entry: Entry, code: str, message: str, propagate: bool = True) -> None:
@@ -175,45 +126,6 @@ class Lifecycle(DecodeSide, BootstrapSide, PrefillSide):
             return {"state": states.WAITING}
         raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
                            fix="poll a request this rank expected or sent")
-
-    def refuse_finished(self, request_id: str, rank_id: str) -> None:
-        record = self.finished.get((request_id, rank_id))
-        if record is not None:
-            why = f" ({record.get('code')}: {record.get('reason')})" if record["state"] == states.FAILED else ""
-            raise RequestError(f"request {request_id!r} already {record['state']} at {rank_id}{why}",
-                               field="request_id", code="request_finished",
-                               fix="use a new request id per request")
-
-    def check_capacity(self) -> None:
-        if self.active_count() >= self.limits.max_inflight_requests:
-            raise RequestError(f"{self.limits.max_inflight_requests} requests are in flight",
-                               field="request_id", code="busy",
-                               fix="retry later, or raise limits.max_inflight_requests")
-
-    # -- counts and records ------------------------------------------------------------------------
-    def active_count(self) -> int:
-        return len(self.inbox) + sum(1 for e in self.sources.values() if e.state not in states.TERMINAL)
-
-    def inflight_jobs(self) -> int:
-        return sum(e.inflight for e in self.inbox.all()) + sum(e.inflight for e in self.sources.values())
-
-    def remember(self, request_id: str, rank_id: str, record: dict[str, Any]) -> None:
-        self.finished[(request_id, rank_id)] = record
-        while len(self.finished) > self.limits.max_inflight_requests:
-            self.finished.popitem(last=False)
-
-    def record_failure(self, side: str, request_id: str, rank_id: str, code: str, message: str) -> None:
-        self.metrics.failures.labels(side, code[:48]).inc()
-        log.info("event=request_failed side=%s request=%s rank=%s code=%s reason=%s", side, q(request_id),
-                 rank_id, code, q(message[:300]))
-        self.recent_failures.append({"time": self.wall_clock(), "side": side, "request_id": request_id,
-                                     "rank_id": rank_id, "code": code, "reason": message[:500]})
-        del self.recent_failures[:-self.limits.recent_failures]
-
-    def phase_limits(self) -> dict[str, float]:
-        t = self.timeouts
-        return {states.BOOTSTRAPPING: t.bootstrap_s, states.WAITING: t.waiting_for_input_s,
-                states.TRANSFERRING: t.transfer_s}
 
     # -- timers and shutdown -------------------------------------------------------------------------
     def _tick(self, ev: events.Tick) -> None:

@@ -1,27 +1,24 @@
 """Decode side of the lifecycle core: destinations (one request at one decode rank).
 
-Entries live in the :class:`~kvxferd.inbox.Inbox`, which data threads share under its lock
+Entries live in the :class:`~kvxferd.lifecycle.inbox.Inbox`, which data threads share under its lock
 to admit and account chunks; every other change to a destination happens here.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
 
-from ..inbox import DestEntry
-from ..logutil import q
-from ..messages import Event, Fence, PeerAbort, PeerEnded
+from ..ops.logutil import q
+from ..wire.messages import Event, Fence, PeerAbort, PeerEnded
 from . import effects, events, states
-
-if TYPE_CHECKING:
-    from .core import Lifecycle
+from .bootstrap import BootstrapSide
+from .inbox import DestEntry
 
 log = logging.getLogger("kvxferd.lifecycle")
 
 
-class DecodeSide:
-    def _expect(self: "Lifecycle", ev: events.ExpectCalled) -> str:
+class DecodeSide(BootstrapSide):
+    def _expect(self, ev: events.ExpectCalled) -> str:
         self.refuse_finished(ev.request_id, ev.rank.id)
         entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
                           created=self.now, phase_since=self.now, groups=ev.groups or {})
@@ -32,7 +29,7 @@ class DecodeSide:
         self._bootstrap(entry)
         return state
 
-    def _plan_found(self: "Lifecycle", ev: events.PlanFound) -> None:
+    def _plan_found(self, ev: events.PlanFound) -> None:
         entry = ev.entry
         if entry.closed:  # it failed while its bootstrap ran
             self._retell_end(entry, sorted(set(ev.rank_daemons.values())))
@@ -56,7 +53,7 @@ class DecodeSide:
                                             entry.rank.coords, pair[0], pair[1], start=entry.start,
                                             num_tokens=entry.num_tokens or 0))
 
-    def _expect_each_daemon(self: "Lifecycle", entry: DestEntry, ev: events.PlanFound) -> None:
+    def _expect_each_daemon(self, entry: DestEntry, ev: events.PlanFound) -> None:
         """A source instance over several daemons: every daemon of it hears the expect, naming the
         writers of this rank it holds (maybe none: its ranks still learn the request's route)."""
         held: dict[str, list[tuple[int, int]]] = {address: [] for address in sorted(set(ev.rank_daemons.values()))}
@@ -69,7 +66,7 @@ class DecodeSide:
             entry.expects_sent[address] = self.now
             self.emit(effects.ExpectUpstream(address, entry, writers))
 
-    def _dest_changed(self: "Lifecycle", entry: DestEntry) -> None:
+    def _dest_changed(self, entry: DestEntry) -> None:
         """Tell the engine what it may know: done once complete, failed once nothing touches the pages."""
         if entry.failure is not None:
             if entry.inflight == 0 and entry.state != states.FAILED and not entry.fence_until:
@@ -81,7 +78,7 @@ class DecodeSide:
             entry.closed = True
             self._finalize_dest(entry, states.DONE)
 
-    def _fail_dest_now(self: "Lifecycle", entry: DestEntry, code: str, message: str, propagate: bool) -> None:
+    def _fail_dest_now(self, entry: DestEntry, code: str, message: str, propagate: bool) -> None:
         if not states.mark_failed(entry, code, message):
             return
         if propagate:
@@ -92,7 +89,7 @@ class DecodeSide:
             self._fence(entry)
         self._dest_changed(entry)
 
-    def _fence(self: "Lifecycle", entry: DestEntry) -> None:
+    def _fence(self, entry: DestEntry) -> None:
         """One-sided WRITEs land without this daemon's help: before the engine hears that a request
         failed (and reuses its pages), the source must say none of its WRITEs is left in flight."""
         entry.fence_waiting = {a for a in entry.source_addresses() if self.source_up(a)}
@@ -102,7 +99,7 @@ class DecodeSide:
         for address in sorted(entry.fence_waiting):
             self.emit(effects.SendUpstream(address, Fence(entry.request_id)))
 
-    def _fence_done(self: "Lifecycle", entry: DestEntry, why: str = "") -> None:
+    def _fence_done(self, entry: DestEntry, why: str = "") -> None:
         if not entry.fence_until:
             return
         self.metrics.fences.labels("unconfirmed" if why else "confirmed").inc()
@@ -113,7 +110,7 @@ class DecodeSide:
         entry.fence_waiting.clear()
         self._dest_changed(entry)
 
-    def _finalize_dest(self: "Lifecycle", entry: DestEntry, state: str) -> None:
+    def _finalize_dest(self, entry: DestEntry, state: str) -> None:
         phase = self.now - entry.phase_since
         states.advance(entry, states.DEST, "complete" if state == states.DONE else "failed", self.now)
         self.inbox.remove(entry)
@@ -132,14 +129,14 @@ class DecodeSide:
         self.remember(entry.request_id, entry.rank.id, record)
         self.emit(effects.TellEngine(entry.rank.identity, Event.of(entry.rank.id, entry.request_id, record)))
 
-    def _propagate_upstream(self: "Lifecycle", entry: DestEntry, code: str, message: str) -> None:
+    def _propagate_upstream(self, entry: DestEntry, code: str, message: str) -> None:
         if not entry.source_address:  # the source instance is on this daemon: its side ends here and now
             self._downstream_ended(events.DownstreamEnded(None, entry.request_id, entry.source_instance,
                                                           entry.rank.instance, code, message))
         else:  # sent where a link to a source daemon exists
             self._tell_sources(entry, code, message)
 
-    def _tell_sources(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "",
+    def _tell_sources(self, entry: DestEntry, code: str, message: str, skip: str = "",
                       also: list[str] | None = None, ended: bool = False) -> None:
         """Tell every source daemon of the destination that it failed: ``abort`` where its expect went
         (the request is bound there), ``ended`` where it never did (a refused handshake, a bootstrap
@@ -157,7 +154,7 @@ class DecodeSide:
                 self.emit(effects.SendUpstream(address, PeerEnded.of(entry.request_id, entry.source_instance,
                                                                      entry.rank.instance, code, message)))
 
-    def _retell_end(self: "Lifecycle", entry: DestEntry, also: list[str] | None = None) -> None:
+    def _retell_end(self, entry: DestEntry, also: list[str] | None = None) -> None:
         """A destination failed here while its bootstrap ran, and the bootstrap has now returned. What
         went to the source before may have left ahead of the handshake (which a source needs to take
         the word of a link for a request it never bound), or before the link existed: it goes again
@@ -166,7 +163,7 @@ class DecodeSide:
             self._tell_sources(entry, *entry.failure, also=[a for a in also or () if a != entry.source_address],
                                ended=True)
 
-    def _fail_from_source(self: "Lifecycle", entry: DestEntry, code: str, message: str, skip: str = "") -> None:
+    def _fail_from_source(self, entry: DestEntry, code: str, message: str, skip: str = "") -> None:
         """A source daemon failed the request or went. With an instance over several daemons every
         source daemon of the request hears it from here (also the one it came from: its other ranks
         of the request learn it too; it does not answer back), except ``skip``, a link that is gone."""
@@ -178,20 +175,20 @@ class DecodeSide:
             self._tell_sources(entry, code, message, skip=skip)
 
     # -- the source daemon -------------------------------------------------------------------
-    def _upstream_abort(self: "Lifecycle", ev: events.UpstreamAbort) -> None:
+    def _upstream_abort(self, ev: events.UpstreamAbort) -> None:
         for entry in self.inbox.for_request(ev.request_id):
             # only requests this peer is the source of
             if entry.from_source(ev.address) and not (ev.started_only and entry.state == states.BOOTSTRAPPING):
                 self._fail_from_source(entry, ev.code, ev.message)
 
-    def _upstream_fenced(self: "Lifecycle", ev: events.UpstreamFenced) -> None:
+    def _upstream_fenced(self, ev: events.UpstreamFenced) -> None:
         for entry in self.inbox.for_request(ev.request_id):
             if entry.from_source(ev.address) and ev.address in entry.fence_waiting:
                 entry.fence_waiting.discard(ev.address)
                 if not entry.fence_waiting:
                     self._fence_done(entry)
 
-    def _no_handshake(self: "Lifecycle", ev: events.NoHandshake) -> None:
+    def _no_handshake(self, ev: events.NoHandshake) -> None:
         """The source answered an expect with no_handshake (it restarted, or forgot the pair): handshake
         again and send the expect anew, once per request, while nothing of it has arrived yet."""
         self._handshakes_forgotten(ev.address)
@@ -204,7 +201,7 @@ class DecodeSide:
                          entry.rank.id)
                 self._bootstrap(entry)
 
-    def _source_lost(self: "Lifecycle", ev: events.SourceLost) -> None:
+    def _source_lost(self, ev: events.SourceLost) -> None:
         self._source_handshakes(ev.address, ev.code)
         for entry in self.inbox.all():
             if not entry.from_source(ev.address):
@@ -226,7 +223,7 @@ class DecodeSide:
             elif entry.failure is None:
                 self._fail_from_source(entry, ev.code, ev.message, skip=ev.address)
 
-    def _tick_dests(self: "Lifecycle") -> None:
+    def _tick_dests(self) -> None:
         limits = self.phase_limits()
         for entry in self.inbox.all():
             if entry.fence_until and self.now > entry.fence_until:

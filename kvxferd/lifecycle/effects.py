@@ -6,11 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Union
 
-from ..geometry import InstanceSpec
-from ..inbox import DestEntry
-from ..messages import Event, Message
-from ..outbox import SrcEntry, Target
-from ..transport.base import ChunkJob
+from ..model.geometry import InstanceSpec
+from ..wire.messages import Event, Message
+from .inbox import DestEntry
+from .jobs import ChunkJob
+from .outbox import SrcEntry, Target
 
 
 @dataclass(frozen=True)

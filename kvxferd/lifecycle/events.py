@@ -9,12 +9,12 @@ from typing import Any
 
 import numpy as np
 
-from ..inbox import DestEntry
-from ..messages import Message
-from ..outbox import Chunk, SrcEntry, Target
-from ..planner import Plan
-from ..registry import Rank
-from ..transport.base import Moved
+from ..model.plan import Plan
+from ..wire.messages import Message
+from .inbox import DestEntry
+from .jobs import Moved
+from .outbox import Chunk, SrcEntry, Target
+from .registry import Rank
 
 
 # -- engine calls ---------------------------------------------------------------------------

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..geometry import InstanceSpec
-from ..inbox import DestEntry
-from ..planner import Plan
+from ..model.geometry import InstanceSpec
+from ..model.plan import Plan
+from .inbox import DestEntry
 
 ASKING = "asking"  # a hello is out and unanswered
 PAUSED = "paused"  # the source said "retry later": the next hello leaves at ``due``

@@ -9,38 +9,36 @@ once no job reads them (``inflight`` is zero).
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
-from ..logutil import q
-from ..messages import Event, Fenced, PeerAbort
-from ..outbox import Binding, Chunk, Route, SrcEntry, Target
-from ..registry import rank_id as make_rank_id
-from ..group_requests import group_origin, source_range
-from ..planner import group_key
-from ..segments import clip_slots
-from ..transport.base import ChunkJob
+from ..model.geometry import rank_id as make_rank_id
+from ..model.group_requests import group_origin, source_range
+from ..model.plan import group_key
+from ..model.segments import clip_slots
+from ..ops.logutil import q
+from ..wire.messages import Event, Fenced, PeerAbort
 from . import effects, events, states
+from .base import LifecycleBase
+from .jobs import ChunkJob
+from .outbox import Binding, Chunk, Route, SrcEntry, Target
 from .routes import DecodeEnd
-
-if TYPE_CHECKING:
-    from .core import Lifecycle
 
 log = logging.getLogger("kvxferd.lifecycle")
 
 
-class PrefillSide:
+class PrefillSide(LifecycleBase):
     # -- the table: by (request, rank) and by request ------------------------------------------
-    def sources_of(self: "Lifecycle", request_id: str) -> list[SrcEntry]:
+    def sources_of(self, request_id: str) -> list[SrcEntry]:
         return list(self._by_request.get(request_id, {}).values())
 
-    def _new_source(self: "Lifecycle", request_id: str, rank_id: str, coords: tuple[int, int]) -> SrcEntry:
+    def _new_source(self, request_id: str, rank_id: str, coords: tuple[int, int]) -> SrcEntry:
         entry = SrcEntry(request_id, rank_id, coords, created=self.now, phase_since=self.now)
         self.sources[(request_id, rank_id)] = entry
         self._by_request.setdefault(request_id, {})[rank_id] = entry
         return entry
 
-    def _drop_source(self: "Lifecycle", entry: SrcEntry) -> None:
+    def _drop_source(self, entry: SrcEntry) -> None:
         if self.sources.pop((entry.request_id, entry.rank_id), None) is not None:
             self.held_chunks -= len(entry.chunks)
         by_rank = self._by_request.get(entry.request_id)
@@ -50,7 +48,7 @@ class PrefillSide:
                 del self._by_request[entry.request_id]
 
     # -- engine calls --------------------------------------------------------------------------
-    def _send(self: "Lifecycle", ev: events.SendCalled) -> str:
+    def _send(self, ev: events.SendCalled) -> str:
         rank = ev.rank
         key = (ev.request_id, rank.id)
         self.refuse_finished(ev.request_id, rank.id)
@@ -87,7 +85,7 @@ class PrefillSide:
         return entry.state
 
     # -- decode daemons ------------------------------------------------------------------------
-    def _on_expect(self: "Lifecycle", ev: events.PeerExpected) -> None:
+    def _on_expect(self, ev: events.PeerExpected) -> None:
         end = self.routes.ended(ev.request_id, ev.prefill)
         if end is not None and end.decode == ev.decode and end.identity == ev.route.identity:
             # another rank of this decode side ended the request before this expect came (over the
@@ -128,7 +126,7 @@ class PrefillSide:
                 self._pump(entry)
             self._check_src(entry)
 
-    def _binding_for(self: "Lifecycle", ev: events.PeerExpected) -> Binding:
+    def _binding_for(self, ev: events.PeerExpected) -> Binding:
         """The request's one binding: every decode rank's expect adds its route to it (the peer
         endpoint refused an expect of another decode instance or plan already)."""
         binding = self.routes.request(ev.request_id, ev.prefill)
@@ -140,14 +138,14 @@ class PrefillSide:
         self.routes.bind(ev.request_id, ev.prefill, binding)
         return binding
 
-    def _late_expect(self: "Lifecycle", request_id: str, route: Route, record: dict[str, Any]) -> None:
+    def _late_expect(self, request_id: str, route: Route, record: dict[str, Any]) -> None:
         """An expect for a request this side already ended: a failure must reach the decode side,
         which would otherwise wait for bytes until its own phase timeout."""
         if record.get("state") == "failed":
             self._propagate_downstream(request_id, [route], str(record.get("code") or "failed"),
                                        str(record.get("reason") or "request failed on the prefill side"))
 
-    def _fail_from_downstream(self: "Lifecycle", entries: list[SrcEntry], identity: bytes, code: str,
+    def _fail_from_downstream(self, entries: list[SrcEntry], identity: bytes, code: str,
                               message: str) -> None:
         """A decode daemon failed the request or went: fail the sources here, and pass it on once to
         the request's other decode daemons (a decode instance over several daemons), never back."""
@@ -166,13 +164,13 @@ class PrefillSide:
                 others = [r for r in entry.binding.daemons() if r.identity != identity]
                 self._propagate_downstream(entry.request_id, others, code, message)
 
-    def _downstream_abort(self: "Lifecycle", ev: events.DownstreamAbort) -> None:
+    def _downstream_abort(self, ev: events.DownstreamAbort) -> None:
         # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
         self._fail_from_downstream([e for e in self.sources_of(ev.request_id)
                                     if e.binding is None or e.routed_to(ev.identity)],
                                    ev.identity, ev.code, ev.message)
 
-    def _downstream_ended(self: "Lifecycle", ev: events.DownstreamEnded) -> None:
+    def _downstream_ended(self, ev: events.DownstreamEnded) -> None:
         """A decode rank's request ended before its expect bound it here. Like an abort, it fails
         the request's sources that are routed to that decode daemon or not routed anywhere yet; and
         when the link handshook the pair here (accepted or refused), the end is kept, so a send or
@@ -184,13 +182,13 @@ class PrefillSide:
         self._fail_from_downstream(self._sources_answering(ev.request_id, ev.prefill, ev.identity),
                                    ev.identity, ev.code, ev.message)
 
-    def _sources_answering(self: "Lifecycle", request_id: str, prefill: str, identity: bytes | None) -> list[SrcEntry]:
+    def _sources_answering(self, request_id: str, prefill: str, identity: bytes | None) -> list[SrcEntry]:
         """The request's sources of a prefill instance that a decode daemon's word may end: those
         routed to that daemon's link, and those not routed anywhere yet."""
         return [e for e in self.sources_of(request_id) if e.rank_id.startswith(prefill + "/")
                 and (e.binding is None or e.routed_to(identity))]
 
-    def decode_end(self: "Lifecycle", request_id: str, prefill: str) -> DecodeEnd | None:
+    def decode_end(self, request_id: str, prefill: str) -> DecodeEnd | None:
         """The decode side's end of a request, where it still speaks for the request: while no
         expect bound it, or the binding is that decode side's own."""
         end = self.routes.ended(request_id, prefill)
@@ -201,7 +199,7 @@ class PrefillSide:
             return None  # bound since by another decode side: the end was not about that one
         return end
 
-    def _fence_asked(self: "Lifecycle", ev: events.FenceAsked) -> Fenced | None:
+    def _fence_asked(self, ev: events.FenceAsked) -> Fenced | None:
         self._fail_from_downstream([e for e in self.sources_of(ev.request_id) if e.routed_to(ev.identity)],
                                    ev.identity, "peer_aborted", "the decode daemon failed the request")
         if self._writing(ev.request_id, ev.identity):
@@ -209,12 +207,12 @@ class PrefillSide:
             return None
         return Fenced(ev.request_id)
 
-    def _writing(self: "Lifecycle", request_id: str, identity: bytes) -> bool:
+    def _writing(self, request_id: str, identity: bytes) -> bool:
         """Whether a chunk job of the request towards that decode daemon has not returned yet."""
         return any(target.inflight and target.route is not None and target.route.identity == identity
                    for entry in self.sources_of(request_id) for target in entry.targets.values())
 
-    def _answer_fences(self: "Lifecycle", request_id: str) -> None:
+    def _answer_fences(self, request_id: str) -> None:
         waiters = self.fence_waiters.get(request_id)
         if not waiters:
             return
@@ -225,7 +223,7 @@ class PrefillSide:
         if not waiters:
             del self.fence_waiters[request_id]
 
-    def _downstream_lost(self: "Lifecycle", ev: events.DownstreamLost) -> None:
+    def _downstream_lost(self, ev: events.DownstreamLost) -> None:
         """Forget a decode daemon's link: its routes, transports state; fail its requests (on the
         request's other decode daemons too)."""
         for route in self.routes.drop_peer(ev.identity):
@@ -238,7 +236,7 @@ class PrefillSide:
                                    ev.code, ev.message)
 
     # -- jobs ----------------------------------------------------------------------------------
-    def _pump(self: "Lifecycle", entry: SrcEntry) -> None:
+    def _pump(self, entry: SrcEntry) -> None:
         if entry.closed or entry.binding is None:
             return
         rank = self.registry.get(entry.rank_id)
@@ -252,7 +250,7 @@ class PrefillSide:
                 if not self._post(entry, rank, target, idx, chunk):
                     return
 
-    def _post(self: "Lifecycle", entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
+    def _post(self, entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
         """One job for a chunk to a destination; False if the source failed instead."""
         assert entry.binding is not None
         if target.writer.group:
@@ -281,7 +279,7 @@ class PrefillSide:
         self.emit(effects.StartJob(job, route.kind, entry, target, idx))
         return True
 
-    def _post_group(self: "Lifecycle", entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
+    def _post_group(self, entry: SrcEntry, rank: Any, target: Target, idx: int, chunk: Chunk) -> bool:
         """A cache group's part of a chunk: its own token range (a window, or the state with the
         last chunk) and slots from the chunk's group pages; a chunk with nothing of it is done."""
         assert entry.binding is not None
@@ -304,7 +302,7 @@ class PrefillSide:
         self.emit(effects.StartJob(job, route.kind, entry, target, idx))
         return True
 
-    def _job_finished(self: "Lifecycle", ev: events.JobFinished) -> None:
+    def _job_finished(self, ev: events.JobFinished) -> None:
         entry, target = ev.entry, ev.target
         entry.inflight -= 1
         target.inflight -= 1
@@ -334,7 +332,7 @@ class PrefillSide:
         self._check_src(entry)
 
     # -- ends ----------------------------------------------------------------------------------
-    def _check_src(self: "Lifecycle", entry: SrcEntry) -> None:
+    def _check_src(self, entry: SrcEntry) -> None:
         if entry.failure is not None:
             if entry.inflight == 0 and entry.state != states.FAILED and entry.reason_due is None:
                 self._finalize_src(entry, states.FAILED)
@@ -343,14 +341,14 @@ class PrefillSide:
             entry.closed = True
             self._finalize_src(entry, states.DONE)
 
-    def _fail_src_now(self: "Lifecycle", entry: SrcEntry, code: str, message: str, propagate: bool) -> None:
+    def _fail_src_now(self, entry: SrcEntry, code: str, message: str, propagate: bool) -> None:
         if not states.mark_failed(entry, code, message):
             return
         if propagate:
             self._propagate_downstream(entry.request_id, entry.routes(), code, message)
         self._check_src(entry)
 
-    def _finalize_src(self: "Lifecycle", entry: SrcEntry, state: str) -> None:
+    def _finalize_src(self, entry: SrcEntry, state: str) -> None:
         states.advance(entry, states.SRC, "complete" if state == states.DONE else "failed", self.now)
         self._drop_source(entry)
         self._answer_fences(entry.request_id)
@@ -366,7 +364,7 @@ class PrefillSide:
         if rank is not None:
             self.emit(effects.TellEngine(rank.identity, Event.of(entry.rank_id, entry.request_id, record)))
 
-    def _propagate_downstream(self: "Lifecycle", request_id: str, routes: list[Route], code: str,
+    def _propagate_downstream(self, request_id: str, routes: list[Route], code: str,
                               message: str) -> None:
         for route in routes:
             if route.local:
@@ -377,7 +375,7 @@ class PrefillSide:
             elif route.identity is not None:
                 self.emit(effects.SendDownstream(route.identity, PeerAbort.of(request_id, code, message)))
 
-    def _tick_sources(self: "Lifecycle") -> None:
+    def _tick_sources(self) -> None:
         limits = self.phase_limits()
         for entry in list(self.sources.values()):
             if entry.reason_due is not None and self.now >= entry.reason_due:

@@ -19,10 +19,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..directory import spec_difference
+from ..directory.holders import spec_difference
 from ..errors import PlanRefusal
-from ..outbox import Binding, Route
-from ..planner import Plan
+from ..model.plan import Plan
+from .outbox import Binding, Route
 
 
 @dataclass(frozen=True)

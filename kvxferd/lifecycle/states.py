@@ -1,7 +1,7 @@
 """Every state a request can be in at one rank, and every transition, as tables.
 
-A request lives once per rank: a *destination* at each decode rank (:class:`~kvxferd.inbox.DestEntry`)
-and a *source* at each prefill rank (:class:`~kvxferd.outbox.SrcEntry`). Their ``state`` is
+A request lives once per rank: a *destination* at each decode rank (:class:`~kvxferd.lifecycle.inbox.DestEntry`)
+and a *source* at each prefill rank (:class:`~kvxferd.lifecycle.outbox.SrcEntry`). Their ``state`` is
 written only through :func:`advance`, which refuses a transition these tables do not list.
 
 Rules the tables rely on (the lifecycle core keeps them):

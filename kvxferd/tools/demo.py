@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ConfigError
-from ..geometry import InstanceSpec
+from ..model.geometry import InstanceSpec
 from .sim import Cluster
 
 DEMO_SPEC = dict(attention="mha", num_layers=8, total_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16,
@@ -175,7 +175,7 @@ def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", see
                 "oracle": {k: round(v, 4) for k, v in stream.oracle.items()},
                 "transport": transport, "mode": mode, **moved, "failures": stream.failed[:5]}
     finally:
-        from ..signals import deferred
+        from ..ops.signals import deferred
         with deferred():  # a SIGTERM now ends the demo once its daemons are stopped, not halfway
             cluster.close(keep_root=keep_logs)
 
@@ -260,7 +260,7 @@ def main(args: Any) -> int:
               file=sys.stderr)
         return 2
     if args.transport == "nixl":
-        from ..transport.nixl import available
+        from ..transport.nixl.api import available
         ok, why = available()
         if not ok:
             print(f"kvxferd demo: --transport nixl needs the NIXL package: {why}\n"
@@ -268,7 +268,7 @@ def main(args: Any) -> int:
             return 2
     if not args.json:
         print(f"kvxferd demo: {args.requests} requests, transport={args.transport}, mode={args.mode}")
-    from ..signals import cleanup_on_signals
+    from ..ops.signals import cleanup_on_signals
     with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
         summary = run_demo(args.requests, args.transport, args.mode, args.seed, progress)
     if args.json:

@@ -18,7 +18,7 @@ error or a missing piece. ``--negative-control`` runs the prefill engine on a mo
 weights (same shapes): decode then continues from KV its own model did not compute, its
 tokens differ, and the demo must exit 1, which shows the comparison can fail.
 Stopped by SIGTERM, SIGINT or SIGHUP, it stops every process it started and removes its files
-(:mod:`kvxferd.signals`), then exits with 128 + the signal number.
+(:mod:`kvxferd.ops.signals`), then exits with 128 + the signal number.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _missing(transport: str) -> str:
             return (f"{module} is not installed in {sys.executable}: run `make demo-vllm`, which builds vLLM's "
                     f"environment (.venv-vllm) and runs the demo there")
     if transport == "nixl":
-        from ..transport.nixl import available
+        from ..transport.nixl.api import available
         ok, why = available()
         if not ok:
             return (f"--transport nixl needs the NIXL package: {why}; install it with {sys.executable} -m pip "
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.negative_control:
         say("  negative control: the prefill engine runs the same model with other weights, so decode continues")
         say("           from KV its model did not compute: its tokens should differ and the demo exit 1")
-    from ..signals import cleanup_on_signals, deferred
+    from ..ops.signals import cleanup_on_signals, deferred
 
     root = Path(tempfile.mkdtemp(prefix="kvxferd-demo-vllm-"))
     code: int | None = None

@@ -38,8 +38,8 @@ from concurrent.futures import Future
 from typing import Any, IO
 
 #: imported once by the server: what daemons and engine ranks spend their start-up on
-PRELOAD = ("torch", "numpy", "zmq", "msgpack", "prometheus_client", "uvloop", "kvxferd.daemon",
-           "kvxferd.client", "kvxferd.cli", "kvxferd.tools.oracle")
+PRELOAD = ("torch", "numpy", "zmq", "msgpack", "prometheus_client", "uvloop", "kvxferd.control.daemon",
+           "kvxferd.sdk.client", "kvxferd.cli", "kvxferd.tools.oracle")
 MAX_MESSAGE = 1 << 20
 PR_SET_PDEATHSIG = 1
 

@@ -49,7 +49,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..geometry import RankGeometry
+from ..model.geometry import RankGeometry
 from . import jsonlines, launch, procstats
 from .oracle import CANARY, check_rank, fill_rank, untouched
 
@@ -348,7 +348,7 @@ def allocate(layout: str, sizes: Sizes, tp_size: int, tp_rank: int, device: str,
     both adapters do on CPU); on CUDA they stay where they are and ``describe_tensors`` sends
     their IPC handles.
     """
-    from ..memory import describe_tensors, share_in_place
+    from ..sdk.engine_memory import describe_tensors, share_in_place
     if layout == "sglang-NHD":
         geometry, regions, tensors = sglang_pool(sizes, tp_size, tp_rank, device)
     else:
@@ -446,7 +446,7 @@ class Engine:
         return [self.ranks[n] for n in cmd["names"]]
 
     def open(self, cmd: dict[str, Any]) -> dict[str, Any]:
-        from ..client import EngineClient
+        from ..sdk.client import EngineClient
         made = allocate(cmd["layout"], Sizes(**{**cmd["sizes"], "tokens": tuple(cmd["sizes"]["tokens"])}),
                         cmd["tp_size"], cmd["tp_rank"], self.device, cmd["name"])
         client = EngineClient(cmd["socket"], timeout=cmd.get("timeout", 30))
@@ -579,7 +579,7 @@ def engine_main(argv: list[str]) -> int:
         sys.stdout.write(json.dumps(obj) + "\n")
         sys.stdout.flush()
 
-    from ..signals import cleanup_on_signals
+    from ..ops.signals import cleanup_on_signals
     with cleanup_on_signals():  # SIGTERM (the tool died): unregister and free on the way out
         try:
             on_gpu = args.device.startswith("cuda")
@@ -886,7 +886,7 @@ def run_check(args: argparse.Namespace, out: Callable[[str], None]) -> int:
         f"{sizes.head_dim} {sizes.dtype}, page {sizes.page_size}, {sizes.num_pages} pages, requests of "
         f"{list(sizes.tokens)} tokens; deadline {args.deadline:.0f} s")
     if "nixl" in args.transports:
-        from ..transport.nixl import available
+        from ..transport.nixl.api import available
         ok, why = available()
         if not ok:
             out(f"{PROG}: NIXL is not available here ({why}); its cases will fail (--transports local,tcp leaves "
@@ -914,7 +914,7 @@ def run_check(args: argparse.Namespace, out: Callable[[str], None]) -> int:
                 run_cases(run, cases, results, d2d, out)
         except DeadlineExceeded:
             stopped = f"the {args.deadline:.0f} s deadline passed"
-        except SystemExit as exc:  # SIGTERM, SIGINT or SIGHUP (kvxferd.signals): clean up, then exit so
+        except SystemExit as exc:  # SIGTERM, SIGINT or SIGHUP (kvxferd.ops.signals): clean up, then exit so
             stopped, signalled = f"stopped by a signal (exit {exc.code})", exc
         except CheckError as exc:
             stopped = str(exc)
@@ -926,7 +926,7 @@ def run_check(args: argparse.Namespace, out: Callable[[str], None]) -> int:
             results.append(CaseResult(case, failures=[f"not run: {stopped or 'stopped'}"]))
             out(format_case(results[-1], d2d))
     finally:
-        from ..signals import deferred
+        from ..ops.signals import deferred
         with deferred():  # a SIGTERM now ends the run once everything it started is stopped
             keep_logs = stopped is not None or not all(r.ok for r in results)
             pids = clean_up(cluster, engines, shm_before, keep_logs, out)
@@ -1021,7 +1021,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return 2
-    from ..signals import cleanup_on_signals
+    from ..ops.signals import cleanup_on_signals
     with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines first
         return run_check(args, out)
 

@@ -1,7 +1,7 @@
 """Child processes of the tools (daemons, engine ranks) die with the tool that started them.
 
 A tool stopped by SIGTERM or SIGINT stops its children in ``finally`` blocks
-(:mod:`kvxferd.signals`), but one that is SIGKILLed (a test's timeout, the OOM killer,
+(:mod:`kvxferd.ops.signals`), but one that is SIGKILLed (a test's timeout, the OOM killer,
 ``kill -9``) runs no code at all: its daemons, started in sessions of their own
 (``start_new_session=True``, so a terminal's Ctrl-C does not reach them), went on running
 as orphans. So every child is started with Linux's ``PR_SET_PDEATHSIG``: the kernel sends it

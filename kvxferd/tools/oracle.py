@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..geometry import InstanceSpec, RankGeometry
+from ..model.geometry import InstanceSpec, RankGeometry
 
 CANARY = 0xA5
 

@@ -3,7 +3,7 @@
 A group's logical bytes are keyed like the default group's (global layer of the group,
 kind, token, global head), under the key ``<request>#<group>``, so no byte of one group
 can pass for another's. A state group's "tokens" are its rows per slot and its "heads" the
-channels TP splits (the group's spec, :mod:`kvxferd.groups`): a rank rebuilds exactly the
+channels TP splits (the group's spec, :mod:`kvxferd.model.groups`): a rank rebuilds exactly the
 channels it holds, and a decode rank at another TP checks its own.
 
 What the decode side should hold, derived here from the group definition alone (not
@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ..geometry import RankGeometry
+from ..model.geometry import RankGeometry
 from .oracle import CANARY, _mismatched, _token_rows, _wide, logical_cache
 
 

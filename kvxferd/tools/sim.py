@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..geometry import InstanceSpec, RankGeometry
+from ..model.geometry import InstanceSpec, RankGeometry
 from . import jsonlines, launch
 from .jsonlines import read_events, send_command
 from .oracle import CANARY, canary_report, check_rank, fill_rank, untouched
@@ -37,8 +37,8 @@ from .oracle_groups import check_groups, fill_groups, untouched_group, untouched
 def worker_main(argv: list[str]) -> int:
     import argparse
 
-    from ..client import EngineClient
-    from ..memory import allocate_cpu
+    from ..sdk.client import EngineClient
+    from ..sdk.kv_cache import allocate_cpu
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--socket", required=True)
@@ -60,7 +60,7 @@ def worker_main(argv: list[str]) -> int:
             sys.stdout.write(json.dumps(obj) + "\n")
             sys.stdout.flush()
 
-    from ..signals import cleanup_on_signals
+    from ..ops.signals import cleanup_on_signals
     with cleanup_on_signals():  # SIGTERM: unlink the cache file on the way out
         try:
             return _worker_serve(args, client, cache, geometry, emit)
@@ -382,7 +382,7 @@ class DaemonProc:
                                      stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})},
                                      start_new_session=True)
         deadline = time.monotonic() + 60
-        from ..client import EngineClient
+        from ..sdk.client import EngineClient
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"daemon {self.name} exited: {self.log()}")

@@ -26,15 +26,14 @@ import os
 import random
 import shutil
 import signal
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..geometry import InstanceSpec, RankGeometry
-from ..signals import deferred
+from ..model.geometry import InstanceSpec, RankGeometry
+from ..ops.signals import deferred
 from . import procstats
 from .sim import Cluster, DaemonProc, Worker
 
@@ -643,7 +642,7 @@ def _alive(pid: int) -> bool:
 
 
 def status(d: DaemonProc) -> dict[str, Any]:
-    from ..client import EngineClient
+    from ..sdk.client import EngineClient
     with EngineClient(d.socket_path, timeout=30) as client:
         return client.status()
 
@@ -708,7 +707,7 @@ def run_soak(duration: float, seed: int = 1, transports: list[str] | None = None
     wanted = list(transports or ["tcp", "nixl"])
     note = ""
     if "nixl" in wanted:
-        from ..transport.nixl import available
+        from ..transport.nixl.api import available
         ok, why = available()
         if not ok:
             wanted.remove("nixl")
@@ -735,7 +734,7 @@ def run_soak(duration: float, seed: int = 1, transports: list[str] | None = None
 
 
 def main(args: Any) -> int:
-    from ..signals import cleanup_on_signals
+    from ..ops.signals import cleanup_on_signals
     progress = None if args.json else (lambda line: print(f"[{time.strftime('%H:%M:%S')}] {line}", flush=True))
     transports = args.transports.split(",") if args.transports else None
     with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
@@ -745,8 +744,3 @@ def main(args: Any) -> int:
         Path(args.out).write_text(json.dumps(summary, indent=2, default=str) + "\n")
     print(text)
     return 0 if summary.get("ok") else 1
-
-
-if __name__ == "__main__":
-    from ..cli import main as cli_main
-    sys.exit(cli_main(["soak", *sys.argv[1:]]))

@@ -175,7 +175,7 @@ def engine_rig(root: Path, model: Path, *, tag: str, daemon_env: dict[str, str] 
         failed = True  # its logs stay; a signal (SystemExit) stops the rig and leaves nothing
         raise
     finally:
-        from ..signals import deferred
+        from ..ops.signals import deferred
         with deferred():  # a SIGTERM now ends the tool once everything is stopped, not halfway
             try:
                 if engines:

@@ -1,5 +1,3 @@
-"""Transports move one chunk (one writer to one destination) between ranks."""
-
-from .base import ChunkJob, Transport
-
-__all__ = ["ChunkJob", "Transport"]
+"""Transports move chunk jobs (one chunk, one writer to one destination) between daemons: tcp
+(:mod:`.tcp`), within one daemon (:mod:`.local`) and NIXL (:mod:`.nixl`), all behind one
+object (:mod:`.hub`) and driven by the data plane's threads (:mod:`.dataplane`)."""

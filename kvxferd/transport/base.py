@@ -1,98 +1,20 @@
-"""The transport interface and the unit of work it moves.
+"""The transport interface: both directions of one way to move chunk jobs
+(:class:`~kvxferd.lifecycle.jobs.ChunkJob`) between daemons.
 
-A :class:`ChunkJob` is one chunk of one request from one prefill rank (writer) to one
-decode rank. Transports are blocking and run on data-plane threads; they raise
+Transports are blocking and run on data-plane threads; they raise
 :class:`~kvxferd.errors.TransferError` (or a subclass of KvxferError) when bytes did not
 all land, and return only once the destination has confirmed them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import cached_property
-from typing import Any, Iterator, Protocol
+from typing import Any, Protocol
 
-import numpy as np
+from ..lifecycle.jobs import ChunkJob, Moved
 
-from ..memory import MappedRegion
-from ..planner import Writer
-from ..registry import Rank
-from ..segments import chunk_bytes, head_offset_bytes, slot_count
-
-
-#: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.dataplane`):
+#: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.transport.dataplane`):
 #: small enough that the connection it shares is never held long by one
 SMALL_CHUNK = 256 * 1024
-
-
-@dataclass
-class ChunkJob:
-    request_id: str
-    decode_instance: str
-    dst: tuple[int, int]
-    rank: Rank  # the source (prefill) rank
-    writer: Writer
-    start: int
-    end: int
-    last: bool
-    aux: bytes | None
-    src_slots: np.ndarray
-    mode: str  # "direct" or "staged"
-    data_address: tuple[str, int] | None  # None: destination is on this daemon
-    token: bytes | None = None  # proves the data connection belongs to an authenticated link
-    dst_pages: np.ndarray | None = None  # nixl: the destination's page table (one-sided writes need it)
-    remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
-    group: str = ""  # a cache group's chunk: its regions, slots and writer are the group's
-
-    # derived once per job (a job's fields are never reassigned): transports ask for them
-    # several times per chunk, and for a small chunk deriving them cost more than moving it
-
-    @cached_property
-    def kinds(self) -> tuple[str, ...]:
-        """Region kinds in wire order, as registered (a cache group's are ``<group>.<kind>``)."""
-        return self.rank.geometry.kinds_of(self.group)
-
-    @cached_property
-    def nbytes(self) -> int:
-        spec = self.rank.geometry.spec.group_spec(self.group)
-        return chunk_bytes(self.writer, len(self.kinds), slot_count(spec, self.start, self.end))
-
-    @cached_property
-    def head_offset(self) -> int:
-        return head_offset_bytes(self.writer, "src")
-
-    @cached_property
-    def _regions(self) -> tuple[MappedRegion, ...]:
-        region = self.rank.region
-        return tuple(region(layer, kind) for layer in range(*self.writer.layers) for kind in self.kinds)
-
-    def regions(self) -> Iterator[MappedRegion]:
-        """Source regions in wire order: layers ascending, then kinds."""
-        return iter(self._regions)
-
-    def header(self) -> dict[str, Any]:
-        head: dict[str, Any] = {
-            "op": "data", "request_id": self.request_id, "decode_instance": self.decode_instance,
-            "dst": list(self.dst), "src": list(self.writer.src), "start": self.start,
-            "end": self.end, "last": self.last, "nbytes": self.nbytes}
-        if self.aux:
-            head["aux"] = self.aux
-        if self.token:
-            head["token"] = self.token
-        if self.group:
-            head["group"] = self.group
-        if self.writer.part:
-            head["part"] = self.writer.part
-        return head
-
-
-@dataclass
-class Moved:
-    """What a transport reports back for metrics."""
-
-    nbytes: int
-    fragments: int
-    mode: str
 
 
 class Transport(Protocol):

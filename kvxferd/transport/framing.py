@@ -15,11 +15,11 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .. import protocol
-from ..copier import gather
+from ..datapath.copier import gather
+from ..datapath.staging import Piece
 from ..errors import ProtocolError
-from ..segments import Runs, side_runs
-from ..staging import Piece
+from ..model.segments import Runs, side_runs
+from ..wire import protocol
 
 IOV_BATCH = 512
 READ_BUFFER = 256 * 1024
@@ -38,7 +38,7 @@ def use_staging(runs: Runs, cpu: bool) -> bool:
 
 def gather_block(job: Any, regions: list[Any], block: list[Piece], out: Any) -> None:
     """One staged block of a chunk job's payload laid out in ``out``: each piece's token slices
-    of its region, at the piece's offset (the byte stream of :func:`~kvxferd.staging.pack`)."""
+    of its region, at the piece's offset (the byte stream of :func:`~kvxferd.datapath.staging.pack`)."""
     w = job.writer
     for piece in block:
         gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset,

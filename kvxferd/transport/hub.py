@@ -12,14 +12,15 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..inbox import DestEntry, Inbox, Sink
-from ..registry import Rank
-from ..staging import StagingPool
+from ..datapath.staging import StagingPool
+from ..lifecycle.inbox import DestEntry, Inbox, Sink
+from ..lifecycle.jobs import Moved
+from ..lifecycle.registry import Rank
 from . import choices
-from .base import Moved, Transport
+from .base import Transport
 from .choices import PairTransport, TransportChoices
 from .local import LocalTransport
-from .nixl_support import NixlSupport
+from .nixl.support import NixlSupport
 from .tcp import TcpDataServer, TcpTransport
 
 
@@ -75,12 +76,6 @@ class Transports:
         own = self.find(entry.transport)
         if own is not None and own is not self.tcp:
             own.stop_receiving(entry)
-
-    def needs_fence(self, entry: DestEntry) -> bool:
-        """Whether a failed destination must wait for its source to confirm no write is in flight:
-        one-sided writes from a remote source land without this daemon's help."""
-        own = self.find(entry.transport)
-        return bool(entry.source_address) and own is not None and own.one_sided
 
     # -- negotiation (decode side) ---------------------------------------------------------
     def offered(self) -> list[str]:

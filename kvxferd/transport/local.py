@@ -1,6 +1,6 @@
 """Same-daemon transport: source and destination regions are both mapped here.
 
-The destination goes through the same :class:`~kvxferd.inbox.Inbox` checks as a remote
+The destination goes through the same :class:`~kvxferd.lifecycle.inbox.Inbox` checks as a remote
 chunk, then the bytes move region to region with no socket and no staging.
 """
 
@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from ..copier import copy_regions, settle
+from ..datapath.copier import copy_regions, settle
 from ..errors import KvxferError, TransferError
-from ..inbox import Inbox, Sink
-from ..registry import rank_id
-from .base import SMALL_CHUNK, ChunkJob, Moved
+from ..lifecycle.inbox import Inbox, Sink
+from ..lifecycle.jobs import ChunkJob, Moved
+from ..model.geometry import rank_id
+from .base import SMALL_CHUNK
 
 
 class LocalTransport:

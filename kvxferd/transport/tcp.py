@@ -9,7 +9,7 @@ round trip per batch instead of one per chunk. A receiver refuses a small chunk 
 the connection, since its payload is not worth reading. Large contiguous runs
 go straight between KV pages and the socket (``sendmsg`` of page views, ``recv_into`` page
 views); small fragments (head slices, tiny pages) are gathered into staging slots (see
-:mod:`kvxferd.staging`) with one index kernel per piece, so syscalls stay few.
+:mod:`kvxferd.datapath.staging`) with one index kernel per piece, so syscalls stay few.
 """
 
 from __future__ import annotations
@@ -23,14 +23,15 @@ from typing import Any, Callable, Hashable
 
 import torch
 
-from .. import protocol
-from ..copier import scatter, settle
+from ..datapath.copier import scatter, settle
+from ..datapath.pipeline import receive_blocks, send_blocks
+from ..datapath.staging import Piece, StagingPool, block_bytes, pack
 from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
-from ..inbox import Inbox, Sink
-from ..registry import rank_id
-from ..pipeline import receive_blocks, send_blocks
-from ..staging import Piece, StagingPool, block_bytes, pack
-from .base import SMALL_CHUNK, ChunkJob, Moved
+from ..lifecycle.inbox import Inbox, Sink
+from ..lifecycle.jobs import ChunkJob, Moved
+from ..model.geometry import rank_id
+from ..wire import protocol
+from .base import SMALL_CHUNK
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
 
@@ -286,7 +287,7 @@ class TcpTransport:
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
         self._lock = threading.Lock()
 
-    def _borrow(self, address: tuple[str, int]) -> socket.socket:
+    def borrow(self, address: tuple[str, int]) -> socket.socket:
         with self._lock:
             idle = self._idle.get(address, [])
             while idle:
@@ -303,7 +304,7 @@ class TcpTransport:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
+    def give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
             idle = self._idle.setdefault(address, [])
             if len(idle) < self.connections_per_peer:
@@ -313,7 +314,7 @@ class TcpTransport:
 
     def send(self, job: ChunkJob) -> Moved:
         assert job.data_address is not None
-        sock = self._borrow(job.data_address)
+        sock = self.borrow(job.data_address)
         try:
             sock.sendall(protocol.frame(job.header()))
             moved = self._send_payload(sock, job)
@@ -323,14 +324,14 @@ class TcpTransport:
             sock.close()
             if refusal is not None:
                 raise refusal from None
-            raise self._lost(job.data_address, exc) from None
+            raise self.lost(job.data_address, exc) from None
         except BaseException:
             sock.close()
             raise
         if not reply.get("ok"):
             sock.close()
-            raise self._refused(reply)
-        self._give_back(job.data_address, sock)
+            raise self.refused(reply)
+        self.give_back(job.data_address, sock)
         return moved
 
     @staticmethod
@@ -343,7 +344,7 @@ class TcpTransport:
         return send_batch(self, jobs)
 
     @staticmethod
-    def _lost(address: tuple[str, int], exc: BaseException) -> KvxferError:
+    def lost(address: tuple[str, int], exc: BaseException) -> KvxferError:
         # a timeout is a stalled peer; a reset or an end of stream is the receiver hanging up
         # (it failed the request and says why on the control link, or it died)
         error = PeerHungUp if isinstance(exc, ConnectionError) else TransferError
@@ -351,7 +352,7 @@ class TcpTransport:
                      fix="check the peer daemon; the request can be retried")
 
     @staticmethod
-    def _refused(reply: dict[str, Any]) -> KvxferError:
+    def refused(reply: dict[str, Any]) -> KvxferError:
         err = reply.get("error") or {}
         # a request the receiver no longer expects ended there: its reason comes on the control link
         error = PeerHungUp if err.get("code") == "not_expected" else RequestError
@@ -365,7 +366,7 @@ class TcpTransport:
             reply = read_frame(sock, self.max_reply_bytes)
         except (OSError, ConnectionError, KvxferError):
             return None
-        return None if reply.get("ok") else self._refused(reply)
+        return None if reply.get("ok") else self.refused(reply)
 
     def _send_payload(self, sock: socket.socket, job: ChunkJob) -> Moved:
         w = job.writer

@@ -1,7 +1,7 @@
 """Small chunks to one peer in one write, and their replies read after.
 
 A data thread hands tcp the small chunks queued for one peer together (see
-:mod:`kvxferd.dataplane`). Their frames (header, then payload) are laid out one behind the
+:mod:`kvxferd.transport.dataplane`). Their frames (header, then payload) are laid out one behind the
 other as the views of one scattered ``sendmsg``: page views for direct payloads, and for
 staged ones the pieces gathered one behind the other into a single staging slot. Then the
 replies are read in order, one per frame. A staged payload larger than the slot goes in
@@ -16,20 +16,34 @@ once part of its frame is laid out, fails every job whose reply did not come.
 from __future__ import annotations
 
 import socket
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
-from .. import protocol
+from ..datapath.staging import StagingPool, block_bytes, pack
 from ..errors import KvxferError
-from ..staging import block_bytes, pack
-from .base import ChunkJob, Moved
+from ..lifecycle.jobs import ChunkJob, Moved
+from ..wire import protocol
 from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
 
-if TYPE_CHECKING:
-    from .tcp import TcpTransport
-
 Outcome = Moved | BaseException
+
+
+class TcpSender(Protocol):
+    """What a batch asks of the tcp transport (:class:`~.tcp.TcpTransport`): its pooled
+    connections, its staging pool and limits, and its words for a lost or refused chunk."""
+
+    staging: StagingPool
+    timeout_s: float
+    max_reply_bytes: int
+
+    def borrow(self, address: tuple[str, int]) -> socket.socket: ...
+
+    def give_back(self, address: tuple[str, int], sock: socket.socket) -> None: ...
+
+    def lost(self, address: tuple[str, int], exc: BaseException) -> KvxferError: ...
+
+    def refused(self, reply: dict[str, Any]) -> KvxferError: ...
 
 
 class _Broken(OSError):
@@ -39,7 +53,7 @@ class _Broken(OSError):
 class _Write:
     """The views of the frames laid out so far, and the staging slot their staged payloads share."""
 
-    def __init__(self, transport: "TcpTransport", sock: socket.socket) -> None:
+    def __init__(self, transport: TcpSender, sock: socket.socket) -> None:
         self.transport = transport
         self.sock = sock
         self.views: list[memoryview] = []
@@ -101,12 +115,12 @@ class _Write:
             self.slot = self.slot_view = None
 
 
-def send_batch(transport: "TcpTransport", jobs: list[ChunkJob]) -> list[Outcome]:
+def send_batch(transport: TcpSender, jobs: list[ChunkJob]) -> list[Outcome]:
     """One outcome per job, in order; a job is reported moved only on its own positive reply."""
     address = jobs[0].data_address
     assert address is not None
     try:
-        sock = transport._borrow(address)
+        sock = transport.borrow(address)
     except KvxferError as exc:
         return [exc] * len(jobs)
     outcomes: list[Outcome | None] = [None] * len(jobs)
@@ -125,21 +139,21 @@ def send_batch(transport: "TcpTransport", jobs: list[ChunkJob]) -> list[Outcome]
             framed.append((i, moved))
         write.flush()
     except (OSError, ConnectionError) as exc:  # the connection is gone: only replies already on their way count
-        lost = transport._lost(address, exc)
+        lost = transport.lost(address, exc)
     finally:
         write.release()
     keep = lost is None and _read_replies(transport, sock, address, framed, outcomes)
     for i, o in enumerate(outcomes):
         if o is None:
-            outcomes[i] = lost or transport._lost(address, ConnectionError("no reply"))
+            outcomes[i] = lost or transport.lost(address, ConnectionError("no reply"))
     if keep:
-        transport._give_back(address, sock)
+        transport.give_back(address, sock)
     else:
         sock.close()
     return outcomes  # type: ignore[return-value]
 
 
-def _read_replies(transport: "TcpTransport", sock: socket.socket, address: tuple[str, int],
+def _read_replies(transport: TcpSender, sock: socket.socket, address: tuple[str, int],
                   framed: list[tuple[int, Moved]], outcomes: list[Outcome | None]) -> bool:
     """The replies to the frames written, in order; whether the connection may be pooled again."""
     replies = FrameReader(sock, size=4096)  # one recv takes in the replies the receiver sent together
@@ -148,13 +162,13 @@ def _read_replies(transport: "TcpTransport", sock: socket.socket, address: tuple
         try:
             reply = replies.frame(transport.max_reply_bytes)
         except (OSError, ConnectionError, KvxferError) as exc:
-            lost = transport._lost(address, exc if isinstance(exc, OSError) else ConnectionError(str(exc)))
+            lost = transport.lost(address, exc if isinstance(exc, OSError) else ConnectionError(str(exc)))
             for j, _ in framed[n:]:
                 outcomes[j] = lost
             return False
         if reply.get("ok"):
             outcomes[i] = moved
         else:
-            outcomes[i] = transport._refused(reply)
+            outcomes[i] = transport.refused(reply)
             keep = False  # an older receiver hangs up after a refusal
     return keep and not replies.buffered  # (bytes past the last reply: the stream is not trusted)

@@ -12,7 +12,7 @@ Nothing here imports SGLang or does I/O.
 from __future__ import annotations
 
 from ...errors import RegistrationError
-from ...groups import Group
+from ...model.groups import Group
 from .layout import PoolFacts
 
 DRAFT_GROUP = "draft"

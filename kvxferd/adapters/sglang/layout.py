@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ...errors import GeometryError, RegistrationError
-from ...geometry import DTYPE_BITS, InstanceSpec, RankGeometry
+from ...model.geometry import DTYPE_BITS, InstanceSpec, RankGeometry
 
 HEADS_FIX = ("start SGLang with a model config that has num_key_value_heads, or set "
              "SGLANG_DISAGG_STAGING_BUFFER=1 so SGLang fills kv_head_num/total_kv_head_num")

@@ -23,16 +23,16 @@ import torch
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
-from ...client import DaemonError, EngineClient
-from ...config import default_socket_path
 from ...errors import KvxferError, RegistrationError
-from ...geometry import RankGeometry
-from ...groups import Group, qualified_kind
-from ...memory import describe_tensors
+from ...model.geometry import RankGeometry
+from ...model.groups import Group, qualified_kind
+from ...ops.config import default_socket_path
+from ...sdk.client import DaemonError, EngineClient
+from ...sdk.engine_memory import describe_tensors
 from . import topology
 from .bootstrap import get_route, put_route, reachable_address, split_host_port
-from .layout import RankFacts, aux_row_spans, build_geometry
 from .draft import DRAFT_GROUP, draft_group
+from .layout import RankFacts, aux_row_spans, build_geometry
 from .pool import (CURRENT_POOL, PoolContext, composite_layer_ids, dtype_name, full_pool, pool_buffers, pool_facts,
                    pool_region_tensors, state_tensors, swa_pool)
 from .stages import Splits, own_splits, unique_in_order

@@ -66,7 +66,7 @@ def _rebind_pool_pointers(pool: Any) -> None:
 def _init_kv_manager(original: Any, queue: Any) -> Any:
     if getattr(queue.transfer_backend, "value", None) != BACKEND:
         return original(queue)
-    from ...memory import share_in_place
+    from ...sdk.engine_memory import share_in_place
     from .pool import CURRENT_POOL, PoolContext, full_pool, pool_buffers, state_base_tensors, swa_pool
 
     pool = queue.token_to_kv_pool

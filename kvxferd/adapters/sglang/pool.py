@@ -29,7 +29,7 @@ class PoolContext:
     metadata_buffers: Any
     model_total_kv_heads: int | None
     num_hidden_layers: int
-    shared: Any = None  # kvxferd.memory.SharedPool of a CPU pool (a named file is unlinked once registered)
+    shared: Any = None  # kvxferd.sdk.engine_memory.SharedPool of a CPU pool (a named file is unlinked once registered)
     draft_pool: Any = None  # the speculative draft model's token pool (draft_token_to_kv_pool), if any
     sliding_window: int | None = None  # the scheduler's sliding_window_size (tokens), for an SWA pool
     model_config: Any = None  # the scheduler's model config: every layer of each kind, for PP stages (see .stages)

@@ -29,7 +29,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import RegistrationError
-from ...groups import Group
+from ...model.groups import Group
 
 GROUP_PREFIX = "mamba_"
 

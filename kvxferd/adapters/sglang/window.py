@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import RegistrationError
-from ...groups import Group
+from ...model.groups import Group
 from .layout import PoolFacts
 
 WINDOW_GROUP = "swa"

@@ -32,10 +32,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from ...client import DaemonError, EngineClient
 from ...errors import ConfigError, KvxferError
-from ...geometry import RankGeometry
-from ...memory import SharedPool, describe_tensors, share_in_place
+from ...model.geometry import RankGeometry
+from ...sdk.client import DaemonError, EngineClient
+from ...sdk.engine_memory import SharedPool, describe_tensors, share_in_place
 from .groups import FULL, MAMBA, SLIDING, GroupMap, VllmGroup, map_groups, single_group
 from .layout import (
     REQUIRED_LAYOUT,

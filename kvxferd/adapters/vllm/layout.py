@@ -28,8 +28,8 @@ from typing import Any, Sequence
 import torch
 
 from ...errors import ConfigError
-from ...geometry import InstanceSpec, RankGeometry
-from ...groups import Group
+from ...model.geometry import InstanceSpec, RankGeometry
+from ...model.groups import Group
 
 #: what the connector asks vLLM for (alias of LBNHC in vLLM 0.32): token rows, dense layers
 REQUIRED_LAYOUT = "NHD"

@@ -17,7 +17,7 @@ One invocation measures, on this machine:
   request on an 80-layer model.
 
 The engine process allocates its ranks' caches in shared memory, registers them with
-:class:`~kvxferd.client.EngineClient`, fills the prefill pages once from a seeded oracle
+:class:`~kvxferd.sdk.client.EngineClient`, fills the prefill pages once from a seeded oracle
 and then keeps a window of requests in flight, timing from the first ``send`` to the last
 decode-side completion event. Before the timed run every destination page set is
 written once (so the daemons' first-touch page faults are not timed); the page sets of

@@ -31,7 +31,7 @@ def main(args: Any) -> int:
                   "save one with `kvxferd bench --json > FILE`", file=sys.stderr)
             return 2
     else:
-        from ...signals import cleanup_on_signals
+        from ...ops.signals import cleanup_on_signals
         from .run import run_all
         with cleanup_on_signals():  # SIGTERM/SIGINT/SIGHUP: stop the daemons and engines, remove their files
             report, rows = run_all(_size(args), getattr(args, "only", None), int(getattr(args, "seed", 1) or 1))

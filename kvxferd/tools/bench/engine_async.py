@@ -8,7 +8,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine import Layout, Rank, failure, finish, split_rounds, summary
+from .engine_layout import Layout, Rank, failure, finish, split_rounds, summary
 
 
 async def _one(lay: Layout, ranks: list[Rank], req: str, set_idx: int, marks: list[float],
@@ -73,7 +73,7 @@ async def _missing_prefill(ranks: list[Rank], plan: list[tuple[str, int | None]]
 
 
 async def drive_async(lay: Layout, ranks: list[Rank], result: dict[str, Any], t_setup: float) -> None:
-    from ...client import AsyncEngineClient
+    from ...sdk.client import AsyncEngineClient
     failures: list[dict[str, Any]] = result["failures"]
     try:
         for r in ranks:

@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine import Layout, Rank, failure, finish, split_rounds, summary
+from .engine_layout import Layout, Rank, failure, finish, split_rounds, summary
 
 
 def _raise_refused(outcomes: list[Any]) -> None:
@@ -22,7 +22,7 @@ class SyncDriver:
     def __init__(self, lay: Layout, ranks: list[Rank], result: dict[str, Any]) -> None:
         import zmq
 
-        from ...client import EngineClient
+        from ...sdk.client import EngineClient
         self.lay, self.ranks, self.result = lay, ranks, result
         self.failures: list[dict[str, Any]] = result["failures"]
         for r in ranks:
@@ -42,8 +42,8 @@ class SyncDriver:
         """Events the clients hold already, else those that arrive within ``timeout_ms``."""
         import zmq
 
-        from ... import protocol
-        from ...client import MAX_REPLY
+        from ...sdk.client import MAX_REPLY
+        from ...wire import protocol
         out: list[dict[str, Any]] = []
         for r in self.ranks:
             while r.client.events:
@@ -64,7 +64,7 @@ class SyncDriver:
 
     def wait_known(self, req: str) -> None:
         """Latency is timed from ``send``: first let the prefill side learn the destination."""
-        from ...client import DaemonError
+        from ...sdk.client import DaemonError
         deadline = time.monotonic() + 30
         for r in self.prefill:
             while True:

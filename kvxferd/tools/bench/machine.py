@@ -91,7 +91,7 @@ def machine() -> dict[str, Any]:
         mem = None
     import torch
 
-    from ... import runcopy
+    from ...datapath import runcopy
     # the daemons the bench starts run from this installation: its copy path is theirs
     return {"cores": os.cpu_count(), "cpu": cpu, "memory_bytes": mem, "python": platform.python_version(),
             "torch": torch.__version__, "kernel": platform.release(), "copy_path": runcopy.copy_path()}

@@ -114,7 +114,7 @@ class Workload:
         return self.tokens * token_bytes(self.model)
 
     def specs(self) -> tuple[Any, Any]:
-        from ...geometry import InstanceSpec
+        from ...model.geometry import InstanceSpec
         m = MODELS[self.model]
         return (InstanceSpec(tp_size=self.p_tp, page_size=self.p_page, layout=self.layout, **m),
                 InstanceSpec(tp_size=self.d_tp, page_size=self.d_page, layout=self.layout, **m))

@@ -138,7 +138,7 @@ def nixl_unavailable() -> str | None:
     if all(_find(m) is None for m in ("nixl_cu12", "nixl_cu13", "nixl")):
         return "not installed"
     try:
-        from ...config import TRANSPORTS
+        from ...ops.config import TRANSPORTS
     except ImportError:
         TRANSPORTS = ("tcp",)
     if "nixl" not in TRANSPORTS:

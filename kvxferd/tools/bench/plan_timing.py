@@ -14,9 +14,9 @@ def planner_bench(runs: int, p_tp: int, d_tp: int, tokens: int = 128 * 1024) -> 
     """Median ms of make_plan + request_segments for every writer of one request."""
     import numpy as np
 
-    from ...geometry import InstanceSpec
-    from ...planner import make_plan
-    from ...segments import request_segments
+    from ...model.geometry import InstanceSpec
+    from ...model.planner import make_plan
+    from ...model.segments import request_segments
     m = MODELS["70B"]
     p = InstanceSpec(tp_size=p_tp, page_size=16, **m)
     d = InstanceSpec(tp_size=d_tp, page_size=16, **m)

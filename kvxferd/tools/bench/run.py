@@ -14,7 +14,7 @@ from typing import Any
 
 from .limits import memcpy_limit, shm_limit, socket_limit, socket_round_trip
 from .machine import Noise, machine, wait_quiet
-from .model import GiB, STREAMS_BYTES, Row, Scenario, say, size_label
+from .model import STREAMS_BYTES, GiB, Row, Scenario, say, size_label
 from .peers import mooncake_tcp, nixl_raw, nixl_unavailable
 from .plan_timing import planner_bench
 from .report import compute, targets_report
@@ -23,7 +23,7 @@ from .scenarios import DaemonPool, build_scenarios, headline_workload, run_with_
 
 def _data_connections() -> int:
     """Data connections a daemon opens per peer by default: the multi-stream limit's N."""
-    from ...config import PeerSection
+    from ...ops.config import PeerSection
     return PeerSection().data_connections
 
 

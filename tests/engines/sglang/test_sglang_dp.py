@@ -20,8 +20,8 @@ import torch
 from e2e_util import module_cluster
 from harness import (BACKEND, KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all,
                      expected_decode, free_port, make_rank, new_senders, run_prefill, slots_of, wait_poll)
-from kvxferd.client import EngineClient
 from kvxferd.errors import RegistrationError
+from kvxferd.sdk.client import EngineClient
 
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.decode import DecodePreallocQueue

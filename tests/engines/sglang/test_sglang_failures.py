@@ -16,7 +16,7 @@ from sglang.srt.mem_cache.common import kv_to_page_indices
 from harness import (KVPoll, Model, Request, bootstrap_server, close_all, free_port, make_rank, new_senders,
                      run_decode_until_metadata, slots_of, wait_poll)
 from kvxferd.errors import GeometryError, RegistrationError
-from kvxferd.client import EngineClient
+from kvxferd.sdk.client import EngineClient
 from test_sglang_transfers import deployment
 
 

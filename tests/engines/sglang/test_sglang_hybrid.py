@@ -40,8 +40,8 @@ from harness import (BACKEND, KVPoll, Model, Rank, Request, assert_bytes_equal, 
                      expected_decode, free_port, new_senders, published, run_decode_until_metadata, run_prefill,
                      set_metadata_row, sglang_wait, slots_of, socket_of, wait_poll)
 from kvxferd.adapters.sglang.state import mamba_groups
-from kvxferd.client import EngineClient
 from kvxferd.errors import RegistrationError
+from kvxferd.sdk.client import EngineClient
 
 FULL_LAYERS = [1, 3]  # Qwen3-Next-like: full attention every other layer, linear attention between
 MAMBA_LAYERS = [0, 2, 4]

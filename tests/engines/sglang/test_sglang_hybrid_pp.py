@@ -36,8 +36,8 @@ from harness import (BACKEND, KVPoll, Rank, Request, assert_bytes_equal, bootstr
 from test_sglang_hybrid import (DRAFT, FULL_LAYERS, GDN, MAMBA_LAYERS, MAMBA_SLOTS, MODEL, SWA_MODEL, TARGET, W,
                                 fill, mamba_payload, swa_receivers, window_start)
 from kvxferd.adapters.sglang.stages import own_splits
-from kvxferd.client import EngineClient
 from kvxferd.errors import RegistrationError
+from kvxferd.sdk.client import EngineClient
 
 SWA_LAYERS, SWA_FULL = [0, 2], [1, 3]  # gpt-oss-like: SWA and full layers alternating (SWA_MODEL, 4 layers)
 PS, PAGES = 4, 16

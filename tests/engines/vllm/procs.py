@@ -20,7 +20,7 @@ class JsonProc(jsonlines.JsonProc):
 
 
 def daemon_status(d: DaemonProc) -> dict[str, Any]:
-    from kvxferd.client import EngineClient
+    from kvxferd.sdk.client import EngineClient
 
     with EngineClient(d.socket_path, timeout=30) as client:
         return client.status()

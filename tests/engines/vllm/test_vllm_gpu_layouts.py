@@ -37,9 +37,9 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 from e2e_util import Node, module_cluster
 from kvxferd.adapters.vllm.layout import LayerLayout, decide, layer_span, rank_geometry, same_for_all
-from kvxferd.client import EngineClient
 from kvxferd.errors import ConfigError
-from kvxferd.memory import describe_tensors, share_in_place
+from kvxferd.sdk.client import EngineClient
+from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
 from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
 
 LAYERS, BLOCKS = 3, 10

@@ -80,9 +80,9 @@ def test_groups_kvxferd_cannot_move_are_refused_naming_the_field():
 
 
 def test_a_window_group_in_vllms_packed_layout_moves_from_the_page_of_its_first_kept_token():
-    from kvxferd.geometry import InstanceSpec
-    from kvxferd.group_requests import group_origin
-    from kvxferd.groups import Group
+    from kvxferd.model.geometry import InstanceSpec
+    from kvxferd.model.group_requests import group_origin
+    from kvxferd.model.groups import Group
 
     spec = InstanceSpec(attention="mha", num_layers=2, total_kv_heads=2, head_dim=vu.HEAD, dtype="float32",
                         page_size=vu.BLOCK, layout="packed_page",
@@ -104,7 +104,7 @@ def test_vllms_gpu_views_of_a_hybrid_cache_register_as_nhd_kv_with_the_groups_ov
     from vllm.v1.worker.utils import allocate_kv_cache
 
     from kvxferd.adapters.vllm.layout import HybridPart, decide, hybrid_geometry, same_for_all
-    from kvxferd.group_requests import group_origin
+    from kvxferd.model.group_requests import group_origin
 
     config = vu.vllm_config(model_dir, kv=vu.kv_transfer_config(instance="g", address=ADDRESS))
     kvc = vu.hybrid_kv_cache_config(config, 12, layout="LBNHC")

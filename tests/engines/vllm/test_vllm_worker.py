@@ -32,7 +32,7 @@ from typing import Any
 import pytest
 
 import vllm_util as vu
-from kvxferd.geometry import InstanceSpec
+from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, free_port
 from e2e_util import finished, wait_in_flight
 from ops_support import close_cluster, in_parallel

@@ -1,0 +1,383 @@
+"""Decode side's links to source (prefill) daemons: they carry hellos and what sources say.
+
+One :class:`PeerLink` per source daemon address: a DEALER socket, its numbered hellos,
+its liveness. Which hellos to send, and what an answer means, the lifecycle core decides
+(:mod:`kvxferd.lifecycle.bootstrap`). What a source says about requests (abort, fenced, errors) and what
+happens to the link (down, restarted, key refused) become lifecycle events.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections import OrderedDict
+from typing import Any, Callable
+
+import zmq
+import zmq.asyncio
+
+from .. import PROTOCOL_VERSION
+from ..errors import KvxferError, ProtocolError, RequestError, TransferError
+from ..lifecycle import effects, events
+from ..lifecycle.handshakes import AGREED, Handshakes
+from ..lifecycle.inbox import DestEntry, Inbox
+from ..ops.config import Config
+from ..ops.logutil import q
+from ..ops.metrics import Metrics
+from ..transport.hub import Transports
+from ..wire import auth, linkwatch, messages, protocol
+from ..wire.coalesce import Coalescer, PartCounts
+from .advertised import Advertised
+from .zmq_loop import ignore_result
+
+log = logging.getLogger("kvxferd.upstream")
+
+MAX_UNANSWERED = 256  # numbered messages a link remembers the sending time of
+
+
+class PeerLink:
+    """This daemon's connection to a peer daemon that hosts prefill instances."""
+
+    def __init__(self, links: "DecodeLinks", address: str) -> None:
+        self.address = address
+        self.sock = links.ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 10000)
+        self.sock.setsockopt(zmq.RCVHWM, 10000)
+        self.sock.setsockopt(zmq.MAXMSGSIZE, links.cfg.limits.max_message_bytes)
+        self.max_bytes = links.cfg.limits.max_message_bytes
+        self.monitor: zmq.Socket | None = None  # CURVE links: handshake outcomes (linkwatch)
+        self.auth_error = ""
+        host, port = protocol.split_address(address)
+        if links.keys is not None:
+            server_key = links.peer_keys.get(address)
+            if server_key is None:
+                self.sock.close(0)
+                raise RequestError(f"no CURVE server key configured for peer {address}", field="auth.peer_keys",
+                                   fix=f"add \"{address}=<its public key>\" to auth.peer_keys")
+            self.sock.curve_secretkey = links.keys.secret.encode()
+            self.sock.curve_publickey = links.keys.public.encode()
+            self.sock.curve_serverkey = server_key.encode()
+            self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
+        self.sock.connect(f"tcp://{host}:{port}")
+        # ties our data connections to this authenticated link; sent inside the handshake
+        self.token = os.urandom(16)
+        self.state = "connecting"
+        self.last_seen = time.monotonic()
+        self.peer_incarnation = ""  # learnt from its pongs and handshake answers
+        self.seq = 0
+        self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
+        #: when each numbered message (ping, handshake) left, until answered: an answer that shows a
+        #: restart says which of this link's expects can have reached the old process
+        self.sent_at: OrderedDict[int, float] = OrderedDict()
+        #: hellos sent and not answered yet: number -> (prefill instance, decode instance)
+        self.asks: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        #: what this link sends in one loop turn leaves as one multipart message, once the source said
+        #: (``batch`` in its pong or handshake answer) that it reads every part: a source that did not
+        #: would take only the last part, so until then, and for such a source, one message each
+        self.max_parts = links.cfg.limits.max_peer_batch_parts
+        self.outgoing = Coalescer(lambda parts: self._send_parts(parts[1:]), max_parts=1)
+        self.sent = links.sent
+        self.metric_sent = links.metrics.peer_parts.labels("sent")
+        self.reader = asyncio.ensure_future(self._read(links))
+        self.watcher = None if self.monitor is None or links.keys is None else asyncio.ensure_future(
+            linkwatch.watch(self.monitor, address, links.keys.public,
+                            lambda message: links.auth_failed(self, message),
+                            lambda: setattr(self, "auth_error", "")))
+
+    def send(self, message: messages.Message) -> None:
+        self.outgoing.put(b"", protocol.encode(message.to_wire()))
+
+    def _send_parts(self, parts: list[bytes]) -> None:
+        if self.sock.closed:
+            return
+        self.sent.add(len(parts))
+        self.metric_sent.observe(len(parts))
+        fut = self.sock.send_multipart(parts)
+        if isinstance(fut, asyncio.Future):
+            fut.add_done_callback(ignore_result)
+
+    def peer_reads(self, batch: Any) -> None:
+        """The source named (or left out) how many parts of one message it reads: batch up to that."""
+        if isinstance(batch, int) and not isinstance(batch, bool) and batch >= 1:
+            self.outgoing.max_parts = min(batch, self.max_parts)
+        else:
+            self.outgoing.max_parts = 1
+
+    def _number(self) -> int:
+        self.seq += 1
+        self.sent_at[self.seq] = time.monotonic()
+        while len(self.sent_at) > MAX_UNANSWERED:
+            self.sent_at.popitem(last=False)
+        return self.seq
+
+    def ping(self, message: messages.PeerPing) -> None:
+        """A numbered ping: its pong echoes the number, so a pong from a new process dates the restart."""
+        self.outgoing.put(b"", protocol.encode({**message.to_wire(), "seq": self._number()}))
+
+    def answered(self, msg: dict[str, Any]) -> float | None:
+        """When the message an answer answers left (None: not numbered, or too long ago)."""
+        seq = msg.get("seq")
+        return self.sent_at.pop(seq, None) if isinstance(seq, int) else None
+
+    def ask(self, hello: messages.Handshake, pair: tuple[str, str]) -> None:
+        """A numbered hello; its answer is routed to :meth:`Upstream.answered` by the number."""
+        seq = self._number()
+        self.asks[seq] = pair
+        while len(self.asks) > MAX_UNANSWERED:
+            self.asks.popitem(last=False)
+        self.outgoing.put(b"", protocol.encode({**hello.to_wire(), "seq": seq}))
+
+    async def request(self, message: messages.Message, timeout: float) -> dict[str, Any]:
+        seq = self._number()
+        fut: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
+        self.waiting[seq] = fut
+        try:
+            self.outgoing.put(b"", protocol.encode({**message.to_wire(), "seq": seq}))
+            return await asyncio.wait_for(fut, timeout)
+        finally:
+            self.waiting.pop(seq, None)
+            self.sent_at.pop(seq, None)
+
+    async def _read(self, links: "DecodeLinks") -> None:
+        received = links.metrics.peer_parts.labels("received")
+        while True:
+            try:  # a source of any version: one message, or the parts of one (answers of one turn)
+                frames = await self.sock.recv_multipart(copy=True)
+            except (zmq.ZMQError, asyncio.CancelledError):
+                return
+            links.received.add(len(frames))
+            received.observe(len(frames))
+            for data in frames:
+                self._one(links, data)
+
+    def _one(self, links: "DecodeLinks", data: bytes) -> None:
+        try:
+            msg = protocol.decode(data, self.max_bytes)
+        except ProtocolError:
+            links.metrics.invalid_messages.labels("peer").inc()
+            return
+        links.seen(self)
+        if msg.get("op") in ("pong", "handshake_ok"):
+            self.peer_reads(msg.get("batch"))
+        seq = msg.get("seq") if isinstance(msg.get("seq"), int) else None
+        pair = self.asks.pop(seq, None) if seq is not None else None
+        if pair is not None:
+            links.answered(self, pair, msg, self.answered(msg))
+            return
+        fut = self.waiting.get(seq) if seq is not None else None
+        if fut is not None and not fut.done():
+            fut.set_result(msg)
+            return
+        links.handle(self, msg)
+
+    def close(self) -> None:
+        self.outgoing.flush()  # what this turn queued (an abort) leaves before the socket closes
+        self.reader.cancel()
+        for fut in self.waiting.values():
+            if not fut.done():
+                fut.cancel()
+        if self.monitor is not None:
+            if self.watcher is not None:
+                self.watcher.cancel()
+            self.sock.disable_monitor()
+            self.monitor.close(0)
+        self.sock.close(linger=500)  # an abort sent while draining still reaches the peer
+
+
+class DecodeLinks:
+    """Every link to a source daemon: hellos and expects out, what sources say in."""
+
+    def __init__(self, cfg: Config, ctx: zmq.asyncio.Context, me: Advertised, *, keys: auth.KeyPair | None,
+                 peer_keys: dict[str, str], refused_by: auth.RefusalBook, metrics: Metrics,
+                 dispatch: Callable[[Any], Any], transports: Transports, inbox: Inbox, handshakes: Handshakes,
+                 peers_changed: Callable[[], None]) -> None:
+        self.cfg = cfg
+        self.ctx = ctx
+        self.me = me
+        self.keys = keys  # this daemon's CURVE key pair (None: links are not authenticated)
+        self.peer_keys = peer_keys  # the server key of each source daemon
+        self.refused_by = refused_by  # the source daemons that refused this daemon's key
+        self.metrics = metrics
+        self.dispatch = dispatch
+        self.transports = transports
+        self.inbox = inbox
+        self.handshakes = handshakes  # the core's, read for ``status`` only
+        self.peers_changed = peers_changed  # a link came, went, or changed state: the peer gauges count again
+        self.links: dict[str, PeerLink] = {}
+        self.sent = PartCounts()  # multipart messages to source daemons, and the messages they carried
+        self.received = PartCounts()
+
+    def is_up(self, address: str) -> bool:
+        link = self.links.get(address)
+        return link is not None and link.state == "up"
+
+    def send(self, address: str, message: messages.Message) -> None:
+        """Send where a link exists (a source never linked, or forgotten, has nothing to hear)."""
+        link = self.links.get(address)
+        if link is not None:
+            link.send(message)
+
+    def send_expect(self, address: str, entry: DestEntry, writers: tuple[tuple[int, int], ...] | None = None) -> None:
+        num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
+        self.send(address, messages.PeerExpect(
+            entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
+            entry.start or None, self.transports.expect_fields(address, entry),
+            [list(w) for w in writers] if writers is not None else None))
+
+    def link(self, address: str) -> PeerLink:
+        link = self.links.get(address)
+        if link is not None and link.auth_error:
+            link.close()  # libzmq does not retry a refused key: a new link tries again
+            link = None
+        if link is None:
+            link = self.links[address] = PeerLink(self, address)
+            self.peers_changed()
+        return link
+
+    async def ask(self, address: str, message: messages.Message, timeout: float) -> dict[str, Any]:
+        """A numbered message to the daemon at ``address`` and its answer (an announcement to a
+        rendezvous goes this way)."""
+        return await self.link(address).request(message, timeout)
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        """Each link, as ``status`` lists it among the daemon's peers."""
+        return [{"address": l.address, "state": l.state, "side": "prefill", "last_seen_s": round(now - l.last_seen, 3),
+                 "auth_error": l.auth_error, "incarnation": l.peer_incarnation, "batch": l.outgoing.max_parts,
+                 "plans": sorted(f"{hs.key[1]}->{hs.key[2]}" for hs in self.handshakes.at(l.address)
+                                 if hs.state == AGREED),
+                 "handshaking": [h for h in self.handshakes.describe() if h["source"] == l.address]}
+                for l in self.links.values()]
+
+    # -- handshakes: the core decides, this carries -------------------------------------------------
+    def hello(self, effect: effects.SendHandshake) -> None:
+        """Send one hello the core asked for; its answer comes back as HandshakeAnswered."""
+        link = self.link(effect.address)
+        hello = messages.Handshake(
+            PROTOCOL_VERSION, self.me.address, self.me.data_address, effect.prefill, effect.decode,
+            effect.spec.to_dict(), self.cfg.peer.mode, self.transports.offered(), link.token, self.me.incarnation,
+            extra=self.transports.handshake_fields(link.address, effect.prefill, effect.decode))
+        link.ask(hello, (effect.prefill, effect.decode))
+
+    def answered(self, link: PeerLink, pair: tuple[str, str], msg: dict[str, Any], asked: float | None) -> None:
+        """A source answered a hello: typed, checked for a restart, its transport taken, handed to the core."""
+        prefill, decode = pair
+        try:
+            answer = messages.parse_handshake_answer(msg)
+        except KvxferError as exc:
+            self.metrics.invalid_messages.labels("peer").inc()
+            answer = messages.HandshakeRefused({"message": f"peer's handshake answer is unusable: {exc}",
+                                                "field": exc.field or "op"})
+        kind = "tcp"
+        if isinstance(answer, messages.HandshakeOk):
+            if self.note_incarnation(link, answer.incarnation, sent_before=asked):
+                return  # a restarted source: the core asks the new process again
+            kind = self.transports.accepted(link.address, prefill, decode, msg)
+        self.dispatch(events.HandshakeAnswered(link.address, prefill, decode, answer, link.token, kind))
+
+
+    # -- what sources say ------------------------------------------------------------------------
+    def handle(self, link: PeerLink, msg: dict[str, Any]) -> None:
+        """Unsolicited messages from a source daemon: aborts, fences answered, errors about requests."""
+        op = msg.get("op")
+        try:
+            if op == "abort":
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.PeerAbort)
+                self.dispatch(events.UpstreamAbort(link.address, m.request_id, m.code or "peer_aborted", m.reason))
+            elif op == "error" and isinstance(msg.get("request_id"), str):
+                self._error(link, msg["request_id"], msg)
+            elif op == "fenced":
+                m = messages.parse_peer(msg)
+                assert isinstance(m, messages.Fenced)
+                self.dispatch(events.UpstreamFenced(link.address, m.request_id))
+            elif op == "pong":
+                self.note_incarnation(link, msg.get("incarnation"), sent_before=link.answered(msg))
+        except KvxferError:
+            self.metrics.invalid_messages.labels("peer").inc()
+
+    def _error(self, link: PeerLink, request_id: str, msg: dict[str, Any]) -> None:
+        err = msg.get("error") if isinstance(msg.get("error"), dict) else {}
+        if err.get("code") == "no_handshake":
+            self.dispatch(events.NoHandshake(link.address, request_id))
+            # that expect reached the new process: so did every one sent after it
+            sent = [e.expects_sent[link.address] for e in self.inbox.for_request(request_id)
+                    if link.address in e.expects_sent]
+            self.note_incarnation(link, msg.get("incarnation"), sent_before=max(sent) if sent else None)
+        self.dispatch(events.UpstreamAbort(
+            link.address, request_id, str(err.get("code", "peer_error"))[:64],
+            f"source daemon {link.address}: {str(err.get('message'))[:300]}", started_only=True))
+
+    def note_incarnation(self, link: PeerLink, incarnation: Any, sent_before: float | None = None) -> bool:
+        """A message of the source daemon named its incarnation; True if it changed (a restart).
+
+        ``sent_before``: when the message left that this one answers; expects sent later went to the
+        new process and are not failed (None: every entry that told the old process is)."""
+        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
+            return False
+        old, link.peer_incarnation = link.peer_incarnation, incarnation
+        if not old or old == incarnation:
+            return False
+        self.metrics.peer_restarts.labels("prefill").inc()
+        log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
+        self.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
+        self.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
+        self.dispatch(events.SourceLost(link.address, "peer_restarted",
+                                       f"source daemon {link.address} restarted (incarnation {old} -> "
+                                       f"{incarnation}); the request's source side went with the old process",
+                                       sent_before=sent_before))
+        return True
+
+    def auth_failed(self, link: PeerLink, message: str) -> None:
+        """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
+        link.auth_error = message
+        self.metrics.peer_auth_failures.inc()
+        record, log_now = self.refused_by.note(message, address=link.address)
+        if log_now:
+            log.warning("event=peer_auth_failed peer=%s count=%s msg=%s", link.address, record["count"], q(message))
+        for fut in link.waiting.values():  # the handshake in progress ends with it
+            if not fut.done():
+                fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
+        self.dispatch(events.SourceLost(link.address, "auth_failed", message))
+
+    # -- liveness -------------------------------------------------------------------------------
+    def seen(self, link: PeerLink) -> None:
+        link.last_seen = time.monotonic()
+        if link.state != "up":
+            if link.state == "down":
+                log.info("event=peer_back peer=%s", link.address)
+            link.state = "up"
+            self.peers_changed()
+
+    def heartbeat(self, now: float, timeout: float) -> None:
+        """Ping every source; a silent one is down (its requests fail); an idle down one is closed."""
+        for link in list(self.links.values()):
+            link.ping(messages.PeerPing(self.me.address, self.me.incarnation))
+            if link.state == "up" and now - link.last_seen > timeout:
+                self._link_down(link, now - link.last_seen)
+            elif link.state == "connecting" and now - link.last_seen > timeout:
+                link.state = "down"
+                self.peers_changed()
+            if link.state == "down" and not any(e.from_source(link.address) for e in self.inbox.all()):
+                # nothing waits on it: without this every address an engine ever named keeps a socket
+                link.close()
+                self.links.pop(link.address, None)
+                self.transports.source_gone(link.address)
+                self.peers_changed()
+
+    def _link_down(self, link: PeerLink, silent_for: float) -> None:
+        link.state = "down"
+        link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
+        self.metrics.heartbeat_misses.inc()
+        self.peers_changed()
+        log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
+        self.transports.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
+        self.dispatch(events.SourceLost(link.address, "peer_dead",
+                                       f"source daemon {link.address} unresponsive for {silent_for:.1f}s"))
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.close()
+

@@ -1,0 +1,429 @@
+"""Wire messages: msgpack maps with an ``op`` field, validated against small schemas.
+
+Nothing from a socket is trusted: size is checked before decoding, the decoder is bounded,
+and every field is type- and range-checked before any handler sees it. A bad message
+raises :class:`ProtocolError` naming the field, which endpoints turn into an error reply.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import msgpack
+
+from .. import PROTOCOL_VERSION
+from ..errors import ProtocolError, RequestError
+
+MAX_ID_LEN = 256
+MAX_NAME_LEN = 128
+MAX_AUX_BYTES = 1 << 20
+MAX_LIST = 1 << 22
+
+
+def encode(message: Mapping[str, Any]) -> bytes:
+    return msgpack.packb(message, use_bin_type=True)
+
+
+def decode(data: bytes, max_bytes: int) -> dict[str, Any]:
+    """Decode one message; refuse oversize input before msgpack does any work."""
+    if len(data) > max_bytes:
+        raise ProtocolError(f"message of {len(data)} bytes exceeds the limit of {max_bytes}",
+                            field="message", fix="send smaller messages or raise limits.max_message_bytes")
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True,
+                                max_bin_len=max_bytes, max_str_len=max_bytes,
+                                max_array_len=MAX_LIST, max_map_len=4096, max_ext_len=0)
+    except Exception as exc:  # msgpack raises many types for malformed input
+        raise ProtocolError(f"message is not valid msgpack ({type(exc).__name__}: {exc})"[:300],
+                            field="message", fix="send one msgpack-encoded map per frame") from None
+    if not isinstance(value, dict):
+        raise ProtocolError(f"message must be a map, got {type(value).__name__}", field="message",
+                            fix="send a msgpack map with an 'op' field")
+    op = value.get("op")
+    if not isinstance(op, str):
+        raise ProtocolError("message has no string 'op' field", field="op", fix="set op")
+    return value
+
+
+# -- field checkers ----------------------------------------------------------------------
+
+Checker = Callable[[str, Any], Any]
+
+
+def integer(minimum: int = 0, maximum: int = 2**62) -> Checker:
+    def check(name: str, value: Any) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ProtocolError(f"{name} must be an integer, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as an integer")
+        if not minimum <= value <= maximum:
+            raise ProtocolError(f"{name} = {value} is outside [{minimum}, {maximum}]", field=name,
+                                fix=f"send {name} within [{minimum}, {maximum}]")
+        return value
+    return check
+
+
+def number(minimum: float = 0.0, maximum: float = 1e9) -> Checker:
+    def check(name: str, value: Any) -> float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not minimum <= value <= maximum:
+            raise ProtocolError(f"{name} must be a number in [{minimum}, {maximum}], got {value!r}"[:200],
+                                field=name, fix=f"send {name} as a number")
+        return float(value)
+    return check
+
+
+def text(max_len: int = MAX_NAME_LEN, choices: tuple[str, ...] | None = None) -> Checker:
+    def check(name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise ProtocolError(f"{name} must be a string, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as a string")
+        if not value or len(value) > max_len:
+            raise ProtocolError(f"{name} must have 1..{max_len} characters, got {len(value)}", field=name,
+                                fix=f"send a shorter, non-empty {name}")
+        if choices is not None and value not in choices:
+            raise ProtocolError(f"{name} = {value!r} is not one of {choices}", field=name,
+                                fix=f"use one of {choices}")
+        return value
+    return check
+
+
+def boolean(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ProtocolError(f"{name} must be a boolean, got {type(value).__name__}", field=name,
+                            fix=f"send {name} as true or false")
+    return value
+
+
+def blob(max_len: int = MAX_AUX_BYTES) -> Checker:
+    def check(name: str, value: Any) -> bytes:
+        if not isinstance(value, (bytes, bytearray)):
+            raise ProtocolError(f"{name} must be bytes, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as binary")
+        if len(value) > max_len:
+            raise ProtocolError(f"{name} has {len(value)} bytes, limit {max_len}", field=name,
+                                fix=f"keep {name} under {max_len} bytes")
+        return bytes(value)
+    return check
+
+
+def int_list(max_len: int = MAX_LIST) -> Checker:
+    def check(name: str, value: Any) -> list[int]:
+        if not isinstance(value, (list, tuple)):
+            raise ProtocolError(f"{name} must be a list of integers, got {type(value).__name__}", field=name,
+                                fix=f"send {name} as a list")
+        if len(value) > max_len:
+            raise ProtocolError(f"{name} has {len(value)} entries, limit {max_len}", field=name,
+                                fix=f"send at most {max_len} entries")
+        for item in value:
+            if isinstance(item, bool) or not isinstance(item, int):
+                raise ProtocolError(f"{name} must hold only integers, found {type(item).__name__}",
+                                    field=name, fix=f"send {name} as integers")
+        return list(value)
+    return check
+
+
+def mapping(name: str, value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"{name} must be a map, got {type(value).__name__}", field=name,
+                            fix=f"send {name} as a map")
+    return value
+
+
+def pair(name: str, value: Any) -> tuple[int, int]:
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v < 1 << 16 for v in value)):
+        raise ProtocolError(f"{name} must be [tp_rank, pp_rank], got {value!r}"[:200], field=name,
+                            fix="send two small non-negative integers")
+    return (value[0], value[1])
+
+
+def list_of(item: Checker, max_len: int) -> Checker:
+    def check(name: str, value: Any) -> list[Any]:
+        if not isinstance(value, (list, tuple)) or len(value) > max_len:
+            raise ProtocolError(f"{name} must be a list of at most {max_len} entries", field=name,
+                                fix=f"send {name} as a list")
+        return [item(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return check
+
+
+@dataclass(frozen=True)
+class Schema:
+    required: Mapping[str, Checker]
+    optional: Mapping[str, Checker]
+
+    def check(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        allowed = set(self.required) | set(self.optional) | {"op", "seq", "v"}
+        extra = sorted((k for k in message if k not in allowed), key=repr)  # keys may be str and bytes
+        if extra:
+            raise ProtocolError(f"unknown field {extra[0]!r} in {message.get('op')!r}", field=str(extra[0])[:64],
+                                fix=f"send only {sorted(allowed)}")
+        out: dict[str, Any] = {"op": message["op"]}
+        for name, checker in self.required.items():
+            if name not in message:
+                raise ProtocolError(f"{message['op']!r} is missing field {name!r}", field=name,
+                                    fix=f"send {name}")
+            out[name] = checker(name, message[name])
+        for name, checker in self.optional.items():
+            if message.get(name) is not None:
+                out[name] = checker(name, message[name])
+        return out
+
+
+MAX_DP = 1 << 12  # DP ranks of an instance (dp.MAX_DP)
+REQUEST_ID = text(MAX_ID_LEN)
+NAME = text(MAX_NAME_LEN)
+ADDRESS = text(300)
+
+BASE_KINDS = ("k", "v", "latent", "kv")
+_GROUP_KIND = re.compile(r"^[a-z][a-z0-9_]{0,23}\.(k|v|latent|state|kv)$")
+
+
+def region_kind(name: str, value: Any) -> str:
+    """A region's kind: a base kind, or ``<group>.<kind>`` for a cache group's region."""
+    kind = text(40)(name, value)
+    if kind not in BASE_KINDS and not _GROUP_KIND.match(kind):
+        raise ProtocolError(f"{name} = {kind!r} is not one of {BASE_KINDS} nor <group>.<k|v|latent|state|kv>",
+                            field=name, fix="use the kinds the rank's geometry names")
+    return kind
+
+
+REGION = Schema(
+    required={"layer": integer(0, 1 << 16), "kind": region_kind,
+              "mem": text(16, ("shm", "cuda_ipc")), "nbytes": integer(1, 1 << 48)},
+    optional={"path": text(4096), "fd": integer(0, 1 << 31), "offset": integer(0, 1 << 48), "handle": mapping},
+)
+
+
+def region(name: str, value: Any) -> dict[str, Any]:
+    return REGION.check({"op": "region", **mapping(name, value)})
+
+
+_GROUP_NAME = re.compile(r"^[a-z][a-z0-9_]{0,23}$")
+
+
+def group_tables(name: str, value: Any) -> dict[str, list[int]]:
+    """``{group: [pages]}`` or ``{group: [state slot]}``: what a request names of its cache groups."""
+    if not isinstance(value, dict) or len(value) > 16:
+        raise ProtocolError(f"{name} must map at most 16 group names to lists of integers", field=name,
+                            fix="send groups as {name: [pages]} or {name: [slot]}")
+    out = {}
+    for key, pages in value.items():
+        if not isinstance(key, str) or not _GROUP_NAME.match(key):
+            raise ProtocolError(f"{name} has key {str(key)[:40]!r}, not a group name", field=name,
+                                fix="name groups as the geometry does")
+        out[key] = int_list()(f"{name}.{key}", pages)
+    return out
+
+
+ENGINE_SCHEMAS: dict[str, Schema] = {
+    "register": Schema(
+        required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
+                  "regions": list_of(region, 1 << 16)},
+        optional={"pid": integer(1, 1 << 31), "rendezvous": ADDRESS,
+                  # a data-parallel rank (DP attention): filed as instance <instance>@dp<dp_rank>
+                  "dp_rank": integer(0, MAX_DP - 1), "dp_size": integer(1, MAX_DP)}),
+    "unregister": Schema(required={"rank_id": NAME}, optional={}),
+    "expect": Schema(
+        required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
+                  "pages": int_list()},
+        optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
+                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400),
+                  "source_dp_rank": integer(0, MAX_DP - 1), "groups": group_tables}),
+    "send": Schema(
+        required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
+                  "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
+        optional={"aux": blob(), "groups": group_tables}),
+    "poll": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID}, optional={}),
+    "abort": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID},
+                    optional={"reason": text(512)}),
+    "status": Schema(required={}, optional={}),
+    "ping": Schema(required={}, optional={}),
+}
+
+MAX_DST_PAGES = 1 << 20  # destination pages a peer expect may carry (transport nixl)
+MAX_NIXL_MD = 1 << 22  # one rank's partial NIXL agent metadata
+
+
+def nixl_region(name: str, value: Any) -> list[Any]:
+    """``[tp_rank, pp_rank, layer, kind, address, nbytes, device, page_stride]``: one decode region
+    for NIXL WRITEs; ``page_stride`` is the bytes between page starts (0, or left out: dense pages)."""
+    if not isinstance(value, (list, tuple)) or len(value) not in (7, 8):
+        raise ProtocolError(f"{name} must be [tp, pp, layer, kind, address, nbytes, device, page_stride]",
+                            field=name, fix="send one 8-entry list per region (page_stride 0 when dense)")
+    tp, pp = pair(name, value[:2])
+    stride = integer(0, 1 << 48)(name, value[7]) if len(value) == 8 else 0
+    return [tp, pp, integer(0, 1 << 16)(name, value[2]), region_kind(name, value[3]),
+            integer(1, 2**64 - 1)(name, value[4]), integer(1, 1 << 48)(name, value[5]),
+            integer(-1, 1 << 10)(name, value[6]), stride]
+
+
+MAX_INSTANCE_RANKS = 1 << 12  # ranks of one instance a directory message may name
+
+
+def rank_at(name: str, value: Any) -> list[Any]:
+    """``[tp_rank, pp_rank, daemon]``: where a rank of an instance is registered (a directory entry)."""
+    if not isinstance(value, (list, tuple)) or len(value) != 3:
+        raise ProtocolError(f"{name} must be [tp, pp, daemon]", field=name, fix="send one 3-entry list per rank")
+    tp, pp = pair(name, value[:2])
+    return [tp, pp, ADDRESS(name, value[2])]
+
+
+def landing_ring(name: str, value: Any) -> list[int]:
+    """``[ring, address, slot_bytes, count, device]``: where a prefill daemon writes staged blocks over NIXL."""
+    if not isinstance(value, (list, tuple)) or len(value) != 5:
+        raise ProtocolError(f"{name} must be [ring, address, slot_bytes, count, device]", field=name,
+                            fix="send one 5-entry list")
+    return [integer(0, 2**62)(name, value[0]), integer(1, 2**64 - 1)(name, value[1]),
+            integer(1, 1 << 34)(name, value[2]), integer(1, 1 << 20)(name, value[3]),
+            integer(-1, 1 << 10)(name, value[4])]
+
+
+#: random per daemon process start: a peer whose incarnation changed was restarted, and nothing of
+#: what the old process knew (handshakes, plans, agents, requests) exists in the new one
+INCARNATION = text(64)
+
+#: what a decode daemon that offers NIXL adds to its handshake (and to an expect naming a new rank)
+NIXL_OFFER: dict[str, Checker] = {
+    "nixl_agent": text(MAX_NAME_LEN),
+    "nixl_md": list_of(blob(MAX_NIXL_MD), 4096),
+    "nixl_regions": list_of(nixl_region, 1 << 20),
+    "nixl_landing": landing_ring,
+}
+
+#: what a daemon may say it reads from one multipart peer message (pong, handshake_ok)
+BATCH_PARTS = integer(1, 1 << 16)
+
+PEER_SCHEMAS: dict[str, Schema] = {
+    "handshake": Schema(
+        required={"v": integer(0, 1 << 16), "daemon": ADDRESS, "data_address": ADDRESS,
+                  "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
+                  "mode": text(16, ("auto", "direct", "staged")),
+                  "transports": list_of(text(32), 16)},
+        optional={"decode_tensors": boolean, "data_token": blob(64), "incarnation": INCARNATION, **NIXL_OFFER}),
+    "expect": Schema(
+        required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
+                  "dst": pair, "num_tokens": integer(0, 1 << 40)},
+        optional={"start": integer(0, 1 << 40),
+                  "writers": list_of(pair, MAX_INSTANCE_RANKS),
+                  "dst_pages": int_list(MAX_DST_PAGES), "dst_groups": group_tables, "nixl_md": NIXL_OFFER["nixl_md"],
+                  "nixl_regions": NIXL_OFFER["nixl_regions"]}),
+    "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
+                    optional={"code": text(64)}),
+    # decode -> prefill: a decode rank's request ended before its expect reached the prefill daemon
+    # (the pair refused at the handshake, an abort, a timeout, a rank gone while bootstrapping); it
+    # names the instance pair, so the prefill daemon checks it against the link's handshakes
+    "ended": Schema(required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
+                              "code": text(64), "reason": text(512)}, optional={}),
+    # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
+    "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
+    "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),
+    # a daemon holding ranks of an instance -> the instance's rendezvous (renewed every heartbeat)
+    "announce": Schema(
+        required={"daemon": ADDRESS, "incarnation": INCARNATION, "instance": NAME,
+                  "role": text(16, ("prefill", "decode")), "spec": mapping,
+                  "ranks": list_of(pair, MAX_INSTANCE_RANKS)},
+        optional={"dp_size": integer(1, MAX_DP)}),
+    # anyone -> a rendezvous: which daemon holds which rank of an instance
+    "lookup": Schema(required={"instance": NAME, "role": text(16, ("prefill", "decode"))}, optional={}),
+    "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
+    # batch: the peer control messages the answering daemon reads from one multipart message
+    "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION, "batch": BATCH_PARTS}),
+}
+
+#: a source daemon's answers to a handshake, as the decode daemon reads them
+HANDSHAKE_ANSWERS: dict[str, Schema] = {
+    "handshake_ok": Schema(
+        required={"prefill_spec": mapping, "mode": text(16, ("auto", "direct", "staged"))},
+        optional={"incarnation": INCARNATION, "ranks": list_of(rank_at, MAX_INSTANCE_RANKS), "batch": BATCH_PARTS,
+                  # the transport the source chose for the pair, why it is not the first preferred, and
+                  # what NIXL needs of it (its agent and connection info)
+                  "transport": text(32), "transport_reason": text(512),
+                  "nixl_agent": NIXL_OFFER["nixl_agent"], "nixl_md": NIXL_OFFER["nixl_md"]}),
+    "handshake_refused": Schema(required={"error": mapping}, optional={}),
+    "handshake_retry": Schema(required={"reason": text(8192)}, optional={}),
+}
+
+PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",
+                  "ranks")
+
+DATA_HEADER = Schema(
+    required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,
+              "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
+              "nbytes": integer(0, 1 << 48)},
+    optional={"aux": blob(), "token": blob(64),
+              # staged over NIXL: the landing ring and slot the block was written into, the block's
+              # index in its chunk and the block size the chunk was cut into
+              "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
+              "pack": integer(1, 1 << 34),
+              # a cache group's chunk (kvxferd.model.groups): its writer is (src, group) at the destination
+              "group": text(24), "part": integer(0, 16)},
+)
+
+#: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)
+NIXL_FREE = Schema(required={"ring": integer(0, 2**62), "slot": integer(0, 1 << 20)}, optional={})
+
+
+def check_engine(message: Mapping[str, Any]) -> dict[str, Any]:
+    return _check(ENGINE_SCHEMAS, message, "engine")
+
+
+def check_peer(message: Mapping[str, Any]) -> dict[str, Any]:
+    return _check(PEER_SCHEMAS, message, "peer")
+
+
+def _check(schemas: Mapping[str, Schema], message: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+    op = message["op"]
+    schema = schemas.get(op)
+    if schema is None:
+        raise ProtocolError(f"unknown {endpoint} op {op[:64]!r}", field="op",
+                            fix=f"use one of {sorted(schemas)}")
+    checked = schema.check(message)
+    if "seq" in message:
+        checked["seq"] = integer(0, 2**63)("seq", message["seq"])
+    return checked
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise RequestError(f"address {address!r} is not host:port", field="source_address",
+                           fix="give the peer daemon as host:control_port")
+    return host.strip("[]"), int(port)
+
+
+#: geometry sizes past these are refused before anything is built from them: a num_layers
+#: or pp_size of 10**9 makes per-layer lists that size, a tp_size drives the planner's loops
+GEOMETRY_BOUNDS = {"num_layers": 1 << 16, "pp_size": 1 << 12, "tp_size": 1 << 12,
+                   "total_kv_heads": 1 << 16, "heads_per_rank": 1 << 16}
+
+
+def bounded_geometry(data: Any, field: str) -> Any:
+    """Refuse a geometry map with non-string keys or sizes no deployment has, before parsing it."""
+    if isinstance(data, dict):
+        if not all(isinstance(k, str) for k in data):
+            raise ProtocolError(f"{field} has a key that is not a string", field=field,
+                                fix="send geometry fields by name")
+        for key, limit in GEOMETRY_BOUNDS.items():
+            value = data.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value > limit:
+                raise ProtocolError(f"{field}.{key} = {value} exceeds {limit}", field=key,
+                                    fix=f"send a real {key} (at most {limit})")
+    return data
+
+
+def check_version(version: int) -> None:
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"peer speaks protocol v{version}, this daemon v{PROTOCOL_VERSION}",
+                            field="v", fix="run the same kvxferd protocol version on both daemons")
+
+
+# -- length-prefixed frames for the data connection --------------------------------------
+
+FRAME_LEN = struct.Struct("!I")
+
+
+def frame(message: Mapping[str, Any]) -> bytes:
+    body = encode(message)
+    return FRAME_LEN.pack(len(body)) + body
