@@ -25,7 +25,6 @@ from kvxferd.lifecycle.jobs import Moved
 from kvxferd.lifecycle.outbox import Chunk, Route
 from kvxferd.lifecycle.registry import Rank, Registry
 from kvxferd.model.geometry import InstanceSpec, RankGeometry, rank_id
-from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import as_pages, unit_slots
 from kvxferd.ops.config import Config
 from kvxferd.ops.metrics import Metrics
@@ -201,15 +200,14 @@ class Cluster:
         elif prefill_spec is None:
             answer = messages.HandshakeRetry(f"instance {prefill!r} has no registered prefill rank")
         else:
+            route = Route(kind, ("127.0.0.1", 9), node.identity, node.address, token)
             try:
-                plan = make_plan(prefill_spec, hello.spec, mode="direct",
-                                 require_same_page_size=source.cfg.peer.require_same_page_size)
+                plan = source.handle(events.HandshakeAsked(node.identity, prefill, decode, prefill_spec, hello.spec,
+                                                           "direct", True, route))
             except PlanRefusal as refusal:
-                source.life.routes.refused(prefill, decode, node.identity)
+                source.handle(events.HandshakeRefusedHere(node.identity, prefill, decode))
                 answer = messages.HandshakeRefused(refusal.to_wire())
             else:
-                source.life.routes.set_pair(prefill, decode, plan,
-                                            Route(kind, ("127.0.0.1", 9), node.identity, node.address, token))
                 ranks = [[tp, pp, self.node(name).address] for (tp, pp), name in sorted(holders.items())] or None
                 answer = messages.HandshakeOk(prefill_spec.to_dict(), plan.mode, source.incarnation,
                                               {"transport": kind}, ranks)

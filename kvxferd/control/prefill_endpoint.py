@@ -22,7 +22,6 @@ from ..lifecycle.core import Lifecycle
 from ..lifecycle.outbox import Route
 from ..lifecycle.registry import Registry
 from ..model.geometry import InstanceSpec
-from ..model.planner import make_plan
 from ..ops.config import Config
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
@@ -174,7 +173,7 @@ class PrefillEndpoint:
             return self._handshake(identity, msg)
         except PlanRefusal:
             # the link that was refused may still end the requests it expected of the pair ("ended")
-            self.life.routes.refused(msg.prefill_instance, msg.decode_instance, identity)
+            self.dispatch(events.HandshakeRefusedHere(identity, msg.prefill_instance, msg.decode_instance))
             raise
 
     def _handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
@@ -200,13 +199,10 @@ class PrefillEndpoint:
                                            "another live peer link")
         mode = msg.mode if msg.mode != "auto" else self.cfg.peer.mode
         transport, remote, mode, choice = self.transports.choose(msg.to_wire(), decode_spec, mode)
-        plan = make_plan(spec, decode_spec, mode=mode, decode_tensors=msg.decode_tensors is not False,
-                         require_same_page_size=self.cfg.peer.require_same_page_size)
-        # a decode instance over several daemons: each handshakes; all must find the same plan
-        self.life.routes.check_pair(prefill, msg.decode_instance, plan, msg.daemon)
         host, port = protocol.split_address(msg.data_address)
         route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
-        self.life.routes.set_pair(prefill, msg.decode_instance, plan, route)
+        plan = self.dispatch(events.HandshakeAsked(identity, prefill, msg.decode_instance, spec, decode_spec, mode,
+                                                   msg.decode_tensors is not False, route))
         if identity not in self.peers:
             self.peers[identity] = DecodePeer(identity, msg.daemon, msg.incarnation or "")
             self.peers_changed()

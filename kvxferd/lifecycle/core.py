@@ -37,6 +37,8 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.ChunkRefused: lambda ev: self._fail(ev.entry, ev.code, ev.message),
             events.UpstreamAbort: self._upstream_abort, events.UpstreamFenced: self._upstream_fenced,
             events.NoHandshake: self._no_handshake, events.SourceLost: self._source_lost,
+            events.HandshakeAsked: self._handshake_asked,
+            events.HandshakeRefusedHere: lambda ev: self.routes.refused(ev.prefill, ev.decode, ev.identity),
             events.PeerExpected: self._on_expect, events.DownstreamAbort: self._downstream_abort,
             events.DownstreamEnded: self._downstream_ended,
             events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,

@@ -9,11 +9,12 @@ from typing import Any
 
 import numpy as np
 
+from ..model.geometry import InstanceSpec
 from ..model.plan import Plan
 from ..wire.messages import Message
 from .inbox import DestEntry
 from .jobs import Moved
-from .outbox import Chunk, SrcEntry, Target
+from .outbox import Chunk, Route, SrcEntry, Target
 from .registry import Rank
 
 
@@ -146,6 +147,31 @@ class SourceLost:
 
 
 # -- prefill side: decode daemons -----------------------------------------------------------
+@dataclass(frozen=True)
+class HandshakeAsked:
+    """A decode daemon's hello, checked by the peer endpoint (its rank set, specs and transport):
+    the core plans the pair under this daemon's config and binds it to the link's route. The
+    plan is the answer; a :class:`~kvxferd.errors.PlanRefusal` is raised to the endpoint."""
+
+    identity: bytes
+    prefill: str
+    decode: str
+    spec: InstanceSpec  # the prefill instance's
+    decode_spec: InstanceSpec
+    mode: str  # direct or staged, as the transport allows
+    decode_tensors: bool
+    route: Route
+
+
+@dataclass(frozen=True)
+class HandshakeRefusedHere:
+    """This daemon refused a pair's hello over a link: that link may still end the pair's requests."""
+
+    identity: bytes
+    prefill: str
+    decode: str
+
+
 @dataclass(frozen=True)
 class PeerExpected:
     """A decode daemon's expect, checked against the pair's handshake by the peer endpoint."""

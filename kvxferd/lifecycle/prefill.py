@@ -14,7 +14,8 @@ from typing import Any
 from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
 from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
-from ..model.plan import group_key
+from ..model.plan import Plan, group_key
+from ..model.planner import make_plan
 from ..model.segments import clip_slots
 from ..ops.logutil import q
 from ..wire.messages import Event, Fenced, PeerAbort
@@ -29,6 +30,15 @@ log = logging.getLogger("kvxferd.lifecycle")
 
 class PrefillSide(LifecycleBase):
     # -- the table: by (request, rank) and by request ------------------------------------------
+    def _handshake_asked(self, ev: events.HandshakeAsked) -> Plan:
+        """Plan a pair a decode daemon asked for and bind it to the link's route (a decode instance
+        over several daemons: each handshakes, and all must find the same plan)."""
+        plan = make_plan(ev.spec, ev.decode_spec, mode=ev.mode, decode_tensors=ev.decode_tensors,
+                         require_same_page_size=self.require_same_page_size)
+        self.routes.check_pair(ev.prefill, ev.decode, plan, ev.route.daemon)
+        self.routes.set_pair(ev.prefill, ev.decode, plan, ev.route)
+        return plan
+
     def sources_of(self, request_id: str) -> list[SrcEntry]:
         return list(self._by_request.get(request_id, {}).values())
 
