@@ -129,7 +129,9 @@ def test_every_key_has_an_env_override():
 
 
 def test_misspelt_env_variable_is_reported():
-    env = {"KVXFERD_LOG_FORMAT": "json", "KVXFERD_DAEMON_LOG_FORMAT": "json", "KVXFERD_PEER_NOPE": "1"}
+    env = {"KVXFERD_LOG_FORMAT": "json", "KVXFERD_DAEMON_LOG_FORMAT": "json", "KVXFERD_PEER_NOPE": "1",
+           # read by the copy path and the SGLang adapter, not by the config: not misspellings
+           "KVXFERD_RUNCOPY": "off", "KVXFERD_SGLANG_INSTANCE": "p"}
     assert config.unknown_env(env) == ["KVXFERD_LOG_FORMAT", "KVXFERD_PEER_NOPE"]
     out = check_config("--check-config", env=clean_env(KVXFERD_LOG_FORMAT="json"))
     assert out.returncode == 0

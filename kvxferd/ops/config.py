@@ -313,13 +313,18 @@ def env_name(key: str) -> str:
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config))
 
 
+#: ``KVXFERD_*`` variables read outside the config: the copy path's switch, and the SGLang
+#: adapter's settings (a prefix); a daemon's environment may hold them, and they are not misspellings
+READ_ELSEWHERE = ("KVXFERD_RUNCOPY", "KVXFERD_SGLANG_")
+
+
 def _env_overrides(environ: Mapping[str, str], cfg: Config) -> tuple[dict[str, dict[str, str]], list[str]]:
     """``KVXFERD_<SECTION>_<KEY>`` variables by section, and the ``KVXFERD_*`` names that match no key."""
     out: dict[str, dict[str, str]] = {}
     unknown: list[str] = []
     sections = {name: {g.name for g in dataclasses.fields(getattr(cfg, name))} for name in SECTIONS}
     for name, value in environ.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name.startswith(READ_ELSEWHERE):
             continue
         rest = name[len(ENV_PREFIX):].lower()
         for section, keys in sections.items():
