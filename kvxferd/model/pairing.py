@@ -6,7 +6,7 @@ adds the groups. ``pair`` is a pure function of the prefill and decode :class:`I
 Both daemons of a pair compute it independently from the handshake and must agree, so it is
 deterministic and depends on nothing but the two specs and the requested mode.
 
-Rules (see DESIGN.md):
+Rules:
 - every destination (head, layer) cell has exactly one writer;
 - replicated prefill heads (tp > kv heads) are spread over replicas by destination rank;
 - the writer set per destination is the smallest possible: one per overlapping

@@ -4,7 +4,7 @@ A TP-mismatched writer's bytes are head slices on at least one side. Where a sid
 writer's slices as whole rows (the source of ``tp2>1``, the destination of ``tp1>2``), its
 runs are as long as its pages, and copying them through a staging slot buys nothing: NIXL
 reads them in place, or writes into them in place. Only the sliced side goes through a
-slot. Three routes, all cut into the same blocks (:func:`~kvxferd.staging.block_pieces`), so
+slot. Three routes, all cut into the same blocks (:func:`~kvxferd.datapath.staging.block_pieces`), so
 the receiver derives every block's pieces from its header alone:
 
 - ``land``: gather into a local staging slot, WRITE one descriptor into a landing slot of the
@@ -15,7 +15,7 @@ the receiver derives every block's pieces from its header alone:
   destination holds whole rows; one copy, on the prefill side; no landing ring needed).
 
 Pure numpy: which route, and the paired (address, length) rows of one block. The WRITEs
-themselves live in :mod:`.nixl`.
+themselves live in :mod:`.transport`.
 """
 
 from __future__ import annotations

@@ -143,7 +143,7 @@ class NixlReceiver:
         self._scatterers.submit(self._scatter_block, sender, ring, slot, header)
 
     def _placed(self, sender: str, header: dict[str, Any]) -> None:
-        """A block written in place into the decode pages (:mod:`.nixl_blocks`, ``place``): its bytes
+        """A block written in place into the decode pages (:mod:`.blocks`, ``place``): its bytes
         are where they belong; the chunk is received when its last block is in."""
         dest_rank = rank_id(header["decode_instance"], *header["dst"])
         if "pack" not in header:

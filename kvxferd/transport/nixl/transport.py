@@ -301,7 +301,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
     def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None) -> str | None:
-        """How a chunk goes in blocks (:mod:`.nixl_blocks`), or None if it can only go direct."""
+        """How a chunk goes in blocks (:mod:`.blocks`), or None if it can only go direct."""
         w = job.writer
         return nixl_blocks.choose(
             src_whole=w.slice_bytes == w.src_row_bytes, dst_whole=w.slice_bytes == w.dst_row_bytes,
@@ -309,8 +309,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes)
 
     def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None) -> Moved:
-        """Cut the chunk's wire stream into blocks as :func:`~kvxferd.staging.pack` does and WRITE each
-        block along ``route`` (:mod:`.nixl_blocks`): gathered into a local staging slot unless the
+        """Cut the chunk's wire stream into blocks as :func:`~kvxferd.datapath.staging.pack` does and WRITE each
+        block along ``route`` (:mod:`.blocks`): gathered into a local staging slot unless the
         source is read in place, into a landing slot of the peer unless the decode pages are written
         in place. Up to ``BLOCKS_IN_FLIGHT`` blocks are on the wire while the next is gathered; the
         receiver derives every block's pieces from the header (``block``, ``pack``) alone."""
