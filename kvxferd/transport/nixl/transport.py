@@ -147,7 +147,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(devices) != 1:
             raise RuntimeError(f"regions of {rank.id} span devices {sorted(devices)}")
         device = devices.pop()
-        rows = np.array([[r.flat.data_ptr(), r.nbytes, max(device, 0)] for r in regions], dtype=np.uint64)
+        # each range once: regions may lie over each other (vLLM's sliding-window group reuses the
+        # full-attention group's memory), and NIXL's deregistration of a range listed twice crashes
+        rows = np.unique(np.array([[r.flat.data_ptr(), r.nbytes, max(device, 0)] for r in regions],
+                                  dtype=np.uint64), axis=0)
         reg = self.agent.register_memory(rows, _mem(device))
         with self._lock:
             self._generation += 1
