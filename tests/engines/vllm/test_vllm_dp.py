@@ -17,6 +17,7 @@ must be carried by that transport alone, exactly its KV bytes, sent by DP rank 1
 from __future__ import annotations
 
 import glob
+import shutil
 
 import pytest
 
@@ -61,8 +62,12 @@ def dp_rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
             Instance("N", daemons["d"], [dec]), transport
     finally:
         in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
-        close_cluster(cluster)
+        close_cluster(cluster, keep_root=True)  # its daemon logs go below, once the daemons ended well
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
+    # each daemon outlived the ranks that unregistered from it, and stopped cleanly when told
+    exits = {n: d.proc.returncode for n, d in daemons.items()}
+    assert exits == {n: 0 for n in exits}, f"daemon exit codes {exits}; their logs are in {cluster.root}"
+    shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 def test_decode_loads_from_the_dp_rank_its_params_name(dp_rig):

@@ -25,6 +25,7 @@ and received, and none on the other. The refusal of differing windows runs on tc
 from __future__ import annotations
 
 import glob
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -291,8 +292,12 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         yield inst
     finally:
         in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
-        close_cluster(cluster)
+        close_cluster(cluster, keep_root=True)  # its daemon logs go below, once the daemons ended well
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
+    # each daemon outlived the ranks that unregistered from it, and stopped cleanly when told
+    exits = {n: d.proc.returncode for n, d in daemons.items()}
+    assert exits == {n: 0 for n in exits}, f"daemon exit codes {exits}; their logs are in {cluster.root}"
+    shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 def check(inst: Instance, tid: str, blocks: list[int], swa: list[int], n: int) -> list[dict[str, Any]]:
