@@ -27,7 +27,8 @@ from sglang.srt.plugins import load_plugins  # noqa: E402
 
 load_plugins()
 
-from e2e_util import module_cluster  # noqa: E402
+from e2e_util import Node, module_cluster  # noqa: E402
+from transport_util import ONLY_NIXL  # noqa: E402
 
 # a prefill rank retries its bootstrap registration this long (SGLang starts the server beside it)
 os.environ.setdefault("KVXFERD_SGLANG_BOOTSTRAP_WAIT_S", "5")
@@ -38,6 +39,13 @@ os.environ.setdefault("KVXFERD_SGLANG_CALL_TIMEOUT_S", "2")
 def cluster(request):
     """A prefill daemon and a decode daemon, real processes on loopback, shared by a module."""
     yield from module_cluster(request, "pd", "dd")
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(request):
+    """The same two daemons accepting NIXL alone, for the modules whose transfers run on each
+    transport (``transport_util.daemons``); started only where a test asks for them."""
+    yield from module_cluster(request, Node("pd", env=ONLY_NIXL), Node("dd", env=ONLY_NIXL))
 
 
 @pytest.fixture(autouse=True)

@@ -7,6 +7,11 @@ prefill DP rank with SGLang's own code: ``DecodePreallocQueue._resolve_prefill_d
 (the room rule) and ``CommonKVReceiver.query_prefill_dp_ranks`` (a query to the bootstrap
 server). Every DP rank holds other KV bytes, so a request read from the wrong DP rank fails
 the byte-exact check against the oracle of the DP rank that ran it.
+
+The byte-exact transfers run over each transport (``transport_util``): tcp on the module's
+daemons, and NIXL on the same three daemons accepting NIXL alone; their metrics must count
+every KV byte the decode pools took on that transport, sent and received, and none on the
+other. The refusals and the routing rules without a transfer run on tcp only.
 """
 
 from __future__ import annotations
@@ -17,11 +22,13 @@ import types
 import pytest
 import torch
 
-from e2e_util import module_cluster
+from e2e_util import Node, module_cluster
 from harness import (BACKEND, KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all,
                      expected_decode, free_port, make_rank, new_senders, run_prefill, slots_of, wait_poll)
 from kvxferd.errors import RegistrationError
 from kvxferd.sdk.client import EngineClient
+from test_sglang_transfers import kv_bytes
+from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
 
 from sglang.srt.disaggregation.common.conn import CommonKVReceiver
 from sglang.srt.disaggregation.decode import DecodePreallocQueue
@@ -35,6 +42,12 @@ PREFILL = "sgl-dp-prefill"
 def cluster(request):
     """Two prefill daemons (two nodes of one deployment) and a decode daemon."""
     yield from module_cluster(request, "pd", "pd2", "dd")
+
+
+@pytest.fixture(scope="module")
+def nixl_cluster(request):
+    """The same three daemons, accepting NIXL alone."""
+    yield from module_cluster(request, *(Node(n, env=ONLY_NIXL) for n in ("pd", "pd2", "dd")))
 
 
 def dp_prefill(daemons, model, bport, *, seed, **server_args):
@@ -88,7 +101,7 @@ def move(model, owner, decode, addr, req, resolve, *, tp_d, others, seed):
     assert wait_poll(senders[0], {KVPoll.Success}) == KVPoll.Success, senders[0].failure
 
 
-def test_dp_attention_prefill_routed_by_room(cluster):
+def test_dp_attention_prefill_routed_by_room(daemons, transport):
     """Prefill DP 2 on one daemon, decode TP 1: room r runs on DP rank r % 2 (SGLang's
     follow_bootstrap_room), decode resolves that rank with SGLang's code and its expect names
     it; each request lands byte-exact from the DP rank that ran it. A request whose room
@@ -97,9 +110,9 @@ def test_dp_attention_prefill_routed_by_room(cluster):
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pd = cluster.daemons["pd"]
+    pd, dd = daemons.daemons["pd"], daemons.daemons["dd"]
     prefill = dp_prefill([pd, pd], model, bport, seed=700, load_balance_method="follow_bootstrap_room")
-    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=0, tp_size=1, page_size=4, num_pages=32,
+    decode = [make_rank("decode", dd, model, tp_rank=0, tp_size=1, page_size=4, num_pages=32,
                         port=free_port(), bootstrap_port=bport, seed=750)]
     try:
         assert [p.manager.dp for p in prefill] == [(0, 2), (1, 2)]
@@ -116,9 +129,11 @@ def test_dp_attention_prefill_routed_by_room(cluster):
         assert (info.dp_size, info.follow_bootstrap_room) == (2, True)
         for room in (7000, 7001):
             req = Request(room=room, n_tokens=19, first_token=room % 100)
+            carried = Carried([pd], [dd])
             move(model, prefill[room % 2], decode, addr, req,
                  lambda: resolve_dp_rank(decode[0].manager, addr, req.room), tp_d=1,
                  others=[prefill[1 - room % 2]], seed=room)
+            carried.assert_only(transport, kv_bytes(decode, req))
         stray = new_senders([prefill[1]], addr, Request(room=7002, n_tokens=8))[0]
         assert stray.poll() == KVPoll.Failed
         code, reason = stray.failure
@@ -128,7 +143,7 @@ def test_dp_attention_prefill_routed_by_room(cluster):
         server.close()
 
 
-def test_dp_ranks_on_two_daemons_routed_by_query(cluster, monkeypatch):
+def test_dp_ranks_on_two_daemons_routed_by_query(daemons, transport, monkeypatch):
     """Prefill DP rank 0 at one daemon and DP rank 1 at another (two nodes), both naming the
     first's daemon as rendezvous; round-robin DP routing, so the prefill sender posts the
     request's DP rank and decode (TP 2) asks the bootstrap server with SGLang's own query;
@@ -137,14 +152,14 @@ def test_dp_ranks_on_two_daemons_routed_by_query(cluster, monkeypatch):
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pd, pd2 = cluster.daemons["pd"], cluster.daemons["pd2"]
+    pd, pd2, dd = daemons.daemons["pd"], daemons.daemons["pd2"], daemons.daemons["dd"]
     monkeypatch.setenv("KVXFERD_SGLANG_INSTANCE", PREFILL)
     monkeypatch.setenv("KVXFERD_SGLANG_RENDEZVOUS", pd.address)
     prefill = dp_prefill([pd, pd2], model, bport, seed=800, load_balance_method="round_robin")
     monkeypatch.delenv("KVXFERD_SGLANG_RENDEZVOUS")
     monkeypatch.delenv("KVXFERD_SGLANG_INSTANCE")
     dport = free_port()  # one decode deployment: its ranks share the port its instance name comes from
-    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=t, tp_size=2, page_size=4, num_pages=32,
+    decode = [make_rank("decode", dd, model, tp_rank=t, tp_size=2, page_size=4, num_pages=32,
                         port=dport, bootstrap_port=bport, seed=850 + t) for t in range(2)]
     try:
         assert [p.manager.rendezvous for p in prefill] == [pd.address, pd.address]
@@ -163,7 +178,9 @@ def test_dp_ranks_on_two_daemons_routed_by_query(cluster, monkeypatch):
             assert found == {str(req.room): 1}  # 8001 ran nowhere
             return found[str(req.room)]
 
+        carried = Carried([pd, pd2], [dd])  # DP rank 1 (on pd2) sends it all, to both decode TP ranks
         move(model, prefill[1], decode, addr, req, resolve, tp_d=2, others=[prefill[0]], seed=req.room)
+        carried.assert_only(transport, kv_bytes(decode, req))
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -201,7 +218,7 @@ def test_forced_query_files_every_request(cluster, monkeypatch):
         server.close()
 
 
-def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
+def test_dp_attention_decode_ranks_each_load_their_requests(daemons, transport):
     """Decode with attention DP 2 (each DP rank an attention-TP-1 pool of its own) from a
     prefill TP 2 without DP: each decode DP rank registers as a DP rank of the decode
     instance and loads the request SGLang gave it, byte-exact; the other DP rank's pool keeps
@@ -210,10 +227,11 @@ def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    prefill = [make_rank("prefill", cluster.daemons["pd"], model, tp_rank=t, tp_size=2, page_size=4, num_pages=32,
+    pd, dd = daemons.daemons["pd"], daemons.daemons["dd"]
+    prefill = [make_rank("prefill", pd, model, tp_rank=t, tp_size=2, page_size=4, num_pages=32,
                          port=free_port(), bootstrap_port=bport, seed=950 + t) for t in range(2)]
     dport = free_port()
-    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=k, tp_size=2, attn_dp=(k, 2), page_size=4,
+    decode = [make_rank("decode", dd, model, tp_rank=k, tp_size=2, attn_dp=(k, 2), page_size=4,
                         num_pages=32, port=dport, bootstrap_port=bport, seed=960 + k) for k in range(2)]
     try:
         assert [d.manager.dp for d in decode] == [(0, 2), (1, 2)]
@@ -225,6 +243,7 @@ def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
             rng = random.Random(k)
             req = Request(room=9100 + k, n_tokens=17, first_token=20 + k)
             before = {key: t.clone() for key, t in d.buffers().items()}
+            carried = Carried([pd], [dd])
             senders = new_senders(prefill, addr, req)
             recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr,
                                                               bootstrap_room=req.room)
@@ -239,6 +258,9 @@ def test_dp_attention_decode_ranks_each_load_their_requests(cluster):
             assert_bytes_equal(d.buffers(), expected_decode(d, before, dslots, prefill, pslots, req, model, 2, 1))
             assert_bytes_equal(other.buffers(), untouched)
             assert int(d.metadata.output_ids[3, 0]) == req.first_token
+            for sender in senders:  # their sends are acknowledged, so counted on the prefill side too
+                assert wait_poll(sender, {KVPoll.Success}) == KVPoll.Success, sender.failure
+            carried.assert_only(transport, kv_bytes([d], req))  # this DP rank's pool alone
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -1,5 +1,11 @@
 """Failures through the SGLang backend: aborts from either side, a dead peer daemon, a head
-count the handshake refuses, and the decode side's missing kv_head_num (sglang 0.5.23)."""
+count the handshake refuses, and the decode side's missing kv_head_num (sglang 0.5.23).
+
+The abort after a chunk went out meets the data path: it runs over each transport
+(``transport_util``), tcp and NIXL alone, and the other transport must carry nothing. The
+rest run on tcp only: they end before any KV moves (refusals, aborts before a send,
+registration), or, for the dead prefill daemon, end by the peer heartbeat's timeout, which
+the daemon tests cover on NIXL (tests/test_nixl.py), at some 10 s a run."""
 
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from harness import (KVPoll, Model, Request, bootstrap_server, close_all, free_p
 from kvxferd.errors import GeometryError, RegistrationError
 from kvxferd.sdk.client import EngineClient
 from test_sglang_transfers import deployment
+from transport_util import Carried, daemons, transport  # noqa: F401 - fixtures
 
 
 def snapshot(rank):
@@ -61,9 +68,18 @@ def test_abort_from_decode_reaches_prefill(cluster, how):
         server.close()
 
 
-def test_abort_from_prefill_after_a_chunk_reaches_decode(cluster):
+def only_on(carried: Carried, transport: str, at_most: int) -> None:
+    """No transport but ``transport`` carried a byte, and it at most ``at_most`` each way (how much
+    of the chunk went out before the abort depends on timing)."""
+    got = carried.delta()
+    assert all(v == 0 for k, v in got.items() if k.split("-")[1] != transport), got
+    assert got[f"sent-{transport}"] <= at_most and got[f"received-{transport}"] <= at_most, (got, at_most)
+
+
+def test_abort_from_prefill_after_a_chunk_reaches_decode(daemons, transport):
     model = Model()
-    server, prefill, decode, addr = deployment(cluster, model, seed=12)
+    server, prefill, decode, addr = deployment(daemons, model, seed=12)
+    carried = Carried([daemons.daemons["pd"]], [daemons.daemons["dd"]])
     try:
         req = Request(room=5002, n_tokens=24)
         [sender] = new_senders(prefill, addr, req)
@@ -77,6 +93,8 @@ def test_abort_from_prefill_after_a_chunk_reaches_decode(cluster):
         assert wait_poll(recv, {KVPoll.Success}) == KVPoll.Failed
         assert recv.failure[0] == "aborted", recv.failure
         assert int(decode[0].metadata.bootstrap_room[3, 0]) == 0  # no metadata row landed
+        # the first chunk's rows at most: nothing past the chunk the sender was given
+        only_on(carried, transport, 8 * sum(buf[0].nbytes for buf in decode[0].buffers().values()))
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -15,6 +15,12 @@ SGLang's own code). Every KV region is checked against the head-by-head oracle o
 ``harness.expected_decode`` (for SWA layers over the window's tokens only), every state
 slot against the state rebuilt from the prefill ranks' slices, byte for byte, with every
 other row and slot untouched.
+
+The transfers run over each transport (``transport_util``): tcp on the conftest's daemons,
+and NIXL on the same two daemons accepting NIXL alone. Their metrics must count, sent and
+received, exactly what the oracle says lands on that transport, every cache group summed
+(the full-attention rows, the window's rows of the SWA layers, the draft rows, the state
+slot), and nothing on the other. The refusals run on tcp only.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from harness import (BACKEND, KVPoll, Model, Rank, Request, assert_bytes_equal, 
 from kvxferd.adapters.sglang.state import mamba_groups
 from kvxferd.errors import RegistrationError
 from kvxferd.sdk.client import EngineClient
+from transport_util import Carried, daemons, transport  # noqa: F401 - fixtures
 
 FULL_LAYERS = [1, 3]  # Qwen3-Next-like: full attention every other layer, linear attention between
 MAMBA_LAYERS = [0, 2, 4]
@@ -170,6 +177,21 @@ def local_state(full: torch.Tensor, entry: int, tp_rank: int, tp: int, variant: 
     return torch.cat(out, dim=axis)
 
 
+def row_bytes(ranks: list[Rank]) -> int:
+    """One token's row in every KV buffer of ``ranks`` (all their layers and heads): what each
+    token that lands in them moves."""
+    return sum(buf[0].nbytes for r in ranks for buf in r.buffers().values())
+
+
+def slot_bytes(ranks: list[Rank], slot: int) -> int:
+    """One slot of every state entry of ``ranks`` (their TP slices of conv and temporal state)."""
+    return sum(t[slot].nbytes for r in ranks for t in states(r))
+
+
+def carried(daemons) -> Carried:
+    return Carried([daemons.daemons["pd"]], [daemons.daemons["dd"]])
+
+
 def mamba_payload(slot: int) -> list:
     """SGLang's state_indices for state_types [MAMBA]: _mamba_payload's [array(slot)] (0-d, from a tensor)."""
     return [[torch.tensor(slot).cpu().numpy()]]
@@ -177,15 +199,15 @@ def mamba_payload(slot: int) -> list:
 
 @pytest.mark.parametrize("variant,tp_p,tp_d", [(GDN, 2, 1), (GDN, 1, 2), (GDN, 1, 1), (KIMI, 2, 1)],
                          ids=["gdn_tp2to1", "gdn_tp1to2", "gdn_tp1to1", "kimi_tp2to1"])
-def test_hybrid_mamba_state_and_full_attention(cluster, gloo, variant, tp_p, tp_d):
+def test_hybrid_mamba_state_and_full_attention(daemons, transport, gloo, variant, tp_p, tp_d):
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    prefill = [make_hybrid_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, page_size=4, num_pages=16,
+    prefill = [make_hybrid_rank("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=tp_p, page_size=4, num_pages=16,
                                 port=free_port(), bootstrap_port=bport, seed=700 + t, variant=variant)
                for t in range(tp_p)]
     dport = free_port()
-    decode = [make_hybrid_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, page_size=4, num_pages=16,
+    decode = [make_hybrid_rank("decode", daemons.daemons["dd"], tp_rank=t, tp_size=tp_d, page_size=4, num_pages=16,
                                port=dport, bootstrap_port=bport, seed=750 + t, variant=variant) for t in range(tp_d)]
     try:
         spec = prefill[0].manager.geometry.spec
@@ -199,6 +221,7 @@ def test_hybrid_mamba_state_and_full_attention(cluster, gloo, variant, tp_p, tp_
         p_slot, d_slot = 3, 5
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         state_before = [[t.clone() for t in states(d)] for d in decode]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         receivers = []
         for d in decode:
@@ -236,6 +259,8 @@ def test_hybrid_mamba_state_and_full_attention(cluster, gloo, variant, tp_p, tp_
                                              variant)
                 assert not torch.equal(expect.view(torch.uint8), was.view(torch.uint8)), "the oracle expects no change"
                 assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"state entry {entry} differs"
+        # every token's full-attention rows, and the state slot: each decode rank its own slice
+        wire.assert_only(transport, req.n_tokens * row_bytes(decode) + slot_bytes(decode, d_slot))
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -283,17 +308,17 @@ def draft_rank(role: str, daemon, *, tp_rank: int, tp_size: int, port: int, boot
 
 
 @pytest.mark.parametrize("tp_p,tp_d,prefix", [(2, 1, 8), (1, 2, 0)], ids=["tp2to1_prefix", "tp1to2"])
-def test_draft_model_kv_moves_with_the_target(cluster, gloo, tp_p, tp_d, prefix):
+def test_draft_model_kv_moves_with_the_target(daemons, transport, gloo, tp_p, tp_d, prefix):
     """KVArgs lists the draft pool's buffers after the target's (num_draft_entries): both
     move over the target's pages, the draft by its own heads and head_dim, byte-exact; with
     a decode prefix only the suffix of either lands."""
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pairs_p = [draft_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
+    pairs_p = [draft_rank("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
                           bootstrap_port=bport, seed=800 + t) for t in range(tp_p)]
     dport = free_port()
-    pairs_d = [draft_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport,
+    pairs_d = [draft_rank("decode", daemons.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport,
                           bootstrap_port=bport, seed=850 + t) for t in range(tp_d)]
     prefill, pdraft = [p for p, _ in pairs_p], [d for _, d in pairs_p]
     decode, ddraft = [p for p, _ in pairs_d], [d for _, d in pairs_d]
@@ -305,6 +330,7 @@ def test_draft_model_kv_moves_with_the_target(cluster, gloo, tp_p, tp_d, prefix)
         rng = random.Random(tp_p + 7 * tp_d)
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         dbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in ddraft]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         receivers = run_decode_until_metadata(decode, addr, req, rng)
         pslots = run_prefill(prefill, senders, req, rng, chunk_ends=[13])
@@ -315,6 +341,8 @@ def test_draft_model_kv_moves_with_the_target(cluster, gloo, tp_p, tp_d, prefix)
             want = expected_decode(dd, dold, dslots, pdraft, pslots, req, DRAFT, tp_p, tp_d)
             assert any(not torch.equal(want[k], dold[k]) for k in want), "the oracle expects no change"
             assert_bytes_equal(dd.buffers(), want)
+        # the tokens past the prefix, in the target's rows and the draft's
+        wire.assert_only(transport, (req.n_tokens - prefix) * (row_bytes(decode) + row_bytes(ddraft)))
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -367,7 +395,7 @@ def window_start(n: int, prefix: int, page_size: int) -> int:
 
 
 @pytest.mark.parametrize("tp_p,tp_d,prefix", [(2, 1, 0), (1, 2, 16)], ids=["tp2to1", "tp1to2_prefix"])
-def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, prefix):
+def test_sliding_window_layers_move_only_the_window(daemons, transport, gloo, tp_p, tp_d, prefix):
     """A prompt of 23 tokens, window 8, chunked at 12: the full layers move [prefix, 23), the
     SWA layers only [max(prefix, 15), 23) into the SWA pages SGLang names for the window;
     every other byte of both pools (the window's first page before its first token included)
@@ -376,10 +404,10 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pairs_p = [swa_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
+    pairs_p = [swa_rank("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=tp_p, port=free_port(),
                         bootstrap_port=bport, seed=900 + t) for t in range(tp_p)]
     dport = free_port()
-    pairs_d = [swa_rank("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport, bootstrap_port=bport,
+    pairs_d = [swa_rank("decode", daemons.daemons["dd"], tp_rank=t, tp_size=tp_d, port=dport, bootstrap_port=bport,
                         seed=950 + t) for t in range(tp_d)]
     prefill, pswa = [a for a, _ in pairs_p], [b for _, b in pairs_p]
     decode, dswa = [a for a, _ in pairs_d], [b for _, b in pairs_d]
@@ -393,6 +421,7 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
         num_pages = -(-n // ps)
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         sbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in dswa]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         receivers = swa_receivers(decode, dswa, addr, req, ps, prefix, rng)
         pslots, pswa_slots = [], []
@@ -418,6 +447,8 @@ def test_sliding_window_layers_move_only_the_window(cluster, gloo, tp_p, tp_d, p
             want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, tp_p, tp_d)
             assert any(not torch.equal(want[k], sold[k]) for k in want), "the oracle expects no change"
             assert_bytes_equal(sw.buffers(), want)
+        # the full layers' rows of [prefix, n), the SWA layers' of the window's tokens only
+        wire.assert_only(transport, (n - prefix) * row_bytes(decode) + (n - in_window.prefix) * row_bytes(dswa))
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -464,7 +495,7 @@ def test_window_receiver_without_the_prompt_length_fails_naming_it(cluster):
         server.close()
 
 
-def test_hybrid_model_with_a_draft_model(cluster, gloo):
+def test_hybrid_model_with_a_draft_model(daemons, transport, gloo):
     """Qwen3-Next with MTP-like: Mamba state, full attention and a draft model's KV in one
     instance, TP 2->1; all three byte-exact."""
     bport = free_port()
@@ -476,10 +507,10 @@ def test_hybrid_model_with_a_draft_model(cluster, gloo):
         return MHATokenToKVPool(size=size, page_size=4, dtype=DRAFT.dtype, head_num=DRAFT.total_kv_heads // tp,
                                 head_dim=DRAFT.head_dim, layer_num=1, device="cpu", enable_memory_saver=False)
 
-    prefill = [make_hybrid_rank("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=2, page_size=4, num_pages=16,
+    prefill = [make_hybrid_rank("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=2, page_size=4, num_pages=16,
                                 port=free_port(), bootstrap_port=bport, seed=1100 + t, draft=draft_pool(2))
                for t in range(2)]
-    decode = [make_hybrid_rank("decode", cluster.daemons["dd"], tp_rank=0, tp_size=1, page_size=4, num_pages=16,
+    decode = [make_hybrid_rank("decode", daemons.daemons["dd"], tp_rank=0, tp_size=1, page_size=4, num_pages=16,
                                port=free_port(), bootstrap_port=bport, seed=1150, draft=draft_pool(1))]
     pdraft = [Rank("prefill", p.tp_rank, 0, p.queue.draft_token_to_kv_pool, p.metadata, p.manager, 4) for p in prefill]
     ddraft = [Rank("decode", 0, 0, decode[0].queue.draft_token_to_kv_pool, decode[0].metadata, decode[0].manager, 4)]
@@ -492,6 +523,7 @@ def test_hybrid_model_with_a_draft_model(cluster, gloo):
         before = {k: v.clone() for k, v in d.buffers().items()}
         dbefore = {k: v.clone() for k, v in ddraft[0].buffers().items()}
         state_before = [t.clone() for t in states(d)]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         recv = get_kv_class(BACKEND, KVClassType.RECEIVER)(mgr=d.manager, bootstrap_addr=addr, bootstrap_room=req.room)
         recv.init(0)
@@ -519,6 +551,8 @@ def test_hybrid_model_with_a_draft_model(cluster, gloo):
             expect = was.clone()
             expect[d_slot] = local_state(full_state(prefill, entry, p_slot, GDN), entry, 0, 1, GDN)
             assert torch.equal(got.view(torch.uint8), expect.view(torch.uint8)), f"state entry {entry} differs"
+        # all three groups: the target's full-attention rows, the draft's rows, the state slot
+        wire.assert_only(transport, req.n_tokens * (row_bytes(decode) + row_bytes(ddraft)) + slot_bytes(decode, d_slot))
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -11,6 +11,12 @@ real ``_init_kv_manager``. The oracle knows nothing of kvxferd's numbering: it p
 prefill and decode buffers by *model* layer id, rebuilds every moved head and state slice
 from the prefill stage and TP rank that hold it, and compares byte for byte, with every
 other row and slot untouched.
+
+The transfers run over each transport (``transport_util``): tcp on the conftest's daemons,
+and NIXL on the same two daemons accepting NIXL alone. Their metrics must count, sent and
+received, exactly the bytes the oracle says landed, summed over the cache groups and the
+decode stages (full-attention rows, the window's SWA rows, each stage's state slot), on that
+transport alone. The refusals run on tcp only.
 """
 
 from __future__ import annotations
@@ -34,7 +40,8 @@ from harness import (BACKEND, KVPoll, Rank, Request, assert_bytes_equal, bootstr
                      expected_decode, free_port, new_senders, published, set_metadata_row, sglang_wait, slots_of,
                      socket_of, wait_poll)
 from test_sglang_hybrid import (DRAFT, FULL_LAYERS, GDN, MAMBA_LAYERS, MAMBA_SLOTS, MODEL, SWA_MODEL, TARGET, W,
-                                fill, mamba_payload, swa_receivers, window_start)
+                                carried, fill, mamba_payload, row_bytes, swa_receivers, window_start)
+from transport_util import daemons, transport  # noqa: F401 - fixtures
 from kvxferd.adapters.sglang.stages import own_splits
 from kvxferd.errors import RegistrationError
 from kvxferd.sdk.client import EngineClient
@@ -135,7 +142,7 @@ EVEN = ((0, 1), (1, 3))  # Mamba layers 0 | 2, 4 by SGLang's default partition o
 @pytest.mark.parametrize("pp_p,tp_p,pp_d,tp_d,partition,p_mamba", [
     (2, 1, 1, 2, None, EVEN), (1, 2, 2, 1, None, None), (2, 1, 2, 1, "3,2", ((0, 2), (2, 3)))],
     ids=["pp2tp1-to-pp1tp2", "pp1tp2-to-pp2tp1", "pp2-partition-3,2-to-pp2"])
-def test_hybrid_mamba_across_pp_stages(cluster, gloo, monkeypatch, pp_p, tp_p, pp_d, tp_d, partition, p_mamba):
+def test_hybrid_mamba_across_pp_stages(daemons, transport, gloo, monkeypatch, pp_p, tp_p, pp_d, tp_d, partition, p_mamba):
     """5 layers over PP 2 by SGLang's partition: stage 0 [0, 2) holds full layer 1 and Mamba
     layer 0, stage 1 [2, 5) full layer 3 and Mamba layers 2 and 4 (an uneven Mamba split);
     with SGLANG_PP_LAYER_PARTITION 3,2 on the prefill deployment its stages hold [0, 3)
@@ -147,12 +154,12 @@ def test_hybrid_mamba_across_pp_stages(cluster, gloo, monkeypatch, pp_p, tp_p, p
     addr = f"127.0.0.1:{bport}"
     if partition:  # the prefill deployment's environment only
         monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", partition)
-    prefill = [mamba_stage("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
+    prefill = [mamba_stage("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
                            port=free_port(), bootstrap_port=bport, seed=2000 + 10 * p + t)
                for p in range(pp_p) for t in range(tp_p)]
     monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
     dport = free_port()
-    decode = [mamba_stage("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
+    decode = [mamba_stage("decode", daemons.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
                           port=dport, bootstrap_port=bport, seed=2050 + 10 * p + t)
               for p in range(pp_d) for t in range(tp_d)]
     try:
@@ -173,6 +180,7 @@ def test_hybrid_mamba_across_pp_stages(cluster, gloo, monkeypatch, pp_p, tp_p, p
 
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         state_before = [{k: v.clone() for k, v in state_entries(d).items()} for d in decode]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         receivers = []
         for d in decode:
@@ -211,6 +219,9 @@ def test_hybrid_mamba_across_pp_stages(cluster, gloo, monkeypatch, pp_p, tp_p, p
                 assert not torch.equal(expect.view(torch.uint8), was.view(torch.uint8)), "the oracle expects no change"
                 assert torch.equal(got[(name, layer)].view(torch.uint8), expect.view(torch.uint8)), \
                     f"state {name} of model layer {layer} differs"
+        # every token's full-attention rows on every decode stage, and each stage's state slot of its layers
+        state = sum(t[d_slot(d)].nbytes for d in decode for t in state_entries(d).values())
+        wire.assert_only(transport, req.n_tokens * row_bytes(decode) + state)
     finally:
         close_all(*prefill, *decode)
         server.close()
@@ -281,18 +292,18 @@ def swa_stage(role: str, daemon, *, tp_rank: int, tp_size: int, pp_rank: int, pp
 
 @pytest.mark.parametrize("pp_p,tp_p,pp_d,tp_d", [(2, 1, 1, 2), (1, 2, 2, 1)], ids=["pp2tp1-to-pp1tp2",
                                                                                  "pp1tp2-to-pp2tp1"])
-def test_sliding_window_layers_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d, tp_d):
+def test_sliding_window_layers_across_pp_stages(daemons, transport, gloo, pp_p, tp_p, pp_d, tp_d):
     """PP 2 (stage 0: SWA layer 0, full layer 1; stage 1: SWA layer 2, full layer 3) on one
     side, PP 1 on the other, the TP changing with it; a prompt of 23 tokens, window 8: the
     full layers move all 23, the SWA layers only the window's tokens, stage by stage."""
     bport = free_port()
     server = bootstrap_server(bport)
     addr = f"127.0.0.1:{bport}"
-    pairs_p = [swa_stage("prefill", cluster.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
+    pairs_p = [swa_stage("prefill", daemons.daemons["pd"], tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
                          port=free_port(), bootstrap_port=bport, seed=2100 + 10 * p + t)
                for p in range(pp_p) for t in range(tp_p)]
     dport = free_port()
-    pairs_d = [swa_stage("decode", cluster.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
+    pairs_d = [swa_stage("decode", daemons.daemons["dd"], tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
                          port=dport, bootstrap_port=bport, seed=2150 + 10 * p + t)
                for p in range(pp_d) for t in range(tp_d)]
     prefill, pswa = [a for a, _ in pairs_p], [b for _, b in pairs_p]
@@ -309,6 +320,7 @@ def test_sliding_window_layers_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d,
         num_pages = -(-n // PS)
         before = [{k: v.clone() for k, v in d.buffers().items()} for d in decode]
         sbefore = [{k: v.clone() for k, v in d.buffers().items()} for d in dswa]
+        wire = carried(daemons)
         senders = new_senders(prefill, addr, req)
         receivers = swa_receivers(decode, dswa, addr, req, PS, prefix, rng)
         pslots, pswa_slots = [], []
@@ -334,6 +346,8 @@ def test_sliding_window_layers_across_pp_stages(cluster, gloo, pp_p, tp_p, pp_d,
             want = expected_decode(sw, sold, dswa_slots, pswa, pswa_slots, in_window, SWA_MODEL, tp_p, tp_d)
             assert any(not torch.equal(want[k], sold[k]) for k in want), "the oracle expects no change"
             assert_bytes_equal(sw.buffers(), want)
+        # the full layers' rows of all n tokens, the SWA layers' of the window's tokens only, every stage
+        wire.assert_only(transport, n * row_bytes(decode) + (n - in_window.prefix) * row_bytes(dswa))
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -5,9 +5,10 @@ too): a single engine with no connector gives the reference tokens; a prefill an
 engine, each with kvxferd's connector and its own daemon, are pinned to different cores where
 the machine has two. Here it yields a dict the tests read, keeps its run dir (pytest's, with the
 engines' and daemons' logs), and checks at the end that the engines unlinked the shared-memory
-files their KV was moved into. ``daemon_env`` starts both daemons with that environment (NIXL
-alone: ``transport_util.ONLY_NIXL``); ``reference`` (the single engine's tokens, from an earlier
-rig of the same model and prompts) spares the single engine.
+files their KV was moved into, and that both daemons outlived the engines and stopped cleanly.
+``daemon_env`` starts both daemons with that environment (NIXL alone:
+``transport_util.ONLY_NIXL``); ``reference`` (the single engine's tokens, from an earlier rig of
+the same model and prompts) spares the single engine.
 """
 
 from __future__ import annotations
@@ -37,6 +38,9 @@ def engine_rig(root: Path, model: Path, prompts: dict[str, list[int]], max_token
         yield {"prefill": rig.prefill, "decode": rig.decode, "pd": rig.pd, "dd": rig.dd, "plain": reference,
                "pins": rig.pins, "max_tokens": max_tokens, "rig": rig}
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
+    # each daemon outlived the engine ranks that unregistered from it, and stopped cleanly when told
+    exits = {n: d.proc.returncode for n, d in rig.cluster.daemons.items()}
+    assert exits == {n: 0 for n in exits}, f"daemon exit codes {exits}; their logs are in {rig.root}"
 
 
 def disaggregated(rig: dict[str, Any], prompt: list[int],

@@ -13,13 +13,19 @@ tokens (vLLM's null block, id 0, stands for the blocks before them).
   window's blocks held after the request finished;
 - worker ranks (vLLM's distributed groups, vLLM's own ``allocate_kv_cache``) with real
   daemons moving both groups TP 2 -> 1 and 1 -> 2, byte-exact against ``kv_oracle``; only
-  the window's pages of the sliding-window layers move (bytes counted by the decode
-  daemon), vLLM's null block is never written; a pair whose windows differ is refused.
+  the window's pages of the sliding-window layers move, vLLM's null block is never written;
+  a pair whose windows differ is refused.
+
+The worker rig runs twice: its daemons on tcp, then on NIXL alone (``transport_util``). Each
+transfer's bytes, both groups summed (every page of the full layers, the window's pages of
+the sliding-window layers), must be counted by the daemons' metrics on that transport, sent
+and received, and none on the other. The refusal of differing windows runs on tcp only.
 """
 
 from __future__ import annotations
 
 import glob
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +37,9 @@ from kvxferd.adapters.vllm.groups import FULL, MAMBA, SLIDING, VllmGroup, map_gr
 from kvxferd.errors import ConfigError
 from kvxferd.tools.sim import Cluster, free_port
 from ops_support import close_cluster, in_parallel
-from procs import JsonProc, daemon_status, metric
+from procs import JsonProc, daemon_status
 from test_vllm_worker import step_all, steps_until
+from transport_util import TRANSPORTS, Carried, daemon_env, require
 
 ADDRESS = "10.0.0.7:5557"
 KEPT = vu.SLIDING_WINDOW - 1          # tokens vLLM keeps for a sliding-window layer: the window less the new token
@@ -252,13 +259,15 @@ class Instance:
                 "source_address": self.daemon.address, "num_tokens": n}
 
 
-@pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
-    root = tmp_path_factory.mktemp("vllm-hma")
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
+    transport = request.param
+    require(transport)
+    root = tmp_path_factory.mktemp(f"vllm-hma-{transport}")
     shm_before = set(glob.glob("/dev/shm/kvxferd-vllm-*"))
     cluster = Cluster()
     daemons = {n: cluster.daemon(f"node-{n}", start=False) for n in "ab"}
-    in_parallel(*[d.start for d in daemons.values()])
+    in_parallel(*[lambda d=d: d.start(daemon_env(transport)) for d in daemons.values()])
     procs: list[JsonProc] = []
 
     def ranks(name: str, node: str, tp: int, sliding_window: int = vu.SLIDING_WINDOW) -> list[JsonProc]:
@@ -273,16 +282,22 @@ def rig(tmp_path_factory: pytest.TempPathFactory, model_dir: Path):
 
     try:
         inst = {"H2": Instance("H2", daemons["a"], ranks("H2", "a", 2)),
-                "H1": Instance("H1", daemons["b"], ranks("H1", "b", 1)),
-                "X": Instance("X", daemons["a"], ranks("X", "a", 1, sliding_window=72))}
+                "H1": Instance("H1", daemons["b"], ranks("H1", "b", 1))}
+        if transport == "tcp":  # the source of the refusal test, which runs on tcp only
+            inst["X"] = Instance("X", daemons["a"], ranks("X", "a", 1, sliding_window=72))
         for p in procs:
             ev = p.next(300)
             assert ev["event"] == "registered", ev
+        inst["transport"] = transport
         yield inst
     finally:
         in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
-        close_cluster(cluster)
+        close_cluster(cluster, keep_root=True)  # its daemon logs go below, once the daemons ended well
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
+    # each daemon outlived the ranks that unregistered from it, and stopped cleanly when told
+    exits = {n: d.proc.returncode for n, d in daemons.items()}
+    assert exits == {n: 0 for n in exits}, f"daemon exit codes {exits}; their logs are in {cluster.root}"
+    shutil.rmtree(cluster.root, ignore_errors=True)
 
 
 def check(inst: Instance, tid: str, blocks: list[int], swa: list[int], n: int) -> list[dict[str, Any]]:
@@ -291,14 +306,15 @@ def check(inst: Instance, tid: str, blocks: list[int], swa: list[int], n: int) -
 
 
 def hybrid_transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: tuple[list[int], list[int]],
-                    dst_blocks: tuple[list[int], list[int]], computed_steps: list[int]) -> float:
+                    dst_blocks: tuple[list[int], list[int]], computed_steps: list[int]) -> Carried:
     """Decode expects, prefill fills both groups and saves step by step; decode bytes checked.
-    Returns the bytes the decode daemon received for it."""
+    Returns what each transport carried for it, sent by the source's daemon and received by the
+    destination's."""
     (src_full, src_swa), (dst_full, dst_swa) = src_blocks, dst_blocks
     for r in src.ranks:
         r.call(cmd="fill", rid=tid, blocks=src_full, groups={"swa0": src_swa}, n=n)
     assert all(0 in c["canary_blocks"] for c in check(dst, tid, dst_full, dst_swa, 0))
-    received = metric(dst.daemon, "kvxferd_received_bytes_total")
+    wire = Carried([src.daemon], [dst.daemon])
     step_all(dst, {"loads": [{"req_id": f"d-{tid}", "params": src.params(tid, n), "block_ids": dst_full,
                               "groups": {"swa0": dst_swa}, "start": 0}]})
     for computed in computed_steps:
@@ -312,7 +328,7 @@ def hybrid_transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: 
         assert report["mismatches"] == 0, report
         # vLLM's null block, named for the window group's pages before the window, was never written
         assert 0 in report["canary_blocks"], report
-    return metric(dst.daemon, "kvxferd_received_bytes_total") - received
+    return wire
 
 
 def page_bytes(local_heads: int) -> int:
@@ -331,20 +347,22 @@ def test_tp2_prefill_to_tp1_decode_moves_only_the_window_of_the_sliding_layers(r
     # 150 tokens in three chunks; vLLM keeps tokens [111, 150) of a sliding-window layer, so the
     # decode side's window table starts with three null blocks and only pages 3 and 4 move
     n = 150
-    moved = hybrid_transfer(rig["H2"], rig["H1"], "h21", n, ([5, 2, 9, 4, 11], [1, 7, 3, 12, 13]),
-                            ([3, 4, 14, 15, 1], [0, 0, 0, 8, 10]), computed_steps=[64, 128, 150])
+    wire = hybrid_transfer(rig["H2"], rig["H1"], "h21", n, ([5, 2, 9, 4, 11], [1, 7, 3, 12, 13]),
+                           ([3, 4, 14, 15, 1], [0, 0, 0, 8, 10]), computed_steps=[64, 128, 150])
     full_pages, window_pages = 5, 5 - window_start(n) // vu.BLOCK
     assert window_pages == 2
-    assert moved == (2 * full_pages + 2 * window_pages) * page_bytes(2)
+    # two full layers of every page and two sliding-window layers of the window's pages, both heads
+    wire.assert_only(rig["transport"], (2 * full_pages + 2 * window_pages) * page_bytes(2))
 
 
 def test_tp1_prefill_to_tp2_decode(rig):
     n = 100          # kept: [61, 100), pages 1..3 of the window group
-    moved = hybrid_transfer(rig["H1"], rig["H2"], "h12", n, ([2, 5, 6, 9], [11, 12, 13, 14]),
-                            ([3, 4, 14, 15], [0, 6, 11, 2]), computed_steps=[100])
-    assert moved == (2 * 4 + 2 * 3) * page_bytes(1) * 2      # two decode ranks, one head each
+    wire = hybrid_transfer(rig["H1"], rig["H2"], "h12", n, ([2, 5, 6, 9], [11, 12, 13, 14]),
+                           ([3, 4, 14, 15], [0, 6, 11, 2]), computed_steps=[100])
+    wire.assert_only(rig["transport"], (2 * 4 + 2 * 3) * page_bytes(1) * 2)      # two decode ranks, one head each
 
 
+@pytest.mark.parametrize("rig", ["tcp"], indirect=True)
 def test_a_pair_whose_windows_differ_is_refused_naming_both(rig):
     src, dst = rig["X"], rig["H1"]                  # window 72 (71 kept) into window 40 (39 kept)
     got = steps_until(dst, "recving", "d-hx", plan={"loads": [{

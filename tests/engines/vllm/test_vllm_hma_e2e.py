@@ -8,6 +8,12 @@ declares ``SupportsHMA``, so vLLM keeps two KV cache groups and the sliding-wind
 hold only their window. Greedy tokens must equal the plain run's for prompts longer than
 the window; the decode daemon must have received only the window's pages of the
 sliding-window layers; a negative control (another prompt's transfer) must go astray.
+
+The rig runs twice: its daemons on tcp, then on NIXL alone (``transport_util``; the second
+rig reuses the first one's plain tokens instead of starting the plain engine again). Every
+transfer's bytes, both groups summed (every page of the full-attention layers, the window's
+pages of the sliding-window layers), must be counted by the daemons' metrics on that
+transport, sent and received, and none on the other.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import pytest
 import vllm_util as vu
 from engine_rig import disaggregated, engine_rig
 from procs import daemon_status, metric
+from transport_util import TRANSPORTS, Carried, daemon_env, require
 
 MAX_TOKENS = 8
 PAGE_BYTES = vu.BLOCK * vu.MODEL["num_key_value_heads"] * 2 * vu.HEAD * 4   # one layer's page, float32
@@ -43,11 +50,35 @@ def window_pages(n: int) -> int:
     return pages(n) - max(0, n - KEPT) // vu.BLOCK
 
 
+def kv_bytes(n: int) -> int:
+    """The bytes a prompt of ``n`` tokens moves: the two full-attention layers' pages, and the
+    two sliding-window layers' pages of the window."""
+    return (2 * pages(n) + 2 * window_pages(n)) * PAGE_BYTES
+
+
 @pytest.fixture(scope="module")
-def rig(tmp_path_factory: pytest.TempPathFactory):
-    root = tmp_path_factory.mktemp("vllm-hma-e2e")
-    with engine_rig(root, vu.make_tiny_hybrid(root / "model"), PROMPTS, MAX_TOKENS, "h") as r:
+def model(tmp_path_factory: pytest.TempPathFactory):
+    return vu.make_tiny_hybrid(tmp_path_factory.mktemp("vllm-hma-e2e-model") / "model")
+
+
+_PLAIN: dict[str, dict[str, list[int]]] = {}  # the plain run's tokens: the same model and prompts for every rig
+
+
+@pytest.fixture(scope="module", params=TRANSPORTS)
+def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model):
+    transport = request.param
+    require(transport)
+    root = tmp_path_factory.mktemp(f"vllm-hma-e2e-{transport}")
+    with engine_rig(root, model, PROMPTS, MAX_TOKENS, "h", daemon_env=daemon_env(transport),
+                    reference=_PLAIN.get("tokens")) as r:
+        _PLAIN.setdefault("tokens", r["plain"])
+        r["transport"] = transport
         yield r
+
+
+def carried(rig) -> Carried:
+    return Carried([rig["pd"]], [rig["dd"]])
+
 
 def test_both_engines_registered_a_window_group(rig):
     for d, instance in ((rig["pd"], "prefill-h.prefill"), (rig["dd"], "decode-h.decode")):
@@ -62,6 +93,7 @@ def test_disaggregated_greedy_tokens_equal_a_plain_run_and_only_the_window_moves
     pd, dd = rig["pd"], rig["dd"]
     done_before = metric(dd, "kvxferd_transfers_total", side="decode", outcome="done")
     bytes_before = metric(dd, "kvxferd_received_bytes_total")
+    wire = carried(rig)
     names = ("short", "mid", "long")
     for name in names:
         assert disaggregated(rig, PROMPTS[name])[0] == rig["plain"][name], name
@@ -69,10 +101,13 @@ def test_disaggregated_greedy_tokens_equal_a_plain_run_and_only_the_window_moves
     moved = metric(dd, "kvxferd_received_bytes_total") - bytes_before
     n = [len(PROMPTS[k]) for k in names]
     assert [window_pages(k) for k in n] == [2, 3, 2]            # of 2, 4 and 5 pages
-    assert moved == sum(2 * pages(k) + 2 * window_pages(k) for k in n) * PAGE_BYTES
+    want = sum(kv_bytes(k) for k in n)
+    assert moved == want
     # prefill's blocks (the window's, for the sliding-window layers) stay held until the send is done
     assert rig["prefill"].call(cmd="drain")["held"] == []
     assert metric(pd, "kvxferd_transfers_total", side="prefill", outcome="done") >= 3
+    # every byte on the rig's transport, none on the other (the sends are done: counted on both sides)
+    wire.assert_only(rig["transport"], want)
 
 
 def test_negative_control_another_prompts_kv_gives_other_tokens(rig):
@@ -80,18 +115,23 @@ def test_negative_control_another_prompts_kv_gives_other_tokens(rig):
     assert plain["target"] != plain["donor"]
     dd = rig["dd"]
     done_before = metric(dd, "kvxferd_transfers_total", side="decode", outcome="done")
+    wire = carried(rig)
     tokens, _ = disaggregated(rig, PROMPTS["target"], params_from=PROMPTS["donor"])
     assert metric(dd, "kvxferd_transfers_total", side="decode", outcome="done") - done_before == 1
     assert tokens != plain["target"]
     assert rig["prefill"].call(cmd="drain")["held"] == []
+    wire.assert_only(rig["transport"], kv_bytes(len(PROMPTS["donor"])))
 
 
 def test_a_decode_prefix_hit_moves_only_the_rest_of_both_groups_and_still_matches(rig):
     dd = rig["dd"]
     assert disaggregated(rig, PROMPTS["again"])[0] == rig["plain"]["again"]
+    assert rig["prefill"].call(cmd="drain")["held"] == []  # its send is done and counted
     bytes_before = metric(dd, "kvxferd_received_bytes_total")
+    wire = carried(rig)
     # decode's prefix cache now holds the prompt's three full pages in both groups (the
     # sliding-window group those its window needs): only the last page of each layer moves
     assert disaggregated(rig, PROMPTS["again"])[0] == rig["plain"]["again"]
     assert metric(dd, "kvxferd_received_bytes_total") - bytes_before == (2 + 2) * PAGE_BYTES
     assert rig["prefill"].call(cmd="drain")["held"] == []
+    wire.assert_only(rig["transport"], (2 + 2) * PAGE_BYTES)
