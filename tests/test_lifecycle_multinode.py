@@ -185,3 +185,34 @@ def test_a_bootstrap_that_times_out_names_what_it_waited_for():
     c.tick(d.cfg.timeouts.bootstrap_s + 1)
     outcome = d.outcome("r", decode[0])
     assert outcome.code == "bootstrap_timeout" and "missing ranks p/tp3/pp0" in outcome.reason
+
+
+def test_a_rank_map_naming_a_lost_daemon_is_asked_anew_and_follows_the_rendezvous():
+    """The source instance's ranks at B register again at E after B died, and the rendezvous A's
+    directory lists E. The decode daemon forgets the rank map that named B when it loses B, so the
+    next request handshakes with A again, learns E, and completes; none waits for dead B."""
+    c = Cluster("A", "B", "E", "D")
+    a, b, e, d = c.node("A"), c.node("B"), c.node("E"), c.node("D")
+    p_spec = spec(2, heads=4)
+    pa = a.rank("p", "prefill", p_spec, tp=0)
+    b.rank("p", "prefill", p_spec, tp=1)
+    (rank,) = [d.rank("d", "decode", spec(1, heads=4))]
+    c.spread["p"] = {(0, 0): "A", (1, 0): "B"}
+    d.expect(rank, "r1", pages(2), "p", num_tokens=8, source_node=a)
+    c.run()
+    assert sorted(d.inbox.get("r1", rank.id).source_addresses()) == [a.address, b.address]
+    # B dies; its rank registers again at E, and the rendezvous's directory says so
+    c.cut_links.add(b.address)
+    d.handle(events.SourceLost(b.address, "peer_dead", "source daemon B:1 unresponsive for 6.0s"))
+    c.run()
+    assert d.outcome("r1", rank).code == "peer_dead"
+    pe = e.rank("p", "prefill", p_spec, tp=1)
+    c.spread["p"] = {(0, 0): "A", (1, 0): "E"}
+    d.expect(rank, "r2", pages(2, 2), "p", num_tokens=8, source_node=a)
+    c.run()
+    entry = d.inbox.get("r2", rank.id)
+    assert sorted(entry.source_addresses()) == [a.address, e.address]
+    pa_send = a.send(pa, "r2", pages(2), 0, 8, True)
+    pe_send = e.send(pe, "r2", pages(2, 2), 0, 8, True)
+    c.run()
+    assert d.outcome("r2", rank).state == "done", (pa_send, pe_send)

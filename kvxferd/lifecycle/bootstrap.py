@@ -206,6 +206,13 @@ class BootstrapSide(LifecycleBase):
         for hs in self.handshakes.at(address):
             if self.handshakes.move(hs, happened, self.now) == ASKING and happened == "restarted":
                 self.emit(effects.SendHandshake(*hs.key, hs.spec))
+        # a rendezvous's rank map that names the lost daemon is stale: its ranks register again
+        # elsewhere, and the rendezvous's directory will say where; the next destination asks it anew
+        for hs in list(self.handshakes.book.values()):
+            if hs.state == AGREED and hs.address != address and address in hs.rank_map.values():
+                log.info("event=rank_map_forgotten rendezvous=%s prefill=%s decode=%s lost=%s", hs.address,
+                         hs.key[1], hs.key[2], address)
+                self.handshakes.move(hs, "forgotten", self.now)
 
     def _handshakes_forgotten(self, address: str) -> None:
         """The source answered an expect ``no_handshake``: it holds none of this daemon's pairs."""
