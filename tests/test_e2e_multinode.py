@@ -137,6 +137,42 @@ def test_a_source_daemon_killed_mid_transfer_fails_the_request_on_every_daemon(r
         assert_verified(dec, pre)
 
 
+def test_ranks_registered_again_at_a_new_daemon_are_found_through_the_rendezvous(request):
+    """B (ranks 2-3, rendezvous A) dies and its ranks register again at E under A. The decode daemon
+    D forgets the rank map that named B once it loses B, so the next request asks A again, learns E
+    from A's directory and lands byte-exact, instead of dialing dead B until a timeout."""
+    with cluster_run(request) as c:
+        a, b, d, e = start_nodes(c, Node("node-a", SLOW), Node("node-b", SLOW), Node("node-d", SLOW),
+                                 Node("node-e", SLOW))
+        pspec, dspec = spec(tp_size=4, total_kv_heads=4), spec(tp_size=2, total_kv_heads=4)
+        prefill = c.spread_instance([a, a, b, b], "rp", "prefill", pspec, NUM_PAGES)
+        (decode,) = c.instances((d, "rd", "decode", dspec, NUM_PAGES))
+        dec, pre = transfer(prefill, decode, "r-1", 12, src_pages=[1, 2, 3], dst_pages=[4, 5, 6],
+                            source_address=a.address)
+        assert_verified(dec, pre)
+        b.signal(signal.SIGKILL)
+        b.proc.wait()
+        for w in prefill[2:]:
+            w.kill()  # their daemon is gone
+        deadline = time.monotonic() + 25
+        while any(p["address"] == b.address and p["state"] == "up" for p in _status(d)["peers"]):
+            assert time.monotonic() < deadline, "the decode daemon never noticed B was gone"
+            time.sleep(0.1)
+        again = [Worker(e, "rp", "prefill", RankGeometry(pspec, tp, 0, NUM_PAGES), wait=False, rendezvous=a.address)
+                 for tp in (2, 3)]
+        c.workers.extend(again)
+        for w in again:
+            w.wait_registered()
+        while _status(a)["rendezvous"]["remote_ranks"].get("rp/prefill") != {"2.0": e.address, "3.0": e.address}:
+            assert time.monotonic() < deadline + 25, _status(a)["rendezvous"]
+            time.sleep(0.1)
+        dec, pre = transfer(prefill[:2] + again, decode, "r-2", 12, src_pages=[7, 8, 9], dst_pages=[10, 11, 12],
+                            source_address=a.address)
+        assert_verified(dec, pre)
+        plans = {p["address"]: p["plans"] for p in _status(d)["peers"] if p["side"] == "prefill"}
+        assert "rp->rd" in plans[a.address] and "rp->rd" in plans[e.address]
+
+
 QUICK = ("[timeouts]\nbootstrap_s = 3.0\nwaiting_for_input_s = 30.0\ntransfer_s = 30.0\n"
          "drain_grace_s = 1.0\n")
 
