@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import glob
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,19 @@ class JsonProc(jsonlines.JsonProc):
 
     def __init__(self, script: str, config: dict[str, Any], log_path: Path) -> None:
         super().__init__([str(HERE / script), json.dumps(config)], log_path)
+        self.config = config
+
+
+def close_ranks(procs: list[JsonProc]) -> None:
+    """Close rank workers side by side (each takes seconds to shut vLLM down), then remove the shared
+    memory vLLM's CPU communicator names after their group's port (rank_worker.py sets
+    VLLM_DIST_IDENT to it): a rank that was killed could not unlink its own."""
+    from ops_support import in_parallel
+
+    in_parallel(*[p.close for p in procs])
+    for port in {p.config.get("dist_port") for p in procs} - {None}:
+        for path in glob.glob(f"/dev/shm/{port}-*-cpushm*"):
+            os.unlink(path)
 
 
 def daemon_status(d: DaemonProc) -> dict[str, Any]:

@@ -24,7 +24,7 @@ import pytest
 import vllm_util as vu
 from kvxferd.tools.sim import Cluster, free_port
 from ops_support import close_cluster, in_parallel
-from procs import JsonProc, daemon_status
+from procs import JsonProc, close_ranks, daemon_status
 from test_vllm_worker import NUM_BLOCKS, PAGE_BYTES, Instance, check, save, step_all, steps_until
 from transport_util import TRANSPORTS, Carried, daemon_env, require
 
@@ -61,7 +61,7 @@ def dp_rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         yield daemons, Instance("M0", daemons["a"], [p0]), Instance("M1", daemons["b"], [p1]), \
             Instance("N", daemons["d"], [dec]), transport
     finally:
-        in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
+        close_ranks(procs)
         close_cluster(cluster, keep_root=True)  # its daemon logs go below, once the daemons ended well
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
     # each daemon outlived the ranks that unregistered from it, and stopped cleanly when told

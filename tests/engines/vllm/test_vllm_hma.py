@@ -37,7 +37,7 @@ from kvxferd.adapters.vllm.groups import FULL, MAMBA, SLIDING, VllmGroup, map_gr
 from kvxferd.errors import ConfigError
 from kvxferd.tools.sim import Cluster, free_port
 from ops_support import close_cluster, in_parallel
-from procs import JsonProc, daemon_status
+from procs import JsonProc, close_ranks, daemon_status
 from test_vllm_worker import step_all, steps_until
 from transport_util import TRANSPORTS, Carried, daemon_env, require
 
@@ -291,7 +291,7 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         inst["transport"] = transport
         yield inst
     finally:
-        in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
+        close_ranks(procs)
         close_cluster(cluster, keep_root=True)  # its daemon logs go below, once the daemons ended well
     assert set(glob.glob("/dev/shm/kvxferd-vllm-*")) == shm_before
     # each daemon outlived the ranks that unregistered from it, and stopped cleanly when told

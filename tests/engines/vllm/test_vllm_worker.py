@@ -36,7 +36,7 @@ from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, free_port
 from e2e_util import finished, wait_in_flight
 from ops_support import close_cluster, in_parallel
-from procs import JsonProc, daemon_status
+from procs import JsonProc, close_ranks, daemon_status
 from transport_util import TRANSPORTS, Carried, daemon_env, require
 
 NUM_BLOCKS = 16
@@ -97,7 +97,7 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         inst["transport"] = transport
         yield inst
     finally:
-        in_parallel(*[p.close for p in procs])  # each takes seconds to shut vLLM down: side by side
+        close_ranks(procs)
         # the source whose daemon was killed still waits for its held request: it is killed,
         # so its shared-memory file is removed here
         for w in cluster.workers:
