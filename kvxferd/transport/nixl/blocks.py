@@ -67,17 +67,6 @@ class BlockDescs:
     local: np.ndarray  # [n, 2] uint64
     remote: np.ndarray
 
-    def __len__(self) -> int:
-        return int(self.local.shape[0])
-
-    @property
-    def local_end(self) -> np.ndarray:
-        return self.local[:, 0] + self.local[:, 1]
-
-    @property
-    def remote_end(self) -> np.ndarray:
-        return self.remote[:, 0] + self.remote[:, 1]
-
 
 def in_place(pieces: list[Piece], slots: np.ndarray, row_bytes: int, slice_bytes: int,
              bases: np.ndarray, limit: int, packed_at: int) -> tuple[np.ndarray, np.ndarray]:

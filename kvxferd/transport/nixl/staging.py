@@ -128,11 +128,7 @@ class Credits:
     def try_acquire(self) -> int | None:
         """A free slot of the remote ring, or None at once."""
         with self._cond:
-            if not self._free:
-                return None
-            slot = self._free.pop()
-            self._out.add(slot)
-            return slot
+            return self._take() if self._free else None
 
     def acquire(self, deadline: float, abandoned: Callable[[], str]) -> int:
         """A free slot of the remote ring; waits for one until ``deadline`` or until ``abandoned`` says why not."""
@@ -150,9 +146,13 @@ class Credits:
                                         fix="raise limits.nixl_landing_slots on the decode daemon, or check it "
                                             "is not overloaded")
                 self._cond.wait(min(left, CREDIT_POLL_S))
-            slot = self._free.pop()
-            self._out.add(slot)
-            return slot
+            return self._take()
+
+    def _take(self) -> int:
+        """Hold a free slot (the caller holds the lock and saw one)."""
+        slot = self._free.pop()
+        self._out.add(slot)
+        return slot
 
     def release(self, slot: int) -> bool:
         """Give a slot back; False if this daemon did not hold it (a repeated or stray ``free``)."""

@@ -350,23 +350,13 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 remote_slot = None
                 try:
                     if pool is not None:
-                        # wait for a slot only while holding none on the wire: threads that each hold
-                        # slots and wait for another would starve each other until the deadline
-                        local = pool.try_acquire()
-                        while local is None and in_flight:
-                            self._finish(in_flight.popleft(), peer, deadline, pool)
-                            local = pool.try_acquire()
-                        if local is None:
-                            local = pool.acquire(max(0.0, deadline - time.monotonic()))
+                        local = self._hold(pool.try_acquire, lambda: pool.acquire(max(0.0, deadline - time.monotonic())),
+                                           in_flight, peer, deadline, pool)
                         _gather_block(job, regions, pieces, local)  # overlaps the WRITEs in flight
                         settle((local,))  # a device gather must be done before NIXL reads the slot
                     if credits is not None:
-                        remote_slot = credits.try_acquire()
-                        while remote_slot is None and in_flight:  # frees come back only as WRITEs progress
-                            self._finish(in_flight.popleft(), peer, deadline, pool)
-                            remote_slot = credits.try_acquire()
-                        if remote_slot is None:
-                            remote_slot = credits.acquire(deadline, abandoned)
+                        remote_slot = self._hold(credits.try_acquire, lambda: credits.acquire(deadline, abandoned),
+                                                 in_flight, peer, deadline, pool)
                     if route == nixl_blocks.LAND:
                         local_rows = np.array([[self._slot_address(local), nbytes]], dtype=np.uint64)
                         remote_rows = np.array([[credits.info.slot_address(remote_slot), nbytes]], dtype=np.uint64)
@@ -407,6 +397,18 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             with self._lock:
                 self._sending -= 1
         return Moved(job.nbytes, fragments, "staged")
+
+    def _hold(self, take: Callable[[], Any], wait: Callable[[], Any], in_flight: deque[tuple[Any, Any]],
+              peer: NixlPeer, deadline: float, pool: StagingPool | None) -> Any:
+        """A slot (local staging, or a remote landing credit): ``take`` one that is free, else finish
+        this chunk's oldest block on the wire (its slots come back only as it completes) and try
+        again, and ``wait`` only while holding none: threads that each hold slots on the wire and
+        wait for another would starve each other until the deadline."""
+        got = take()
+        while got is None and in_flight:
+            self._finish(in_flight.popleft(), peer, deadline, pool)
+            got = take()
+        return got if got is not None else wait()
 
     def _post_block(self, peer: NixlPeer, credits: Credits | None, remote_slot: int | None, local: np.ndarray,
                     remote: np.ndarray, local_device: int, remote_device: int, notif: bytes,
