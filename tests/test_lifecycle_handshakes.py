@@ -80,11 +80,11 @@ def test_retry_later_pauses_then_asks_again_and_a_timeout_names_what_the_source_
     assert dn.outcome("r", d).state == "done"
 
     c.retry_reason["p"] = "missing ranks p/tp1/pp0"
-    dn.life.handshakes.book.clear()  # a pair not agreed yet (say, another decode daemon's first)
-    dn.expect(d, "late", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    d2 = dn.rank("d2", "decode", spec())  # a pair not agreed yet: its hello hears "retry later" until it times out
+    dn.expect(d2, "late", pages(4, 4), "p", num_tokens=16, source_node=pn)
     c.run()
     c.tick(dn.cfg.timeouts.bootstrap_s + 1)
-    told = dn.outcome("late", d)
+    told = dn.outcome("late", d2)
     assert told.code == "bootstrap_timeout" and "missing ranks p/tp1/pp0" in told.reason, told
 
 

@@ -43,6 +43,22 @@ def engine_rig(root: Path, model: Path, prompts: dict[str, list[int]], max_token
     assert exits == {n: 0 for n in exits}, f"daemon exit codes {exits}; their logs are in {rig.root}"
 
 
+def rig_on(transport: str, tmp_path_factory: Any, model: Path, prompts: dict[str, list[int]], max_tokens: int,
+           name: str, tag: str, plain: dict[str, dict[str, list[int]]]) -> Iterator[dict[str, Any]]:
+    """The body of a module's rig fixture parametrized over the transports (``yield from``): its
+    daemons on ``transport`` alone; the single engine's tokens are computed by the first rig and
+    kept in ``plain`` (the module's), so the same model and prompts start it once."""
+    from transport_util import daemon_env, require
+
+    require(transport)
+    root = tmp_path_factory.mktemp(f"{name}-{transport}")
+    with engine_rig(root, model, prompts, max_tokens, tag, daemon_env=daemon_env(transport),
+                    reference=plain.get("tokens")) as r:
+        plain.setdefault("tokens", r["plain"])
+        r["transport"] = transport
+        yield r
+
+
 def disaggregated(rig: dict[str, Any], prompt: list[int],
                   params_from: list[int] | None = None) -> tuple[list[int], dict]:
     """Prefill ``params_from`` (default: the prompt itself), decode ``prompt`` with its params."""

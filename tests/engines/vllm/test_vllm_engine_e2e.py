@@ -23,9 +23,9 @@ import random
 import pytest
 
 import vllm_util as vu
-from engine_rig import disaggregated, engine_rig
+from engine_rig import disaggregated, rig_on
 from procs import daemon_status, metric
-from transport_util import TRANSPORTS, Carried, daemon_env, require
+from transport_util import TRANSPORTS, Carried
 
 MAX_TOKENS = 8
 PAGE_BYTES = vu.BLOCK * vu.MODEL["num_key_value_heads"] * 2 * vu.HEAD * 4   # one layer's page, float32
@@ -55,14 +55,7 @@ _PLAIN: dict[str, dict[str, list[int]]] = {}  # the plain run's tokens: the same
 
 @pytest.fixture(scope="module", params=TRANSPORTS)
 def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model):
-    transport = request.param
-    require(transport)
-    root = tmp_path_factory.mktemp(f"vllm-e2e-{transport}")
-    with engine_rig(root, model, PROMPTS, MAX_TOKENS, "a", daemon_env=daemon_env(transport),
-                    reference=_PLAIN.get("tokens")) as r:
-        _PLAIN.setdefault("tokens", r["plain"])
-        r["transport"] = transport
-        yield r
+    yield from rig_on(request.param, tmp_path_factory, model, PROMPTS, MAX_TOKENS, "vllm-e2e", "a", _PLAIN)
 
 
 def carried(rig) -> Carried:
