@@ -34,6 +34,7 @@ ENV = {
     # no landing ring: every chunk is a direct WRITE of its runs (with one, small head slices are staged)
     "direct": {**NIXL_ENV, "KVXFERD_PEER_MODE": "direct", "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"},
     "staged": {**NIXL_ENV, "KVXFERD_PEER_MODE": "staged", "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
+               "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": str(SLOT),
                "KVXFERD_LIMITS_STAGING_BYTES": str(4 * SLOT), "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "1"},
 }
 

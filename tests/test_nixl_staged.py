@@ -36,7 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import reliability_report as rr  # noqa: E402
 
 SLOT = 4096
-STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_STAGING_SLOT_BYTES": str(SLOT),
+# NIXL stages in blocks of its own size: tcp's staging slots stay at their default here
+STAGED_ENV = {**NIXL_ENV, "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": str(SLOT),
               "KVXFERD_LIMITS_STAGING_BYTES": str(4 * SLOT), "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "1"}
 
 
@@ -422,11 +423,15 @@ def test_landing_fields_are_bounded_by_the_schemas():
 
 def test_config_bounds_the_landing_rings():
     cfg = config.load(None, {})
-    assert (cfg.limits.nixl_landing_slots, cfg.limits.nixl_landing_bytes) == (4, 256 << 20)
+    assert (cfg.limits.nixl_landing_slots, cfg.limits.nixl_block_bytes, cfg.limits.nixl_landing_bytes) == \
+        (4, 16 << 20, 256 << 20)
     assert config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}).limits.nixl_landing_slots == 0
     with pytest.raises(ConfigError) as err:
         config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "100"})
-    assert err.value.field == "limits.nixl_landing_bytes" and "419430400" in str(err.value)
+    assert err.value.field == "limits.nixl_landing_bytes" and "1677721600" in str(err.value)
+    # the ring is sized by NIXL's block, not by tcp's staging slot
+    small = config.load(None, {"KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "100", "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": "1048576"})
+    assert small.limits.nixl_landing_slots * small.limits.nixl_block_bytes <= small.limits.nixl_landing_bytes
 
 
 @needs_nixl

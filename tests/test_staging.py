@@ -64,6 +64,20 @@ def test_pool_is_bounded_and_makes_waiters_wait():
     assert pool.in_use == 0
 
 
+def test_sibling_pool_has_its_own_slot_size_under_the_same_byte_bound():
+    waits = []
+    tcp = StagingPool(total_bytes=6 * 1024, slot_bytes=4 * 1024, on_wait=lambda: waits.append("tcp"))
+    nixl = tcp.sibling(2 * 1024)
+    assert (tcp.capacity, nixl.capacity) == (1, 3)  # 6 KiB each: one 4 KiB slot, three 2 KiB slots
+    held = [nixl.acquire(1) for _ in range(3)]
+    assert {t.numel() for t in held} == {2 * 1024} and tcp.in_use == 0
+    with pytest.raises(TransferError):
+        nixl.acquire(0.01)  # bounded: a fourth slot would pass the byte bound
+    assert waits == ["tcp"]  # its waits count where the first pool's do
+    for t in held:
+        nixl.release(t)
+
+
 def test_pool_times_out_with_a_clear_error():
     pool = StagingPool(total_bytes=1024, slot_bytes=1024)
     held = pool.acquire(1)

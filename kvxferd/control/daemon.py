@@ -84,6 +84,7 @@ class Daemon:
             max_header_bytes=cfg.limits.max_message_bytes, max_pages=cfg.limits.max_pages_per_request,
             data_connections=cfg.peer.data_connections, landing_slots=cfg.limits.nixl_landing_slots,
             landing_bytes=cfg.limits.nixl_landing_bytes, in_place_bytes=cfg.limits.nixl_in_place_bytes,
+            nixl_block_bytes=cfg.limits.nixl_block_bytes,
             on_received=lambda kind, sink, moved: self.metrics.bytes_received.labels(kind).inc(moved.nbytes),
             on_refused=self.data.chunk_refused,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc(),

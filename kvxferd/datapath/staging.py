@@ -59,7 +59,8 @@ def slices_per_slot(slice_bytes: int, slot_bytes: int) -> int:
     if slice_bytes > slot_bytes:
         raise TransferError(f"one token slice of {slice_bytes} bytes does not fit a staging slot of "
                             f"{slot_bytes} bytes", field="limits.staging_slot_bytes", code="staging_too_small",
-                            fix="raise limits.staging_slot_bytes or use mode=direct")
+                            fix="raise limits.staging_slot_bytes (tcp) or limits.nixl_block_bytes (NIXL), "
+                                "or use mode=direct")
     return slot_bytes // slice_bytes
 
 
@@ -97,6 +98,7 @@ class StagingPool:
         ``cuda:N`` pool stages device regions on their own GPU (gather and scatter stay there)."""
         self.device = torch.device(device)
         self.slot_bytes = slot_bytes
+        self.total_bytes = total_bytes
         self.capacity = max(1, total_bytes // slot_bytes)
         self._free: list[torch.Tensor] = []
         self._allocated = 0
@@ -108,6 +110,12 @@ class StagingPool:
     @property
     def in_use(self) -> int:
         return self._in_use
+
+    def sibling(self, slot_bytes: int) -> "StagingPool":
+        """A pool of ``slot_bytes`` slots under the same byte bound, on the same device, counting
+        its waits alike: a transport that moves larger blocks (NIXL) stages them in its own."""
+        return StagingPool(self.total_bytes, slot_bytes, on_wait=self._on_wait,
+                           device=str(self.device))
 
     def acquire(self, timeout: float) -> torch.Tensor:
         deadline = time.monotonic() + timeout

@@ -152,6 +152,9 @@ class LimitsSection:
     staging_bytes: int = 64 * 1024 * 1024  # bound on staging memory (slots are allocated on first use)
     staging_slot_bytes: int = 4 * 1024 * 1024  # one staged block; a token's head slice must fit
     nixl_landing_slots: int = 4  # per source daemon: staged NIXL blocks in flight to this daemon (0: none)
+    #: one staged NIXL block: landing slots and NIXL's own staging slots have this size. Larger
+    #: than a tcp block because each block costs a WRITE, a notification and a slot hand-back
+    nixl_block_bytes: int = 16 * 1024 * 1024
     nixl_landing_bytes: int = 256 * 1024 * 1024  # all landing rings together
     #: a sliced NIXL chunk reads its source or writes its destination in place where that side's
     #: runs average at least this many bytes; shorter runs are copied through a staging slot
@@ -371,10 +374,10 @@ def _check_limits(cfg: Config) -> None:
     if lim.nixl_landing_slots < 0:
         raise ConfigError(f"limits.nixl_landing_slots must be >= 0, got {lim.nixl_landing_slots}",
                           field="limits.nixl_landing_slots", fix="set 0 (no staged NIXL) or a slot count")
-    ring = lim.nixl_landing_slots * lim.staging_slot_bytes
+    ring = lim.nixl_landing_slots * lim.nixl_block_bytes
     if ring > lim.nixl_landing_bytes:
         raise ConfigError(f"one landing ring (limits.nixl_landing_slots {lim.nixl_landing_slots} x "
-                          f"limits.staging_slot_bytes {lim.staging_slot_bytes} = {ring}) exceeds "
+                          f"limits.nixl_block_bytes {lim.nixl_block_bytes} = {ring}) exceeds "
                           f"limits.nixl_landing_bytes {lim.nixl_landing_bytes}", field="limits.nixl_landing_bytes",
                           fix=f"raise limits.nixl_landing_bytes to at least {ring} (one ring per source daemon)")
 

@@ -30,6 +30,7 @@ class Transports:
     def __init__(self, inbox: Inbox, staging: StagingPool, *, daemon_name: str, preference: list[str],
                  timeout_s: float, max_header_bytes: int, max_pages: int, data_connections: int,
                  landing_slots: int, landing_bytes: int, in_place_bytes: int = 256 * 1024,
+                 nixl_block_bytes: int | None = None,
                  on_received: Callable[[str, Sink, Moved], None],
                  on_refused: Callable[[DestEntry, str, str], None],
                  on_invalid: Callable[[str], None],
@@ -47,7 +48,8 @@ class Transports:
                                 connections_per_peer=data_connections)
         self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
             daemon_name, preference, inbox, timeout_s=timeout_s, max_header_bytes=max_header_bytes,
-            max_pages=max_pages, staging=staging, landing_slots=landing_slots, landing_bytes=landing_bytes,
+            max_pages=max_pages, landing_slots=landing_slots, landing_bytes=landing_bytes,
+            staging=staging if nixl_block_bytes is None else staging.sibling(nixl_block_bytes),
             in_place_bytes=in_place_bytes, on_received=lambda sink, moved: on_received("nixl", sink, moved),
             on_refused=on_refused, on_invalid=on_invalid)
 

@@ -12,7 +12,7 @@ the slot back with a ``free`` notification. The chunk counts as received when it
 block is scattered (:class:`Assemblies`).
 
 - A **landing ring** belongs to one source daemon link: ``limits.nixl_landing_slots``
-  slots of ``limits.staging_slot_bytes``, registered on its own so that a peer's remote
+  slots of ``limits.nixl_block_bytes``, registered on its own so that a peer's remote
   key covers its ring and nothing else. All rings together stay within
   ``limits.nixl_landing_bytes``; a link that finds no room gets no ring and its sliced
   plans run direct (one descriptor per slice), which is slow but correct.
