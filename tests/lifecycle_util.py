@@ -48,6 +48,7 @@ class Node:
     stopped: list[DestEntry] = field(default_factory=list)  # StopReceiving
     gone: list[effects.PeerGone] = field(default_factory=list)
     hellos: list[effects.SendHandshake] = field(default_factory=list)  # sent, not answered yet
+    links: list[effects.LinkChanged] = field(default_factory=list)  # peer links' changes, in order
 
     def __post_init__(self) -> None:
         self.address = f"{self.name}:1"
@@ -145,6 +146,8 @@ class Cluster:
             node.stopped.append(effect.entry)
         elif isinstance(effect, effects.PeerGone):
             node.gone.append(effect)
+        elif isinstance(effect, effects.LinkChanged):
+            node.links.append(effect)
         elif isinstance(effect, effects.ExpectUpstream):
             self._expect_upstream(node, effect.address, effect.entry, effect.writers)
         elif isinstance(effect, effects.SendUpstream):

@@ -91,7 +91,7 @@ class Daemon:
             on_fallback=self._transport_fallback)
         self.life = Lifecycle(cfg.limits, cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: getattr(self.transports.find(kind), "one_sided", False),
-                              source_up=lambda address: self.decode_links.is_up(address), wall_clock=time.time,
+                              wall_clock=time.time,
                               peer=cfg.peer,
                               remote_ranks=lambda instance: {c: h.daemon for c, h in self.directory.remote(
                                   instance, "prefill", time.monotonic()).items()})
@@ -100,7 +100,7 @@ class Daemon:
         self.decode_links = DecodeLinks(
             cfg, self.ctx, self.me, keys=self.keys, peer_keys=self.peer_keys, refused_by=self.auth_refused_by,
             metrics=self.metrics, dispatch=self.dispatch, transports=self.transports, inbox=self.inbox,
-            handshakes=self.life.handshakes, peers_changed=self.count_peers)
+            handshakes=self.life.handshakes, book=self.life.source_daemons, peers_changed=self.count_peers)
         self.rendezvous = Rendezvous(cfg, self.me, self.registry, self.directory, self.decode_links.ask, self.metrics)
         self.prefill_endpoint = PrefillEndpoint(
             cfg, self.me, metrics=self.metrics, dispatch=self.dispatch, life=self.life, registry=self.registry,
@@ -157,6 +157,8 @@ class Daemon:
             self.transports.stop_receiving(effect.entry)
         elif isinstance(effect, effects.PeerGone):
             self.transports.peer_lost(effect.kind, effect.remote, effect.data_address, effect.why)
+        elif isinstance(effect, effects.LinkChanged):
+            (self.decode_links if effect.side == "prefill" else self.prefill_endpoint).changed(effect)
 
     # -- ranks ------------------------------------------------------------------------------------
     def add_rank(self, rank: Rank, rendezvous: str | None) -> None:
@@ -185,17 +187,16 @@ class Daemon:
             self.metrics.ranks.labels(role).set(n)
 
     def count_peers(self) -> None:
-        counts = {"up": 0, "down": 0, "connecting": 0}
-        for link in self.decode_links.links.values():
-            counts[link.state] = counts.get(link.state, 0) + 1
-        counts["up"] += len(self.prefill_endpoint.peers)
+        counts = self.life.source_daemons.count()
+        for state, n in self.life.decode_daemons.count().items():
+            counts[state] += n
         for state, n in counts.items():
             self.metrics.peers.labels(state).set(n)
 
     def heartbeat(self, now: float) -> None:
         """Ping the peers (a silent one is down) and renew the ranks announced to another daemon."""
-        self.decode_links.heartbeat(now, self.cfg.peer.peer_timeout_s)
-        self.prefill_endpoint.heartbeat(now, self.cfg.peer.peer_timeout_s)
+        self.decode_links.ping_all()
+        self.dispatch(events.Heartbeat(self.cfg.peer.peer_timeout_s))
         self.rendezvous.heartbeat()
 
     def status(self) -> dict[str, Any]:

@@ -23,6 +23,7 @@ from ..errors import KvxferError, ProtocolError, RequestError, TransferError
 from ..lifecycle import effects, events
 from ..lifecycle.handshakes import AGREED, Handshakes
 from ..lifecycle.inbox import DestEntry, Inbox
+from ..lifecycle.links import DOWN, UP, Links
 from ..ops.config import Config
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
@@ -64,9 +65,6 @@ class PeerLink:
         self.sock.connect(f"tcp://{host}:{port}")
         # ties our data connections to this authenticated link; sent inside the handshake
         self.token = os.urandom(16)
-        self.state = "connecting"
-        self.last_seen = time.monotonic()
-        self.peer_incarnation = ""  # learnt from its pongs and handshake answers
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         #: when each numbered message (ping, handshake) left, until answered: an answer that shows a
@@ -159,7 +157,7 @@ class PeerLink:
         except ProtocolError:
             links.metrics.invalid_messages.labels("peer").inc()
             return
-        links.seen(self)
+        links.dispatch(events.SourceHeard(self.address))  # alive, whatever it said
         if msg.get("op") in ("pong", "handshake_ok"):
             self.peer_reads(msg.get("batch"))
         seq = msg.get("seq") if isinstance(msg.get("seq"), int) else None
@@ -193,7 +191,7 @@ class DecodeLinks:
     def __init__(self, cfg: Config, ctx: zmq.asyncio.Context, me: Advertised, *, keys: auth.KeyPair | None,
                  peer_keys: dict[str, str], refused_by: auth.RefusalBook, metrics: Metrics,
                  dispatch: Callable[[Any], Any], transports: Transports, inbox: Inbox, handshakes: Handshakes,
-                 peers_changed: Callable[[], None]) -> None:
+                 book: Links, peers_changed: Callable[[], None]) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.me = me
@@ -205,14 +203,14 @@ class DecodeLinks:
         self.transports = transports
         self.inbox = inbox
         self.handshakes = handshakes  # the core's, read for ``status`` only
+        self.book = book  # the core's links to source daemons: their state, read here only
         self.peers_changed = peers_changed  # a link came, went, or changed state: the peer gauges count again
         self.links: dict[str, PeerLink] = {}
         self.sent = PartCounts()  # multipart messages to source daemons, and the messages they carried
         self.received = PartCounts()
 
     def is_up(self, address: str) -> bool:
-        link = self.links.get(address)
-        return link is not None and link.state == "up"
+        return self.book.is_up(address)
 
     def send(self, address: str, message: messages.Message) -> None:
         """Send where a link exists (a source never linked, or forgotten, has nothing to hear)."""
@@ -234,7 +232,7 @@ class DecodeLinks:
             link = None
         if link is None:
             link = self.links[address] = PeerLink(self, address)
-            self.peers_changed()
+            self.dispatch(events.LinkOpened(address))
         return link
 
     async def ask(self, address: str, message: messages.Message, timeout: float) -> dict[str, Any]:
@@ -244,12 +242,15 @@ class DecodeLinks:
 
     def describe(self, now: float) -> list[dict[str, Any]]:
         """Each link, as ``status`` lists it among the daemon's peers."""
-        return [{"address": l.address, "state": l.state, "side": "prefill", "last_seen_s": round(now - l.last_seen, 3),
-                 "auth_error": l.auth_error, "incarnation": l.peer_incarnation, "batch": l.outgoing.max_parts,
-                 "plans": sorted(f"{hs.key[1]}->{hs.key[2]}" for hs in self.handshakes.at(l.address)
-                                 if hs.state == AGREED),
-                 "handshaking": [h for h in self.handshakes.describe() if h["source"] == l.address]}
-                for l in self.links.values()]
+        out = []
+        for seen in self.book.describe(now):
+            link = self.links.get(seen["address"])
+            out.append({**seen, "auth_error": link.auth_error if link else "",
+                        "batch": link.outgoing.max_parts if link else 1,
+                        "plans": sorted(f"{hs.key[1]}->{hs.key[2]}" for hs in self.handshakes.at(seen["address"])
+                                        if hs.state == AGREED),
+                        "handshaking": [h for h in self.handshakes.describe() if h["source"] == seen["address"]]})
+        return out
 
     # -- handshakes: the core decides, this carries -------------------------------------------------
     def hello(self, effect: effects.SendHandshake) -> None:
@@ -311,24 +312,12 @@ class DecodeLinks:
             f"source daemon {link.address}: {str(err.get('message'))[:300]}", started_only=True))
 
     def note_incarnation(self, link: PeerLink, incarnation: Any, sent_before: float | None = None) -> bool:
-        """A message of the source daemon named its incarnation; True if it changed (a restart).
+        """A message of the source daemon named its incarnation; True if it changed (a restart: the
+        core fails what went to the old process, see :class:`~kvxferd.lifecycle.events.SourceHeard`).
 
         ``sent_before``: when the message left that this one answers; expects sent later went to the
         new process and are not failed (None: every entry that told the old process is)."""
-        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > 64:
-            return False
-        old, link.peer_incarnation = link.peer_incarnation, incarnation
-        if not old or old == incarnation:
-            return False
-        self.metrics.peer_restarts.labels("prefill").inc()
-        log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", link.address, old, incarnation)
-        self.transports.source_down(link.address)  # the landing ring it knew: retired (quarantined, then freed)
-        self.transports.source_gone(link.address)  # and its agent, once nothing can be in flight
-        self.dispatch(events.SourceLost(link.address, "peer_restarted",
-                                       f"source daemon {link.address} restarted (incarnation {old} -> "
-                                       f"{incarnation}); the request's source side went with the old process",
-                                       sent_before=sent_before))
-        return True
+        return bool(self.dispatch(events.SourceHeard(link.address, incarnation, sent_before)))
 
     def auth_failed(self, link: PeerLink, message: str) -> None:
         """A peer refused this daemon's key (or could not be authenticated): fail what waits on it now."""
@@ -342,40 +331,36 @@ class DecodeLinks:
                 fut.set_exception(TransferError(message, field="auth", code="auth_failed"))
         self.dispatch(events.SourceLost(link.address, "auth_failed", message))
 
-    # -- liveness -------------------------------------------------------------------------------
-    def seen(self, link: PeerLink) -> None:
-        link.last_seen = time.monotonic()
-        if link.state != "up":
-            if link.state == "down":
-                log.info("event=peer_back peer=%s", link.address)
-            link.state = "up"
-            self.peers_changed()
-
-    def heartbeat(self, now: float, timeout: float) -> None:
-        """Ping every source; a silent one is down (its requests fail); an idle down one is closed."""
+    # -- liveness: the core decides (:mod:`kvxferd.lifecycle.links`), this carries -----------------
+    def ping_all(self) -> None:
+        """A numbered ping to every source daemon: its pong is heard, and dates a restart."""
         for link in list(self.links.values()):
             link.ping(messages.PeerPing(self.me.address, self.me.incarnation))
-            if link.state == "up" and now - link.last_seen > timeout:
-                self._link_down(link, now - link.last_seen)
-            elif link.state == "connecting" and now - link.last_seen > timeout:
-                link.state = "down"
-                self.peers_changed()
-            if link.state == "down" and not any(e.from_source(link.address) for e in self.inbox.all()):
-                # nothing waits on it: without this every address an engine ever named keeps a socket
-                link.close()
-                self.links.pop(link.address, None)
-                self.transports.source_gone(link.address)
-                self.peers_changed()
 
-    def _link_down(self, link: PeerLink, silent_for: float) -> None:
-        link.state = "down"
-        link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
-        self.metrics.heartbeat_misses.inc()
-        self.peers_changed()
-        log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", link.address, silent_for)
-        self.transports.source_down(link.address)  # its landing ring: no new blocks, memory quarantined
-        self.dispatch(events.SourceLost(link.address, "peer_dead",
-                                       f"source daemon {link.address} unresponsive for {silent_for:.1f}s"))
+    def changed(self, change: effects.LinkChanged) -> None:
+        """Carry out what a link's change means here: its socket, its transports state, the counts."""
+        link = self.links.get(change.key)
+        if change.why == "silent" and change.before == UP:
+            if link is not None:
+                link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
+            self.metrics.heartbeat_misses.inc()
+            log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", change.daemon, change.silent_for)
+            self.transports.source_down(change.daemon)  # its landing ring: no new blocks, memory quarantined
+        elif change.why == "restarted":
+            self.metrics.peer_restarts.labels("prefill").inc()
+            log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", change.daemon,
+                        change.old_incarnation, change.new_incarnation)
+            self.transports.source_down(change.daemon)  # the landing ring it knew: retired (quarantined, then freed)
+            self.transports.source_gone(change.daemon)  # and its agent, once nothing can be in flight
+        elif change.why == "heard" and change.before == DOWN:
+            log.info("event=peer_back peer=%s", change.daemon)
+        elif change.why == "idle":
+            if link is not None:  # nothing waits on it: without this every address an engine named keeps a socket
+                link.close()
+                self.links.pop(change.key, None)
+            self.transports.source_gone(change.daemon)
+        if change.before != change.after:
+            self.peers_changed()
 
     def close(self) -> None:
         for link in self.links.values():

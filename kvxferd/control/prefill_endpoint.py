@@ -17,7 +17,7 @@ import zmq
 
 from ..directory.holders import RankSetIncomplete
 from ..errors import KvxferError, PlanRefusal, ProtocolError, RequestError
-from ..lifecycle import events
+from ..lifecycle import effects, events
 from ..lifecycle.core import Lifecycle
 from ..lifecycle.outbox import Route
 from ..lifecycle.registry import Registry
@@ -35,16 +35,6 @@ from .zmq_loop import ignore_result, serve_router
 log = logging.getLogger("kvxferd.downstream")
 
 
-class DecodePeer:
-    """A decode daemon that handshook with this daemon (known by its routing id)."""
-
-    def __init__(self, identity: bytes, daemon: str, incarnation: str = "") -> None:
-        self.identity = identity
-        self.daemon = daemon
-        self.incarnation = incarnation
-        self.last_seen = time.monotonic()
-
-
 class PrefillEndpoint:
     def __init__(self, cfg: Config, me: Advertised, *, metrics: Metrics, dispatch: Callable[[Any], Any],
                  life: Lifecycle, registry: Registry, rendezvous: Rendezvous, transports: Transports,
@@ -59,7 +49,6 @@ class PrefillEndpoint:
         self.transports = transports
         self.draining = draining  # the daemon is draining: a new request is refused
         self.peers_changed = peers_changed  # a decode daemon came or went: the peer gauges count again
-        self.peers: dict[bytes, DecodePeer] = {}
         self.sock: Any = None  # the ROUTER socket, bound by the daemon
         self.max_parts = self.cfg.limits.max_peer_batch_parts
         #: answers and events for one decode daemon in one loop turn leave as one multipart message:
@@ -152,9 +141,9 @@ class PrefillEndpoint:
             fut.add_done_callback(ignore_result)
 
     def op(self, identity: bytes, msg: Any) -> messages.Message | None:
-        peer = self.peers.get(identity)
-        if peer is not None:
-            peer.last_seen = time.monotonic()
+        # a ping names its daemon and makes the link known; anything else keeps a known link alive
+        self.dispatch(events.DecodeHeard(identity, msg.daemon if msg.op == "ping" else None,
+                                         msg.incarnation if msg.op == "ping" else None))
         if msg.op in ("ping", "handshake") and msg.incarnation:
             self._incarnation(identity, msg.daemon, msg.incarnation)
         handler = self._ops.get(msg.op)
@@ -162,9 +151,6 @@ class PrefillEndpoint:
 
     # -- one function per operation -------------------------------------------------------------
     def ping(self, identity: bytes, msg: messages.PeerPing) -> messages.Message:
-        if identity not in self.peers:
-            self.peers[identity] = DecodePeer(identity, msg.daemon, msg.incarnation or "")
-            self.peers_changed()
         return messages.Pong(self.me.address, self.me.incarnation, self.max_parts)
 
     def handshake(self, identity: bytes, msg: messages.Handshake) -> messages.Message:
@@ -192,7 +178,7 @@ class PrefillEndpoint:
         except KvxferError as exc:
             raise PlanRefusal(f"decode geometry is invalid: {exc}", field=exc.field or "geometry")
         existing = self.life.routes.route_at(prefill, msg.decode_instance, msg.daemon)
-        if existing is not None and existing.identity != identity and existing.identity in self.peers:
+        if existing is not None and existing.identity != identity and self.life.decode_daemons.get(existing.identity) is not None:
             # the pair is bound to another live link of that decode daemon; a restarted decode daemon
             # gets in once the old link misses its heartbeats, a stranger replaying a handshake never does
             return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} at {msg.daemon} is bound to "
@@ -203,9 +189,7 @@ class PrefillEndpoint:
         route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
         plan = self.dispatch(events.HandshakeAsked(identity, prefill, msg.decode_instance, spec, decode_spec, mode,
                                                    msg.decode_tensors is not False, route))
-        if identity not in self.peers:
-            self.peers[identity] = DecodePeer(identity, msg.daemon, msg.incarnation or "")
-            self.peers_changed()
+        self.dispatch(events.DecodeHeard(identity, msg.daemon, msg.incarnation))  # a link of that daemon now
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
@@ -263,38 +247,27 @@ class PrefillEndpoint:
     # -- liveness and restarts ------------------------------------------------------------------
     def describe(self, now: float) -> list[dict[str, Any]]:
         """Each decode daemon, as ``status`` lists it among the daemon's peers."""
-        return [{"address": p.daemon, "state": "up", "side": "decode", "incarnation": p.incarnation,
-                 "last_seen_s": round(now - p.last_seen, 3)} for p in self.peers.values()]
+        return self.life.decode_daemons.describe(now)
 
-    def heartbeat(self, now: float, timeout: float) -> None:
-        for peer in list(self.peers.values()):
-            if now - peer.last_seen > timeout:
-                silent_for = now - peer.last_seen
-                self.metrics.heartbeat_misses.inc()
-                log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", peer.daemon, silent_for)
-                self._drop(peer, "peer_dead", f"decode daemon {peer.daemon} unresponsive for {silent_for:.1f}s")
-
-    def _drop(self, peer: DecodePeer, code: str, why: str) -> None:
-        self.peers.pop(peer.identity, None)
-        self.peers_changed()
-        self.dispatch(events.DownstreamLost(peer.identity, code, why))
+    def changed(self, change: effects.LinkChanged) -> None:
+        """Count and log a decode daemon's link changing (the core failed what it had to)."""
+        if change.why == "silent":
+            self.metrics.heartbeat_misses.inc()
+            log.warning("event=peer_unresponsive peer=%s silent_s=%.1f side=decode", change.daemon, change.silent_for)
+        elif change.why == "restarted":
+            self.metrics.peer_restarts.labels("decode").inc()
+            log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", change.daemon,
+                        change.old_incarnation, change.new_incarnation)
+        if change.before != change.after:
+            self.peers_changed()
 
     def _incarnation(self, identity: bytes, daemon: str, incarnation: str) -> None:
         """A decode daemon named its incarnation on a ping or handshake. Another link of the same
         daemon address with another incarnation belongs to a process that is gone, once ZeroMQ has
         seen its connection close (a live link is never taken over by a stranger's claim)."""
-        peer = self.peers.get(identity)
-        if peer is not None and not peer.incarnation:
-            peer.incarnation = incarnation
-        for other in list(self.peers.values()):
-            if (other.identity != identity and other.daemon == daemon and other.incarnation
-                    and other.incarnation != incarnation and self._identity_gone(other.identity)):
-                self.metrics.peer_restarts.labels("decode").inc()
-                log.warning("event=peer_restarted peer=%s side=decode old=%s new=%s", daemon, other.incarnation,
-                            incarnation)
-                self._drop(other, "peer_restarted",
-                           f"decode daemon {daemon} restarted (incarnation {other.incarnation} -> "
-                           f"{incarnation}); the request's decode side went with the old process")
+        for other in self.life.decode_daemons.others(identity, daemon, incarnation):
+            if self._identity_gone(other.key):
+                self.dispatch(events.DecodeGone(other.key, daemon, other.incarnation, incarnation))
 
     def _identity_gone(self, identity: bytes) -> bool:
         """Whether the peer socket has no connection with this routing id any more (ROUTER_MANDATORY probe)."""

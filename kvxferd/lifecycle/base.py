@@ -18,6 +18,7 @@ from ..ops.metrics import Metrics
 from . import effects, events, states
 from .handshakes import Handshakes
 from .inbox import DestEntry, Inbox
+from .links import Links
 from .outbox import SrcEntry
 from .registry import Registry
 from .routes import RouteBook
@@ -32,7 +33,7 @@ class LifecycleBase:
     what they share; :class:`~.core.Lifecycle` is the one instance of it."""
 
     def __init__(self, limits: Any, timeouts: Any, registry: Registry, inbox: Inbox, metrics: Metrics, *,
-                 one_sided: Callable[[str], bool], source_up: Callable[[str], bool],
+                 one_sided: Callable[[str], bool], source_up: Callable[[str], bool] | None = None,
                  wall_clock: Callable[[], float], peer: Any = None, address: str = "",
                  remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {}) -> None:
         self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
@@ -41,7 +42,13 @@ class LifecycleBase:
         self.inbox = inbox
         self.metrics = metrics
         self.one_sided = one_sided  # a transport name -> whether its writes land without this daemon
-        self.source_up = source_up  # a source daemon address -> whether its link is up (a fence can be answered)
+        #: links to peer daemons: source daemons this daemon pulls from (by address), decode
+        #: daemons that pull from it (by routing id)
+        self.source_daemons = Links("prefill")
+        self.decode_daemons = Links("decode")
+        #: a source daemon address -> whether its link is up (a fence can be answered); the link
+        #: book's unless a caller models links itself
+        self.source_up = source_up or self.source_daemons.is_up
         self.wall_clock = wall_clock  # for the times in ``recent_failures`` (shown, never compared)
         self.address = address  # this daemon's control address (a local route names it)
         self.peer = peer  # config.Peer: require_same_page_size (plans refuse others), heartbeat_interval_s

@@ -19,6 +19,7 @@ from . import effects, events, states
 from .base import Entry
 from .decode import DecodeSide
 from .inbox import DestEntry
+from .links import UP, Link, Links
 from .prefill import PrefillSide
 from .registry import Rank
 
@@ -43,6 +44,9 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.DownstreamEnded: self._downstream_ended,
             events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,
             events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
+            events.LinkOpened: self._link_opened, events.SourceHeard: self._source_heard,
+            events.DecodeHeard: self._decode_heard, events.DecodeGone: self._decode_gone,
+            events.Heartbeat: self._heartbeat,
         }
 
     # -- the interface ---------------------------------------------------------------------------
@@ -128,6 +132,71 @@ class Lifecycle(DecodeSide, PrefillSide):
             return {"state": states.WAITING}
         raise RequestError(f"unknown request {request_id!r} at {rank.id}", field="request_id",
                            fix="poll a request this rank expected or sent")
+
+    # -- links to peer daemons ----------------------------------------------------------------------
+    def _moved(self, book: Links, link: Link, happened: str, why: str = "", **detail: Any) -> None:
+        """Apply one happening to a link and tell the shell when its state changed (or why matters)."""
+        before = link.state
+        after = book.move(link, happened, self.now)
+        if before != after or why:
+            self.emit(effects.LinkChanged(book.side, link.key, link.daemon, before, after, why or happened, **detail))
+
+    def _link_opened(self, ev: events.LinkOpened) -> None:
+        link = self.source_daemons.get(ev.address) or Link(ev.address, ev.address)
+        self._moved(self.source_daemons, link, "opened")
+
+    def _source_heard(self, ev: events.SourceHeard) -> bool:
+        link = self.source_daemons.get(ev.address) or Link(ev.address, ev.address)
+        self._moved(self.source_daemons, link, "heard")
+        old = Links.incarnation(link, ev.incarnation)
+        if not old:
+            return False
+        self.emit(effects.LinkChanged(self.source_daemons.side, link.key, link.daemon, UP, UP, "restarted",
+                                      old_incarnation=old, new_incarnation=link.incarnation))
+        self._source_lost(events.SourceLost(
+            ev.address, "peer_restarted", f"source daemon {ev.address} restarted (incarnation {old} -> "
+            f"{link.incarnation}); the request's source side went with the old process", sent_before=ev.sent_before))
+        return True
+
+    def _decode_heard(self, ev: events.DecodeHeard) -> None:
+        link = self.decode_daemons.get(ev.identity)
+        if link is None:
+            if ev.daemon is None:
+                return  # a connection that never named its daemon (no ping, no handshake yet)
+            link = Link(ev.identity, ev.daemon)
+        self._moved(self.decode_daemons, link, "heard")
+        if not link.incarnation:  # a connection speaks for one process: its first incarnation holds
+            Links.incarnation(link, ev.incarnation)
+
+    def _decode_gone(self, ev: events.DecodeGone) -> None:
+        link = self.decode_daemons.get(ev.identity)
+        if link is None:
+            return
+        self._moved(self.decode_daemons, link, "closed", "restarted", old_incarnation=ev.old, new_incarnation=ev.new)
+        self._downstream_lost(events.DownstreamLost(
+            ev.identity, "peer_restarted", f"decode daemon {ev.daemon} restarted (incarnation {ev.old} -> {ev.new}); "
+            "the request's decode side went with the old process"))
+
+    def _heartbeat(self, ev: events.Heartbeat) -> None:
+        def waited_on(link: Link) -> bool:
+            return any(e.from_source(link.daemon) for e in self.inbox.all())
+
+        for link, happened in self.source_daemons.due(self.now, ev.timeout_s, waited_on):
+            was_up, silent_for = link.state == UP, self.now - link.last_seen
+            self._moved(self.source_daemons, link, happened, silent_for=silent_for if happened == "silent" else 0.0)
+            if happened == "silent" and was_up:
+                self._source_lost(events.SourceLost(link.daemon, "peer_dead",
+                                                    f"source daemon {link.daemon} unresponsive for {silent_for:.1f}s"))
+        # a decode daemon's link is closed as soon as it goes silent: nothing here waits on it after
+        # its requests failed, and a new connection of it is a new link
+        for link, _happened in self.decode_daemons.due(self.now, ev.timeout_s, lambda link: False):
+            before, silent_for = link.state, self.now - link.last_seen
+            self.decode_daemons.move(link, "silent", self.now)
+            self.decode_daemons.move(link, "idle", self.now)
+            self.emit(effects.LinkChanged(self.decode_daemons.side, link.key, link.daemon, before, None, "silent",
+                                          silent_for=silent_for))
+            self._downstream_lost(events.DownstreamLost(
+                link.key, "peer_dead", f"decode daemon {link.daemon} unresponsive for {silent_for:.1f}s"))
 
     # -- timers and shutdown -------------------------------------------------------------------------
     def _tick(self, ev: events.Tick) -> None:

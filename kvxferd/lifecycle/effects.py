@@ -87,5 +87,21 @@ class PeerGone:
     why: str
 
 
+@dataclass(frozen=True)
+class LinkChanged:
+    """A link to a peer daemon changed (:mod:`.links`): the shell counts and logs it and does what
+    the change means for its socket and transports (``why``: heard, silent, idle, restarted, closed)."""
+
+    side: str  # which side the peer serves: "prefill" (a source daemon) or "decode"
+    key: Any  # the source's address, or the decode daemon connection's routing id
+    daemon: str
+    before: str | None
+    after: str | None  # None: the link is forgotten
+    why: str
+    silent_for: float = 0.0  # silent: how long
+    old_incarnation: str = ""  # restarted: the process that went
+    new_incarnation: str = ""
+
+
 Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, SendHandshake, StartJob, StopReceiving,
-               PeerGone]
+               PeerGone, LinkChanged]

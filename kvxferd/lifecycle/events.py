@@ -240,6 +240,54 @@ class JobFinished:
 
 
 # -- timers and shutdown --------------------------------------------------------------------
+# -- links to peer daemons, both sides -------------------------------------------------------
+@dataclass(frozen=True)
+class LinkOpened:
+    """Decode side: a link (socket) to the source daemon at ``address`` was opened."""
+
+    address: str
+
+
+@dataclass(frozen=True)
+class SourceHeard:
+    """Decode side: a message came from the source daemon at ``address``. Answers True when it
+    shows a restart (another incarnation than the link knew): what it answers then is the new
+    process's, and the shell drops it."""
+
+    address: str
+    incarnation: Any = None  # the one the message named, if any
+    sent_before: float | None = None  # when the message it answers left (None: unknown)
+
+
+@dataclass(frozen=True)
+class DecodeHeard:
+    """Prefill side: a message came on a decode daemon's connection; ``daemon`` and
+    ``incarnation`` where the message named them (ping, handshake)."""
+
+    identity: bytes
+    daemon: str | None = None
+    incarnation: Any = None
+
+
+@dataclass(frozen=True)
+class DecodeGone:
+    """Prefill side: the connection ``identity`` of decode daemon ``daemon`` (incarnation
+    ``old``) is gone, and a connection of incarnation ``new`` speaks for that daemon now."""
+
+    identity: bytes
+    daemon: str
+    old: str
+    new: str
+
+
+@dataclass(frozen=True)
+class Heartbeat:
+    """Peer liveness: links silent past ``timeout_s`` go down (their requests fail), down links
+    nothing waits on are closed."""
+
+    timeout_s: float
+
+
 @dataclass(frozen=True)
 class Tick:
     """Phase timeouts and fence deadlines (``now`` is the handle's)."""

@@ -1,0 +1,146 @@
+"""Links to peer daemons, both directions: whether each is up, when it was last heard, which
+process (incarnation) answers on it; every change of a link's state in one table.
+
+A decode daemon opens a link to each source daemon it pulls from (keyed by the source's
+address); a prefill daemon learns of each decode daemon when it first hears from it (keyed by
+the routing id of its connection). A link that stays silent past the peer timeout is down,
+and what waits on it fails; a down link nothing waits on any more is closed; a message that
+names another incarnation than the link knew shows a restart. Nothing here sends, pings or
+closes: :class:`Links` says what happened, and the core turns that into failures and effects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable
+
+CONNECTING = "connecting"  # opened; nothing heard from the peer yet
+UP = "up"  # heard within the peer timeout
+DOWN = "down"  # silent past the peer timeout: what waited on it failed
+
+#: (state, what happened) -> the next state; None: the link is forgotten. A link absent from
+#: the book is in state None.
+TRANSITIONS: dict[tuple[str | None, str], str | None] = {
+    (None, "opened"): CONNECTING,       # decode side: a socket to a source daemon
+    (CONNECTING, "opened"): CONNECTING,  # opened again (a refused key: libzmq does not retry it)
+    (UP, "opened"): CONNECTING,
+    (DOWN, "opened"): CONNECTING,
+    (None, "heard"): UP,                # prefill side: a decode daemon's first message
+    (CONNECTING, "heard"): UP,
+    (UP, "heard"): UP,
+    (DOWN, "heard"): UP,                # back: its requests failed when it went down
+    (CONNECTING, "silent"): DOWN,       # never answered within the peer timeout
+    (UP, "silent"): DOWN,               # went silent: its requests fail (peer_dead)
+    (DOWN, "idle"): None,               # down, and nothing waits on it: closed
+    (CONNECTING, "closed"): None,       # the peer's process is gone (a restart seen on another link)
+    (UP, "closed"): None,
+    (DOWN, "closed"): None,
+}
+
+#: incarnations longer than this are not taken (the wire allows 64 characters)
+MAX_INCARNATION = 64
+
+
+class LinkError(Exception):
+    """A transition the table does not have: a bug in the caller, never a peer's doing."""
+
+
+@dataclass
+class Link:
+    """One link to one peer daemon."""
+
+    key: Hashable  # decode side: the source daemon's address; prefill side: the connection's routing id
+    daemon: str  # the peer daemon's control address
+    state: str | None = None
+    last_seen: float = 0.0  # when it was opened or last heard
+    incarnation: str = ""  # the peer process's, once a message named it
+
+
+class Links:
+    """Every link of one direction, by key; :meth:`move` is the only writer of a link's state."""
+
+    def __init__(self, side: str) -> None:
+        self.side = side  # which side the peers serve: "prefill" (source daemons) or "decode"
+        self.book: dict[Hashable, Link] = {}
+
+    def __len__(self) -> int:
+        return len(self.book)
+
+    def __iter__(self) -> Any:
+        return iter(list(self.book.values()))
+
+    def get(self, key: Hashable) -> Link | None:
+        return self.book.get(key)
+
+    def is_up(self, key: Hashable) -> bool:
+        link = self.book.get(key)
+        return link is not None and link.state == UP
+
+    def count(self) -> dict[str, int]:
+        """Links by state (every state present, for the peer gauges)."""
+        out = {CONNECTING: 0, UP: 0, DOWN: 0}
+        for link in self.book.values():
+            out[str(link.state)] += 1
+        return out
+
+    def move(self, link: Link, happened: str, now: float) -> str | None:
+        """Apply one happening; returns the new state (None: forgotten)."""
+        try:
+            state = TRANSITIONS[(link.state, happened)]
+        except KeyError:
+            raise LinkError(f"{self.side} link {link.daemon} in state {link.state}: no transition for "
+                            f"{happened!r}") from None
+        link.state = state
+        if state is None:
+            self.book.pop(link.key, None)
+        else:
+            self.book[link.key] = link
+        if happened in ("opened", "heard"):
+            link.last_seen = now
+        return state
+
+    def open(self, key: Hashable, daemon: str, now: float) -> Link:
+        link = self.book.get(key) or Link(key, daemon)
+        self.move(link, "opened", now)
+        return link
+
+    def heard(self, key: Hashable, daemon: str, now: float) -> tuple[Link, str | None]:
+        """A message came on the link; returns it and the state it was in before."""
+        link = self.book.get(key) or Link(key, daemon)
+        before = link.state
+        self.move(link, "heard", now)
+        return link, before
+
+    @staticmethod
+    def incarnation(link: Link, incarnation: Any) -> str:
+        """The peer named its incarnation; returns the one it replaces when it differs (a restart),
+        else "". The first one named is learnt; one that is not a short string is ignored."""
+        if not isinstance(incarnation, str) or not incarnation or len(incarnation) > MAX_INCARNATION:
+            return ""
+        old, link.incarnation = link.incarnation, incarnation
+        return old if old and old != incarnation else ""
+
+    def others(self, key: Hashable, daemon: str, incarnation: str) -> list[Link]:
+        """Other links to the same daemon address that know another incarnation of it: each may
+        belong to a process that is gone (the shell asks the socket whether it is)."""
+        return [link for link in self.book.values()
+                if link.key != key and link.daemon == daemon and link.incarnation and link.incarnation != incarnation]
+
+    def due(self, now: float, timeout_s: float, waited_on: Callable[[Link], bool]) -> list[tuple[Link, str]]:
+        """Links whose silence counts now: (link, what happened) for each, not applied yet.
+
+        Up or connecting links silent past ``timeout_s`` are ``silent``; down ones that nothing
+        waits on any more (``waited_on``) are ``idle``: without closing them, every address an
+        engine ever named would keep a socket."""
+        out = []
+        for link in self.book.values():
+            if link.state in (UP, CONNECTING) and now - link.last_seen > timeout_s:
+                out.append((link, "silent"))
+            elif link.state == DOWN and not waited_on(link):
+                out.append((link, "idle"))
+        return out
+
+    def describe(self, now: float) -> list[dict[str, Any]]:
+        return [{"address": link.daemon, "state": link.state, "side": self.side,
+                 "last_seen_s": round(now - link.last_seen, 3), "incarnation": link.incarnation}
+                for link in self.book.values()]

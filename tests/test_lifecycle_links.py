@@ -1,0 +1,146 @@
+"""Links to peer daemons in the lifecycle core: liveness, restarts and closing, in process.
+
+The shells only carry messages and carry out :class:`~kvxferd.lifecycle.effects.LinkChanged`;
+every decision (down, back, restarted, closed) and the failures it causes are the core's.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from kvxferd.lifecycle import events
+from kvxferd.lifecycle.links import CONNECTING, DOWN, TRANSITIONS, UP, LinkError, Links
+from lifecycle_util import Cluster, pages, spec
+
+TIMEOUT = 5.0
+
+
+def _pair():
+    c = Cluster("P", "D")
+    pn, dn = c.node("P"), c.node("D")
+    return c, pn, dn, pn.rank("p", "prefill", spec()), dn.rank("d", "decode", spec())
+
+
+def _changes(node, side=None):
+    return [(ch.why, ch.before, ch.after) for ch in node.links if side is None or ch.side == side]
+
+
+def test_every_state_of_the_table_is_reachable_and_a_missing_transition_is_refused():
+    reached, frontier = {None}, [None]
+    while frontier:
+        state = frontier.pop()
+        for (before, _happened), after in TRANSITIONS.items():
+            if before == state and after not in reached:
+                reached.add(after)
+                frontier.append(after)
+    assert reached == {None, CONNECTING, UP, DOWN}
+    book = Links("prefill")
+    link = book.open("a:1", "a:1", 0.0)
+    for happened in ("idle",):  # a link that is not down is never closed for being idle
+        with pytest.raises(LinkError, match="connecting.*'idle'"):
+            book.move(link, happened, 1.0)
+    assert book.get("a:1").state == CONNECTING  # a refused transition changes nothing
+
+
+@pytest.mark.parametrize("state,happened", [(s, h) for s, h in itertools.product(
+    (None, CONNECTING, UP, DOWN), ("opened", "heard", "silent", "idle", "closed")) if (s, h) not in TRANSITIONS])
+def test_transitions_the_table_lacks_raise(state, happened):
+    book = Links("decode")
+    link = book.open("k", "d:1", 0.0)
+    link.state = state
+    with pytest.raises(LinkError):
+        book.move(link, happened, 1.0)
+
+
+def test_a_silent_source_goes_down_fails_what_waits_on_it_then_closes_once_nothing_does():
+    c, pn, dn, p, d = _pair()
+    dn.handle(events.LinkOpened(pn.address))
+    dn.handle(events.SourceHeard(pn.address, pn.incarnation))
+    assert dn.life.source_daemons.is_up(pn.address)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.now += TIMEOUT / 2
+    dn.handle(events.Heartbeat(TIMEOUT))
+    assert dn.outcome("r", d) is None and dn.life.source_daemons.is_up(pn.address)  # not silent for long enough
+    c.now += TIMEOUT
+    dn.handle(events.Heartbeat(TIMEOUT))
+    c.run()
+    assert dn.outcome("r", d).code == "peer_dead" and "unresponsive for 7.5s" in dn.outcome("r", d).reason
+    [down] = [ch for ch in dn.links if ch.why == "silent"]
+    assert (down.before, down.after, down.daemon, down.silent_for) == (UP, DOWN, pn.address, 7.5)
+    assert not any(e.from_source(pn.address) for e in dn.life.inbox.all())  # the failed request is told and gone
+    dn.handle(events.Heartbeat(TIMEOUT))
+    assert _changes(dn)[-1] == ("idle", DOWN, None) and dn.life.source_daemons.get(pn.address) is None
+
+
+def test_a_down_source_heard_again_is_back_up_and_a_never_answering_one_goes_down_quietly():
+    c, pn, dn, p, d = _pair()
+    dn.handle(events.LinkOpened(pn.address))
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.now += 2 * TIMEOUT
+    dn.handle(events.Heartbeat(TIMEOUT))
+    assert dn.life.source_daemons.get(pn.address).state == DOWN
+    assert dn.outcome("r", d) is None  # never up: its request waits for its own bootstrap timeout
+    dn.handle(events.SourceHeard(pn.address))
+    assert _changes(dn) == [("opened", None, CONNECTING), ("silent", CONNECTING, DOWN), ("heard", DOWN, UP)]
+
+
+def test_another_incarnation_is_a_restart_failing_only_expects_the_old_process_can_have_had():
+    c, pn, dn, p, d = _pair()
+    dn.handle(events.SourceHeard(pn.address, "first"))
+    dn.expect(d, "old", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    ping_left = c.now
+    c.now += 0.1
+    dn.expect(d, "new", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    assert dn.handle(events.SourceHeard(pn.address, "first")) is False  # the same process: nothing
+    assert dn.handle(events.SourceHeard(pn.address, "second", sent_before=ping_left)) is True
+    c.run()
+    assert dn.outcome("old", d).code == "peer_restarted" and "first -> second" in dn.outcome("old", d).reason
+    assert dn.outcome("new", d) is None  # its expect left after the ping the new process answered
+    [restart] = [ch for ch in dn.links if ch.why == "restarted"]
+    assert (restart.old_incarnation, restart.new_incarnation) == ("first", "second")
+    assert dn.life.source_daemons.get(pn.address).incarnation == "second"
+    for bad in ("", 7, "x" * 65, None):  # not an incarnation: learnt from nothing, no restart
+        assert dn.handle(events.SourceHeard(pn.address, bad)) is False
+
+
+def test_a_decode_daemon_is_known_from_its_ping_and_dropped_when_silent_failing_its_sources():
+    c, pn, dn, p, d = _pair()
+    pn.handle(events.DecodeHeard(dn.identity))  # nameless (an expect): an unknown link stays unknown
+    assert len(pn.life.decode_daemons) == 0
+    pn.handle(events.DecodeHeard(dn.identity, dn.address, dn.incarnation))
+    assert pn.life.decode_daemons.is_up(dn.identity)
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    c.now += 2 * TIMEOUT
+    pn.handle(events.DecodeHeard(dn.identity))  # any message keeps it alive
+    pn.handle(events.Heartbeat(TIMEOUT))
+    assert pn.outcome("r", p) is None
+    c.now += 2 * TIMEOUT
+    pn.handle(events.Heartbeat(TIMEOUT))
+    c.run()
+    assert pn.outcome("r", p).code == "peer_dead"
+    assert _changes(pn, "decode")[-1] == ("silent", UP, None) and len(pn.life.decode_daemons) == 0
+    assert pn.life.routes.plan("p", "d") is None  # its routes went with it
+
+
+def test_a_gone_connection_of_a_restarted_decode_daemon_fails_its_sources():
+    c, pn, dn, p, d = _pair()
+    pn.handle(events.DecodeHeard(dn.identity, dn.address, "old"))
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "r", pages(1), 0, 4, False)
+    c.run()
+    pn.handle(events.DecodeHeard(b"new-connection", dn.address, "new"))
+    [other] = pn.life.decode_daemons.others(b"new-connection", dn.address, "new")
+    assert other.key == dn.identity  # what the shell asks the socket about
+    pn.handle(events.DecodeGone(dn.identity, dn.address, "old", "new"))
+    c.run()
+    assert pn.outcome("r", p).code == "peer_restarted" and "old -> new" in pn.outcome("r", p).reason
+    assert pn.life.decode_daemons.get(dn.identity) is None and pn.life.decode_daemons.is_up(b"new-connection")
+    pn.handle(events.DecodeGone(dn.identity, dn.address, "old", "new"))  # told twice: nothing more
+    assert [ch.why for ch in pn.links].count("restarted") == 1
