@@ -27,7 +27,7 @@ from kvxferd.ops import config
 from kvxferd.sdk.client import EngineClient
 from kvxferd.transport.nixl import api as nixl_api
 from kvxferd.transport.nixl.support import NixlSupport
-from kvxferd.wire import protocol
+from kvxferd.wire import messages, protocol
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
 
@@ -280,7 +280,7 @@ def test_config_names_the_transport_keys():
 def test_peer_schemas_bound_the_nixl_fields():
     base = {"op": "expect", "request_id": "r", "prefill_instance": "p", "decode_instance": "d", "dst": [0, 0],
             "num_tokens": 4}
-    ok = protocol.check_peer({**base, "dst_pages": [3, 4], "nixl_md": [b"md"],
+    ok = messages.check_peer({**base, "dst_pages": [3, 4], "nixl_md": [b"md"],
                               "nixl_regions": [[0, 0, 1, "k", 4096, 8192, -1]]})
     assert ok["dst_pages"] == [3, 4]
     for extra, field in (({"dst_pages": list(range(protocol.MAX_DST_PAGES + 1))}, "dst_pages"),
@@ -290,12 +290,12 @@ def test_peer_schemas_bound_the_nixl_fields():
                          ({"nixl_regions": [[0, 0]]}, "nixl_regions[0]"),
                          ({"nixl_md": [b"x" * (protocol.MAX_NIXL_MD + 1)]}, "nixl_md[0]")):
         with pytest.raises(ProtocolError) as err:
-            protocol.check_peer({**base, **extra})
+            messages.check_peer({**base, **extra})
         assert err.value.field == field
     hs = {"op": "handshake", "v": PROTOCOL_VERSION, "daemon": "a:1", "data_address": "a:2", "prefill_instance": "p",
           "decode_instance": "d", "decode_spec": {}, "mode": "auto", "transports": ["nixl", "tcp"],
           "nixl_agent": "agent-a", "nixl_md": [b"md"], "nixl_regions": []}
-    assert protocol.check_peer(hs)["nixl_agent"] == "agent-a"
+    assert messages.check_peer(hs)["nixl_agent"] == "agent-a"
 
 
 def test_remote_bases_and_descriptors_are_built_in_wire_order():

@@ -28,7 +28,7 @@ from kvxferd.lifecycle.inbox import Sink
 from kvxferd.ops import config
 from kvxferd.sdk.client import EngineClient
 from kvxferd.transport.nixl.staging import Assemblies, Credits, LandingRings, RingInfo
-from kvxferd.wire import protocol
+from kvxferd.wire import messages, protocol
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
 
@@ -130,8 +130,8 @@ def _free_notifs(fake: FakePrefillDaemon, want: int, timeout: float) -> list[dic
     got: list[dict] = []
     deadline = time.monotonic() + timeout
     while len(got) < want and time.monotonic() < deadline:
-        for _agent, messages in fake.agent.get_new_notifs().items():
-            got.extend(msgpack.unpackb(m) for m in messages)
+        for _agent, notes in fake.agent.get_new_notifs().items():
+            got.extend(msgpack.unpackb(m) for m in notes)
         time.sleep(0.02)
     return got
 
@@ -411,10 +411,10 @@ def test_staging_pool_try_acquire_never_waits():
 def test_landing_fields_are_bounded_by_the_schemas():
     hs = {"op": "handshake", "v": 1, "daemon": "a:1", "data_address": "a:2", "prefill_instance": "p",
           "decode_instance": "d", "decode_spec": {}, "mode": "auto", "transports": ["nixl"]}
-    assert protocol.check_peer({**hs, "nixl_landing": [3, 4096, 4096, 4, -1]})["nixl_landing"] == [3, 4096, 4096, 4, -1]
+    assert messages.check_peer({**hs, "nixl_landing": [3, 4096, 4096, 4, -1]})["nixl_landing"] == [3, 4096, 4096, 4, -1]
     for bad in ([3, 0, 4096, 4, -1], [3, 4096, 4096, 0, -1], [3, 4096], "ring"):
         with pytest.raises(ProtocolError) as err:
-            protocol.check_peer({**hs, "nixl_landing": bad})
+            messages.check_peer({**hs, "nixl_landing": bad})
         assert err.value.field == "nixl_landing"
     assert protocol.NIXL_FREE.check({"op": "free", "ring": 3, "slot": 0}) == {"op": "free", "ring": 3, "slot": 0}
     with pytest.raises(ProtocolError):

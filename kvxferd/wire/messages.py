@@ -1,27 +1,62 @@
 """Typed messages between engines and the daemon, and between daemons.
 
-One dataclass per wire op. Incoming messages are validated by the schemas of
-:mod:`kvxferd.wire.protocol` (the one validator) and then turned into these types with
-:func:`parse_engine` / :func:`parse_peer`; outgoing ones are built as these types and put
-on the wire with :meth:`Message.to_wire`. The wire format is the one the schemas describe:
-msgpack maps with an ``op`` field, optional fields left out when unset.
+One dataclass per wire op, and the one definition of it: each field names the checker its
+incoming value must pass (:func:`wire`), a field with a default is optional (left out on the
+wire when ``None``), one without is required. The schemas the validator
+(:class:`kvxferd.wire.protocol.Schema`) uses, :data:`ENGINE_SCHEMAS`, :data:`PEER_SCHEMAS` and
+:data:`HANDSHAKE_ANSWERS`, are derived from the classes (:func:`schema_of`), so a field and its
+check cannot drift apart. Incoming messages are checked and then typed with
+:func:`parse_engine` / :func:`parse_peer` / :func:`parse_handshake_answer`; outgoing ones are
+built as these types and put on the wire with :meth:`Message.to_wire`: msgpack maps with an
+``op`` field.
 
 ``extra`` holds fields a message carries for a transport (NIXL's offer in a handshake, its
 page table in an expect): the transport builds and reads them, the lifecycle passes them on.
+Their checkers live in :mod:`kvxferd.wire.protocol` with the transport's other fields; the
+``extra`` field names which of them the message takes (:func:`extras`).
+
+Messages this daemon only sends and never checks (:class:`Event`, :class:`AnnounceOk`,
+:class:`Ranks`, :class:`PeerError`) are read by the other side as plain maps; their fields
+declare no checker.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
-from . import protocol
 from ..errors import ProtocolError
+from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS, NAME,
+                       NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob, boolean, check_op,
+                       group_tables, int_list, integer, list_of, mapping, number, pair, rank_at, region, text)
 
 #: cut lengths the schemas allow for free text sent to a peer
 MAX_REASON = 500
 MAX_CODE = 64
+
+#: where a field keeps its checker, and ``extra`` the transport fields it takes (dataclass metadata)
+CHECK = "check"
+EXTRAS = "extras"
+
+
+def wire(check: Checker, default: Any = MISSING) -> Any:
+    """A message field and the checker its incoming value must pass, declared together so the
+    validator's schema is read off the class. With a ``default`` the field is optional."""
+    return field(default=default, metadata={CHECK: check})
+
+
+def extras(checks: Mapping[str, Checker]) -> Any:
+    """The ``extra`` field: the transport fields a message may carry, with their checkers (kept in
+    :mod:`kvxferd.wire.protocol`, where each transport's fields are defined once)."""
+    return field(default_factory=dict, metadata={EXTRAS: dict(checks)})
+
+
+ROLE = text(16, ("prefill", "decode"))
+MODE = text(16, ("auto", "direct", "staged"))
+POSITION = integer(0, 1 << 40)  # a token position in a request
+REASON = text(512)
+CODE = text(64)
 
 
 @dataclass(frozen=True)
@@ -61,20 +96,22 @@ def _field_names(cls: type) -> frozenset[str]:
 @dataclass(frozen=True)
 class Register(Message):
     op: ClassVar[str] = "register"
-    instance: str
-    role: str
-    geometry: dict[str, Any]
-    regions: list[dict[str, Any]]
-    pid: int | None = None
-    rendezvous: str | None = None  # the instance's rendezvous daemon (its ranks span several daemons)
-    dp_rank: int | None = None  # a data-parallel rank of the instance (with dp_size)
-    dp_size: int | None = None
+    instance: str = wire(NAME)
+    role: str = wire(ROLE)
+    geometry: dict[str, Any] = wire(mapping)
+    regions: list[dict[str, Any]] = wire(list_of(region, 1 << 16))
+    pid: int | None = wire(integer(1, 1 << 31), None)
+    #: the instance's rendezvous daemon (its ranks span several daemons)
+    rendezvous: str | None = wire(ADDRESS, None)
+    #: a data-parallel rank of the instance (DP attention), with dp_size: filed as <instance>@dp<dp_rank>
+    dp_rank: int | None = wire(integer(0, MAX_DP - 1), None)
+    dp_size: int | None = wire(integer(1, MAX_DP), None)
 
 
 @dataclass(frozen=True)
 class Unregister(Message):
     op: ClassVar[str] = "unregister"
-    rank_id: str
+    rank_id: str = wire(NAME)
 
 
 @dataclass(frozen=True)
@@ -82,16 +119,18 @@ class Expect(Message):
     """A decode rank will receive ``request_id`` into ``pages`` from ``source_instance``."""
 
     op: ClassVar[str] = "expect"
-    rank_id: str
-    request_id: str
-    source_instance: str
-    pages: list[int]
-    source_address: str | None = None
-    num_tokens: int | None = None
-    start: int | None = None
-    timeout_s: float | None = None
-    source_dp_rank: int | None = None  # the source instance's DP rank that holds the request
-    groups: dict[str, list[int]] | None = None  # cache groups: page table per KV group, [slot] per state group
+    rank_id: str = wire(NAME)
+    request_id: str = wire(REQUEST_ID)
+    source_instance: str = wire(NAME)
+    pages: list[int] = wire(int_list())
+    source_address: str | None = wire(ADDRESS, None)
+    num_tokens: int | None = wire(integer(1, 1 << 40), None)
+    start: int | None = wire(POSITION, None)
+    timeout_s: float | None = wire(number(0.001, 86400), None)
+    #: the source instance's DP rank that holds the request
+    source_dp_rank: int | None = wire(integer(0, MAX_DP - 1), None)
+    #: cache groups: page table per KV group, [slot] per state group
+    groups: dict[str, list[int]] | None = wire(group_tables, None)
 
 
 @dataclass(frozen=True)
@@ -99,29 +138,30 @@ class Send(Message):
     """A prefill rank hands over tokens ``[start, end)`` of a request (one chunk)."""
 
     op: ClassVar[str] = "send"
-    rank_id: str
-    request_id: str
-    pages: list[int]
-    start: int
-    end: int
-    last: bool
-    aux: bytes | None = None
-    groups: dict[str, list[int]] | None = None  # cache groups: the chunk's pages per KV group, state slots
+    rank_id: str = wire(NAME)
+    request_id: str = wire(REQUEST_ID)
+    pages: list[int] = wire(int_list())
+    start: int = wire(POSITION)
+    end: int = wire(POSITION)
+    last: bool = wire(boolean)
+    aux: bytes | None = wire(blob(), None)
+    #: cache groups: the chunk's pages per KV group, state slots
+    groups: dict[str, list[int]] | None = wire(group_tables, None)
 
 
 @dataclass(frozen=True)
 class Poll(Message):
     op: ClassVar[str] = "poll"
-    rank_id: str
-    request_id: str
+    rank_id: str = wire(NAME)
+    request_id: str = wire(REQUEST_ID)
 
 
 @dataclass(frozen=True)
 class Abort(Message):
     op: ClassVar[str] = "abort"
-    rank_id: str
-    request_id: str
-    reason: str | None = None
+    rank_id: str = wire(NAME)
+    request_id: str = wire(REQUEST_ID)
+    reason: str | None = wire(REASON, None)
 
 
 @dataclass(frozen=True)
@@ -171,43 +211,43 @@ class Handshake(Message):
     """Decode daemon -> prefill daemon, once per (prefill instance, decode instance) pair."""
 
     op: ClassVar[str] = "handshake"
-    v: int
-    daemon: str
-    data_address: str
-    prefill_instance: str
-    decode_instance: str
-    decode_spec: dict[str, Any]
-    mode: str
-    transports: list[str]
-    data_token: bytes | None = None
-    incarnation: str | None = None
-    decode_tensors: bool | None = None
-    extra: dict[str, Any] = field(default_factory=dict)  # the transports' offer (NIXL agent, regions)
+    v: int = wire(integer(0, 1 << 16))
+    daemon: str = wire(ADDRESS)
+    data_address: str = wire(ADDRESS)
+    prefill_instance: str = wire(NAME)
+    decode_instance: str = wire(NAME)
+    decode_spec: dict[str, Any] = wire(mapping)
+    mode: str = wire(MODE)
+    transports: list[str] = wire(list_of(text(32), 16))
+    data_token: bytes | None = wire(blob(64), None)
+    incarnation: str | None = wire(INCARNATION, None)
+    decode_tensors: bool | None = wire(boolean, None)
+    extra: dict[str, Any] = extras(NIXL_OFFER)  # the transports' offer (NIXL agent, regions)
 
 
 @dataclass(frozen=True)
 class HandshakeOk(Message):
     op: ClassVar[str] = "handshake_ok"
-    prefill_spec: dict[str, Any]
-    mode: str
-    incarnation: str | None = None  # every daemon sends it; a restart shows in it
-    extra: dict[str, Any] = field(default_factory=dict)  # the transport chosen and what it needs
+    prefill_spec: dict[str, Any] = wire(mapping)
+    mode: str = wire(MODE)
+    incarnation: str | None = wire(INCARNATION, None)  # every daemon sends it; a restart shows in it
+    extra: dict[str, Any] = extras(TRANSPORT_CHOICE)  # the transport chosen and what it needs
     #: the instance's ranks over several daemons, ``[[tp, pp, daemon], ...]`` (left out: all here)
-    ranks: list[list[Any]] | None = None
+    ranks: list[list[Any]] | None = wire(list_of(rank_at, MAX_INSTANCE_RANKS), None)
     #: peer control messages this daemon reads from one multipart message (left out: one per message)
-    batch: int | None = None
+    batch: int | None = wire(BATCH_PARTS, None)
 
 
 @dataclass(frozen=True)
 class HandshakeRefused(Message):
     op: ClassVar[str] = "handshake_refused"
-    error: dict[str, Any]
+    error: dict[str, Any] = wire(mapping)
 
 
 @dataclass(frozen=True)
 class HandshakeRetry(Message):
     op: ClassVar[str] = "handshake_retry"
-    reason: str
+    reason: str = wire(text(8192))
 
 
 @dataclass(frozen=True)
@@ -215,22 +255,23 @@ class PeerExpect(Message):
     """Decode daemon -> prefill daemon: the decode rank ``dst`` expects the request."""
 
     op: ClassVar[str] = "expect"
-    request_id: str
-    prefill_instance: str
-    decode_instance: str
-    dst: list[int]
-    num_tokens: int
-    start: int | None = None  # left out when 0 (nothing cached on the decode side)
-    extra: dict[str, Any] = field(default_factory=dict)  # dst_pages and regions for one-sided writes
-    writers: list[list[int]] | None = None  # the writers the receiving daemon holds (left out: every writer)
+    request_id: str = wire(REQUEST_ID)
+    prefill_instance: str = wire(NAME)
+    decode_instance: str = wire(NAME)
+    dst: list[int] = wire(pair)
+    num_tokens: int = wire(POSITION)
+    start: int | None = wire(POSITION, None)  # left out when 0 (nothing cached on the decode side)
+    extra: dict[str, Any] = extras(EXPECT_TARGETS)  # dst_pages and regions for one-sided writes
+    #: the writers the receiving daemon holds (left out: every writer)
+    writers: list[list[int]] | None = wire(list_of(pair, MAX_INSTANCE_RANKS), None)
 
 
 @dataclass(frozen=True)
 class PeerAbort(Message):
     op: ClassVar[str] = "abort"
-    request_id: str
-    reason: str
-    code: str | None = None
+    request_id: str = wire(REQUEST_ID)
+    reason: str = wire(REASON)
+    code: str | None = wire(CODE, None)
 
     @classmethod
     def of(cls, request_id: str, code: str, message: str) -> "PeerAbort":
@@ -246,11 +287,11 @@ class PeerEnded(Message):
     comes later finds it failed. An expect that reached the prefill daemon is ended by :class:`PeerAbort`."""
 
     op: ClassVar[str] = "ended"
-    request_id: str
-    prefill_instance: str
-    decode_instance: str
-    code: str
-    reason: str
+    request_id: str = wire(REQUEST_ID)
+    prefill_instance: str = wire(NAME)
+    decode_instance: str = wire(NAME)
+    code: str = wire(CODE)
+    reason: str = wire(REASON)
 
     @classmethod
     def of(cls, request_id: str, prefill: str, decode: str, code: str, message: str) -> "PeerEnded":
@@ -263,13 +304,13 @@ class Fence(Message):
     """Decode -> prefill: the request failed here; answer :class:`Fenced` once no WRITE is in flight."""
 
     op: ClassVar[str] = "fence"
-    request_id: str
+    request_id: str = wire(REQUEST_ID)
 
 
 @dataclass(frozen=True)
 class Fenced(Message):
     op: ClassVar[str] = "fenced"
-    request_id: str
+    request_id: str = wire(REQUEST_ID)
 
 
 @dataclass(frozen=True)
@@ -278,13 +319,14 @@ class Announce(Message):
     them: a rank left out is withdrawn). Renewed with every heartbeat: a lease."""
 
     op: ClassVar[str] = "announce"
-    daemon: str
-    incarnation: str
-    instance: str
-    role: str
-    spec: dict[str, Any]
-    ranks: list[list[int]]
-    dp_size: int | None = None  # the instance is one DP rank of a data-parallel instance
+    daemon: str = wire(ADDRESS)
+    incarnation: str = wire(INCARNATION)
+    instance: str = wire(NAME)
+    role: str = wire(ROLE)
+    spec: dict[str, Any] = wire(mapping)
+    ranks: list[list[int]] = wire(list_of(pair, MAX_INSTANCE_RANKS))
+    #: the instance is one DP rank of a data-parallel instance
+    dp_size: int | None = wire(integer(1, MAX_DP), None)
 
 
 @dataclass(frozen=True)
@@ -298,8 +340,8 @@ class Lookup(Message):
     """Which daemon holds which rank of an instance (answered by its rendezvous with :class:`Ranks`)."""
 
     op: ClassVar[str] = "lookup"
-    instance: str
-    role: str
+    instance: str = wire(NAME)
+    role: str = wire(ROLE)
 
 
 @dataclass(frozen=True)
@@ -318,16 +360,16 @@ class Ranks(Message):
 @dataclass(frozen=True)
 class PeerPing(Message):
     op: ClassVar[str] = "ping"
-    daemon: str
-    incarnation: str | None = None
+    daemon: str = wire(ADDRESS)
+    incarnation: str | None = wire(INCARNATION, None)
 
 
 @dataclass(frozen=True)
 class Pong(Message):
     op: ClassVar[str] = "pong"
-    daemon: str
-    incarnation: str | None = None
-    batch: int | None = None  # as in HandshakeOk
+    daemon: str = wire(ADDRESS)
+    incarnation: str | None = wire(INCARNATION, None)
+    batch: int | None = wire(BATCH_PARTS, None)  # as in HandshakeOk
 
 
 @dataclass(frozen=True)
@@ -349,34 +391,70 @@ class PeerError(Message):
         return cls(err, request_id, incarnation)
 
 
+def schema_of(cls: type[Message]) -> Schema:
+    """The schema the validator checks ``cls``'s op against, read off its fields: required are
+    those without a default, optional those with one, and ``extra`` adds its transport fields.
+    A field that declares no checker, or a transport field named like a field, is a TypeError
+    when this module loads: no message is checked against a schema that misses a field."""
+    required: dict[str, Checker] = {}
+    optional: dict[str, Checker] = {}
+    extra: dict[str, Checker] = {}
+    for f in fields(cls):
+        if f.name == "extra":
+            if EXTRAS not in f.metadata:
+                raise TypeError(f"{cls.__name__}.extra names no transport fields: declare it with extras()")
+            extra = dict(f.metadata[EXTRAS])
+        elif CHECK not in f.metadata:
+            raise TypeError(f"{cls.__name__}.{f.name} has no checker: declare it with wire(checker)")
+        elif f.default is MISSING and f.default_factory is MISSING:
+            required[f.name] = f.metadata[CHECK]
+        else:
+            optional[f.name] = f.metadata[CHECK]
+    clash = sorted(set(extra) & (set(required) | set(optional)))
+    if clash:
+        raise TypeError(f"{cls.__name__}.extra takes {clash}, which are fields of the class")
+    return Schema(required, optional, extra)
+
+
 ENGINE_TYPES: dict[str, type[Message]] = {
     t.op: t for t in (Register, Unregister, Expect, Send, Poll, Abort, Status, Ping)}
 PEER_TYPES: dict[str, type[Message]] = {
     t.op: t for t in (Handshake, PeerExpect, PeerAbort, PeerEnded, Fence, Fenced, Announce, Lookup, PeerPing, Pong)}
-assert set(ENGINE_TYPES) == set(protocol.ENGINE_SCHEMAS) and set(PEER_TYPES) == set(protocol.PEER_SCHEMAS)
+#: a source daemon's answers to a handshake, as the decode daemon reads them
+HANDSHAKE_ANSWER_TYPES: dict[str, type[Message]] = {t.op: t for t in (HandshakeOk, HandshakeRefused, HandshakeRetry)}
+
+ENGINE_SCHEMAS: dict[str, Schema] = {op: schema_of(t) for op, t in ENGINE_TYPES.items()}
+PEER_SCHEMAS: dict[str, Schema] = {op: schema_of(t) for op, t in PEER_TYPES.items()}
+HANDSHAKE_ANSWERS: dict[str, Schema] = {op: schema_of(t) for op, t in HANDSHAKE_ANSWER_TYPES.items()}
+
+
+def check_engine(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one decoded engine message (a map with a string ``op``); the checked map."""
+    return check_op(ENGINE_SCHEMAS, message, "engine")
+
+
+def check_peer(message: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate one decoded peer message (a map with a string ``op``); the checked map."""
+    return check_op(PEER_SCHEMAS, message, "peer")
 
 
 def parse_engine(raw: Mapping[str, Any]) -> Message:
-    """Validate (protocol's schemas) and type one decoded engine message."""
-    checked = protocol.check_engine(raw)
+    """Validate and type one decoded engine message."""
+    checked = check_engine(raw)
     return ENGINE_TYPES[checked["op"]].from_checked(checked)
-
-
-HANDSHAKE_ANSWER_TYPES: dict[str, type[Message]] = {t.op: t for t in (HandshakeOk, HandshakeRefused, HandshakeRetry)}
-assert set(HANDSHAKE_ANSWER_TYPES) == set(protocol.HANDSHAKE_ANSWERS)
 
 
 def parse_handshake_answer(raw: Mapping[str, Any]) -> Message:
     """Validate and type a source daemon's answer to a handshake (ProtocolError if it is none)."""
     op = raw.get("op")
-    schema = protocol.HANDSHAKE_ANSWERS.get(op) if isinstance(op, str) else None
+    schema = HANDSHAKE_ANSWERS.get(op) if isinstance(op, str) else None
     if schema is None:
         raise ProtocolError(f"a handshake answered with op {str(op)[:32]!r}", field="op",
-                                     fix=f"answer with one of {sorted(protocol.HANDSHAKE_ANSWERS)}")
+                            fix=f"answer with one of {sorted(HANDSHAKE_ANSWERS)}")
     return HANDSHAKE_ANSWER_TYPES[op].from_checked(schema.check(raw))
 
 
 def parse_peer(raw: Mapping[str, Any]) -> Message:
-    """Validate (protocol's schemas) and type one decoded peer message."""
-    checked = protocol.check_peer(raw)
+    """Validate and type one decoded peer message."""
+    checked = check_peer(raw)
     return PEER_TYPES[checked["op"]].from_checked(checked)

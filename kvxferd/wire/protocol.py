@@ -3,13 +3,20 @@
 Nothing from a socket is trusted: size is checked before decoding, the decoder is bounded,
 and every field is type- and range-checked before any handler sees it. A bad message
 raises :class:`ProtocolError` naming the field, which endpoints turn into an error reply.
+
+This module holds the field checkers and :class:`Schema`, the one validator. The schemas of
+the engine and peer messages are not written here: each message class of
+:mod:`kvxferd.wire.messages` declares its fields' checkers and its schema is derived from it.
+What stays here are the maps that are no message class (a region, a data header) and the
+fields a transport adds to a message (:data:`NIXL_OFFER`, :data:`EXPECT_TARGETS`,
+:data:`TRANSPORT_CHOICE`).
 """
 
 from __future__ import annotations
 
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 import msgpack
@@ -150,14 +157,19 @@ def list_of(item: Checker, max_len: int) -> Checker:
 
 @dataclass(frozen=True)
 class Schema:
+    """A message's fields and their checkers. ``extra`` are optional fields a transport adds
+    (checked as the optional ones are), apart so a message class can tell its own fields from
+    what it passes on."""
+
     required: Mapping[str, Checker]
     optional: Mapping[str, Checker]
+    extra: Mapping[str, Checker] = field(default_factory=dict)
 
     def check(self, message: Mapping[str, Any]) -> dict[str, Any]:
-        allowed = set(self.required) | set(self.optional) | {"op", "seq", "v"}
-        extra = sorted((k for k in message if k not in allowed), key=repr)  # keys may be str and bytes
-        if extra:
-            raise ProtocolError(f"unknown field {extra[0]!r} in {message.get('op')!r}", field=str(extra[0])[:64],
+        allowed = set(self.required) | set(self.optional) | set(self.extra) | {"op", "seq", "v"}
+        unknown = sorted((k for k in message if k not in allowed), key=repr)  # keys may be str and bytes
+        if unknown:
+            raise ProtocolError(f"unknown field {unknown[0]!r} in {message.get('op')!r}", field=str(unknown[0])[:64],
                                 fix=f"send only {sorted(allowed)}")
         out: dict[str, Any] = {"op": message["op"]}
         for name, checker in self.required.items():
@@ -165,7 +177,7 @@ class Schema:
                 raise ProtocolError(f"{message['op']!r} is missing field {name!r}", field=name,
                                     fix=f"send {name}")
             out[name] = checker(name, message[name])
-        for name, checker in self.optional.items():
+        for name, checker in (*self.optional.items(), *self.extra.items()):
             if message.get(name) is not None:
                 out[name] = checker(name, message[name])
         return out
@@ -217,31 +229,6 @@ def group_tables(name: str, value: Any) -> dict[str, list[int]]:
     return out
 
 
-ENGINE_SCHEMAS: dict[str, Schema] = {
-    "register": Schema(
-        required={"instance": NAME, "role": text(16, ("prefill", "decode")), "geometry": mapping,
-                  "regions": list_of(region, 1 << 16)},
-        optional={"pid": integer(1, 1 << 31), "rendezvous": ADDRESS,
-                  # a data-parallel rank (DP attention): filed as instance <instance>@dp<dp_rank>
-                  "dp_rank": integer(0, MAX_DP - 1), "dp_size": integer(1, MAX_DP)}),
-    "unregister": Schema(required={"rank_id": NAME}, optional={}),
-    "expect": Schema(
-        required={"rank_id": NAME, "request_id": REQUEST_ID, "source_instance": NAME,
-                  "pages": int_list()},
-        optional={"source_address": ADDRESS, "num_tokens": integer(1, 1 << 40),
-                  "start": integer(0, 1 << 40), "timeout_s": number(0.001, 86400),
-                  "source_dp_rank": integer(0, MAX_DP - 1), "groups": group_tables}),
-    "send": Schema(
-        required={"rank_id": NAME, "request_id": REQUEST_ID, "pages": int_list(),
-                  "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean},
-        optional={"aux": blob(), "groups": group_tables}),
-    "poll": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID}, optional={}),
-    "abort": Schema(required={"rank_id": NAME, "request_id": REQUEST_ID},
-                    optional={"reason": text(512)}),
-    "status": Schema(required={}, optional={}),
-    "ping": Schema(required={}, optional={}),
-}
-
 MAX_DST_PAGES = 1 << 20  # destination pages a peer expect may carry (transport nixl)
 MAX_NIXL_MD = 1 << 22  # one rank's partial NIXL agent metadata
 
@@ -292,58 +279,26 @@ NIXL_OFFER: dict[str, Checker] = {
     "nixl_landing": landing_ring,
 }
 
+#: what a decode daemon adds to a peer expect: the destination's page table and cache groups for
+#: one-sided writes, and a rank's NIXL metadata and regions when the handshake did not name it yet
+EXPECT_TARGETS: dict[str, Checker] = {
+    "dst_pages": int_list(MAX_DST_PAGES),
+    "dst_groups": group_tables,
+    "nixl_md": NIXL_OFFER["nixl_md"],
+    "nixl_regions": NIXL_OFFER["nixl_regions"],
+}
+
+#: what a source daemon adds to its handshake_ok: the transport it chose for the pair, why it is
+#: not the first preferred, and what NIXL needs of it (its agent and connection info)
+TRANSPORT_CHOICE: dict[str, Checker] = {
+    "transport": text(32),
+    "transport_reason": text(512),
+    "nixl_agent": NIXL_OFFER["nixl_agent"],
+    "nixl_md": NIXL_OFFER["nixl_md"],
+}
+
 #: what a daemon may say it reads from one multipart peer message (pong, handshake_ok)
 BATCH_PARTS = integer(1, 1 << 16)
-
-PEER_SCHEMAS: dict[str, Schema] = {
-    "handshake": Schema(
-        required={"v": integer(0, 1 << 16), "daemon": ADDRESS, "data_address": ADDRESS,
-                  "prefill_instance": NAME, "decode_instance": NAME, "decode_spec": mapping,
-                  "mode": text(16, ("auto", "direct", "staged")),
-                  "transports": list_of(text(32), 16)},
-        optional={"decode_tensors": boolean, "data_token": blob(64), "incarnation": INCARNATION, **NIXL_OFFER}),
-    "expect": Schema(
-        required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
-                  "dst": pair, "num_tokens": integer(0, 1 << 40)},
-        optional={"start": integer(0, 1 << 40),
-                  "writers": list_of(pair, MAX_INSTANCE_RANKS),
-                  "dst_pages": int_list(MAX_DST_PAGES), "dst_groups": group_tables, "nixl_md": NIXL_OFFER["nixl_md"],
-                  "nixl_regions": NIXL_OFFER["nixl_regions"]}),
-    "abort": Schema(required={"request_id": REQUEST_ID, "reason": text(512)},
-                    optional={"code": text(64)}),
-    # decode -> prefill: a decode rank's request ended before its expect reached the prefill daemon
-    # (the pair refused at the handshake, an abort, a timeout, a rank gone while bootstrapping); it
-    # names the instance pair, so the prefill daemon checks it against the link's handshakes
-    "ended": Schema(required={"request_id": REQUEST_ID, "prefill_instance": NAME, "decode_instance": NAME,
-                              "code": text(64), "reason": text(512)}, optional={}),
-    # decode -> prefill: the request failed here; answer "fenced" once no WRITE of it is in flight
-    "fence": Schema(required={"request_id": REQUEST_ID}, optional={}),
-    "fenced": Schema(required={"request_id": REQUEST_ID}, optional={}),
-    # a daemon holding ranks of an instance -> the instance's rendezvous (renewed every heartbeat)
-    "announce": Schema(
-        required={"daemon": ADDRESS, "incarnation": INCARNATION, "instance": NAME,
-                  "role": text(16, ("prefill", "decode")), "spec": mapping,
-                  "ranks": list_of(pair, MAX_INSTANCE_RANKS)},
-        optional={"dp_size": integer(1, MAX_DP)}),
-    # anyone -> a rendezvous: which daemon holds which rank of an instance
-    "lookup": Schema(required={"instance": NAME, "role": text(16, ("prefill", "decode"))}, optional={}),
-    "ping": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION}),
-    # batch: the peer control messages the answering daemon reads from one multipart message
-    "pong": Schema(required={"daemon": ADDRESS}, optional={"incarnation": INCARNATION, "batch": BATCH_PARTS}),
-}
-
-#: a source daemon's answers to a handshake, as the decode daemon reads them
-HANDSHAKE_ANSWERS: dict[str, Schema] = {
-    "handshake_ok": Schema(
-        required={"prefill_spec": mapping, "mode": text(16, ("auto", "direct", "staged"))},
-        optional={"incarnation": INCARNATION, "ranks": list_of(rank_at, MAX_INSTANCE_RANKS), "batch": BATCH_PARTS,
-                  # the transport the source chose for the pair, why it is not the first preferred, and
-                  # what NIXL needs of it (its agent and connection info)
-                  "transport": text(32), "transport_reason": text(512),
-                  "nixl_agent": NIXL_OFFER["nixl_agent"], "nixl_md": NIXL_OFFER["nixl_md"]}),
-    "handshake_refused": Schema(required={"error": mapping}, optional={}),
-    "handshake_retry": Schema(required={"reason": text(8192)}, optional={}),
-}
 
 PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",
                   "ranks")
@@ -365,15 +320,9 @@ DATA_HEADER = Schema(
 NIXL_FREE = Schema(required={"ring": integer(0, 2**62), "slot": integer(0, 1 << 20)}, optional={})
 
 
-def check_engine(message: Mapping[str, Any]) -> dict[str, Any]:
-    return _check(ENGINE_SCHEMAS, message, "engine")
-
-
-def check_peer(message: Mapping[str, Any]) -> dict[str, Any]:
-    return _check(PEER_SCHEMAS, message, "peer")
-
-
-def _check(schemas: Mapping[str, Schema], message: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+def check_op(schemas: Mapping[str, Schema], message: Mapping[str, Any], endpoint: str) -> dict[str, Any]:
+    """Check a decoded message against the schema of its op (an op not in ``schemas`` is refused);
+    ``seq``, which any message may carry to be matched with its answer, is checked here."""
     op = message["op"]
     schema = schemas.get(op)
     if schema is None:
