@@ -71,19 +71,22 @@ def test_a_silent_source_goes_down_fails_what_waits_on_it_then_closes_once_nothi
     [down] = [ch for ch in dn.links if ch.why == "silent"]
     assert (down.before, down.after, down.daemon, down.silent_for) == (UP, DOWN, pn.address, 7.5)
     assert not any(e.from_source(pn.address) for e in dn.life.inbox.all())  # the failed request is told and gone
+    link = dn.life.source_daemons.get(pn.address)
+    c.now = link.retry_at + dn.life.source_daemons.backoff_max_s - 0.01
+    dn.handle(events.Heartbeat(TIMEOUT))
+    assert dn.life.source_daemons.get(pn.address) is link  # down, kept (its backoff is remembered)
+    c.now += 0.02
     dn.handle(events.Heartbeat(TIMEOUT))
     assert _changes(dn)[-1] == ("idle", DOWN, None) and dn.life.source_daemons.get(pn.address) is None
 
 
-def test_a_down_source_heard_again_is_back_up_and_a_never_answering_one_goes_down_quietly():
+def test_a_down_source_heard_again_is_back_up():
     c, pn, dn, p, d = _pair()
     dn.handle(events.LinkOpened(pn.address))
-    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
     c.now += 2 * TIMEOUT
     dn.handle(events.Heartbeat(TIMEOUT))
     assert dn.life.source_daemons.get(pn.address).state == DOWN
-    assert dn.outcome("r", d) is None  # never up: its request waits for its own bootstrap timeout
-    dn.handle(events.SourceHeard(pn.address))
+    dn.handle(events.SourceHeard(pn.address))  # an answer still on its way when its socket closed
     assert _changes(dn) == [("opened", None, CONNECTING), ("silent", CONNECTING, DOWN), ("heard", DOWN, UP)]
 
 
@@ -144,3 +147,61 @@ def test_a_gone_connection_of_a_restarted_decode_daemon_fails_its_sources():
     assert pn.life.decode_daemons.get(dn.identity) is None and pn.life.decode_daemons.is_up(b"new-connection")
     pn.handle(events.DecodeGone(dn.identity, dn.address, "old", "new"))  # told twice: nothing more
     assert [ch.why for ch in pn.links].count("restarted") == 1
+
+
+def test_a_source_that_never_answers_fails_its_waiters_then_backs_off_doubling_and_fails_requests_at_once():
+    c, pn, dn, p, d = _pair()
+    c.cut_links.add(pn.address)  # nothing reaches it, nothing comes back
+    c.hold_hellos = True  # hellos sent stay in dn.hellos
+    backoff = dn.life.source_daemons
+    dn.handle(events.LinkOpened(pn.address))
+    dn.expect(d, "r1", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.now += 2 * TIMEOUT
+    dn.handle(events.Heartbeat(TIMEOUT))
+    c.run()
+    first = dn.outcome("r1", d)
+    assert first.code == "peer_unreachable" and f"source daemon {pn.address} is unreachable: 1 try" in first.reason
+    link = backoff.get(pn.address)
+    assert link.state == DOWN and c.now + 0.5 * backoff.backoff_s <= link.retry_at <= c.now + backoff.backoff_s
+    # backed off: a new request fails at once, and no hello leaves
+    hellos = len(dn.hellos)
+    dn.expect(d, "r2", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    assert dn.outcome("r2", d).code == "peer_unreachable" and "the next try in" in dn.outcome("r2", d).reason
+    assert len(dn.hellos) == hellos
+    # its backoff ran out: the next request tries it (the shell opens a socket, the hello goes)
+    c.now = link.retry_at
+    dn.expect(d, "r3", pages(4, 8), "p", num_tokens=16, source_node=pn)
+    assert _changes(dn)[-1] == ("retry", DOWN, CONNECTING) and len(dn.hellos) == hellos + 1
+    assert dn.outcome("r3", d) is None  # it waits for the try
+    c.now += 2 * TIMEOUT
+    dn.handle(events.Heartbeat(TIMEOUT))
+    c.run()
+    assert dn.outcome("r3", d).code == "peer_unreachable" and "2 tries" in dn.outcome("r3", d).reason
+    assert c.now + backoff.backoff_s <= link.retry_at <= c.now + 2 * backoff.backoff_s  # doubled
+    # tried and answered: back up, the backoff forgotten
+    c.now = link.retry_at
+    c.cut_links.discard(pn.address)
+    dn.expect(d, "r4", pages(4, 12), "p", num_tokens=16, source_node=pn)
+    dn.handle(events.SourceHeard(pn.address, pn.incarnation))
+    c.hold_hellos = False
+    c.answer_hello(dn, dn.hellos[-1])
+    c.run()
+    pn.send(p, "r4", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r4", d).state == "done" and link.state == UP and link.tries == 0
+
+
+def test_the_backoff_is_capped():
+    book = Links("prefill", backoff_s=1.0, backoff_max_s=8.0)
+    link = book.open("a:1", "a:1", 0.0)
+    waits = []
+    for _ in range(8):
+        book.move(link, "silent", 100.0)
+        waits.append(link.retry_at - 100.0)
+        book.move(link, "retry", 100.0)
+    assert all(0.5 * min(8.0, 2 ** k) <= w <= min(8.0, 2 ** k) for k, w in enumerate(waits)), waits
+    assert max(waits) <= 8.0
+    book.move(link, "heard", 101.0)
+    assert link.tries == 0

@@ -340,12 +340,19 @@ class DecodeLinks:
     def changed(self, change: effects.LinkChanged) -> None:
         """Carry out what a link's change means here: its socket, its transports state, the counts."""
         link = self.links.get(change.key)
-        if change.why == "silent" and change.before == UP:
+        if change.why == "silent":  # down: its socket goes (no reconnect attempts) until the core tries it again
             if link is not None:
-                link.outgoing.max_parts = 1  # what answers when it is back says again whether it reads batches
-            self.metrics.heartbeat_misses.inc()
-            log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", change.daemon, change.silent_for)
-            self.transports.source_down(change.daemon)  # its landing ring: no new blocks, memory quarantined
+                link.close()
+                self.links.pop(change.key, None)
+            if change.before == UP:
+                self.metrics.heartbeat_misses.inc()
+                log.warning("event=peer_unresponsive peer=%s silent_s=%.1f", change.daemon, change.silent_for)
+                self.transports.source_down(change.daemon)  # its landing ring: no new blocks, memory quarantined
+            else:
+                log.info("event=peer_unreachable peer=%s silent_s=%.1f", change.daemon, change.silent_for)
+            self.transports.source_gone(change.daemon)  # and its agent, once nothing can be in flight
+        elif change.why == "retry":
+            self.link(change.key)  # a new socket: the hello that follows and the next ping go over it
         elif change.why == "restarted":
             self.metrics.peer_restarts.labels("prefill").inc()
             log.warning("event=peer_restarted peer=%s side=prefill old=%s new=%s", change.daemon,
@@ -354,11 +361,6 @@ class DecodeLinks:
             self.transports.source_gone(change.daemon)  # and its agent, once nothing can be in flight
         elif change.why == "heard" and change.before == DOWN:
             log.info("event=peer_back peer=%s", change.daemon)
-        elif change.why == "idle":
-            if link is not None:  # nothing waits on it: without this every address an engine named keeps a socket
-                link.close()
-                self.links.pop(change.key, None)
-            self.transports.source_gone(change.daemon)
         if change.before != change.after:
             self.peers_changed()
 

@@ -18,7 +18,7 @@ from ..ops.metrics import Metrics
 from . import effects, events, states
 from .handshakes import Handshakes
 from .inbox import DestEntry, Inbox
-from .links import Links
+from .links import Link, Links
 from .outbox import SrcEntry
 from .registry import Registry
 from .routes import RouteBook
@@ -44,7 +44,8 @@ class LifecycleBase:
         self.one_sided = one_sided  # a transport name -> whether its writes land without this daemon
         #: links to peer daemons: source daemons this daemon pulls from (by address), decode
         #: daemons that pull from it (by routing id)
-        self.source_daemons = Links("prefill")
+        self.source_daemons = Links("prefill", backoff_s=peer.heartbeat_interval_s if peer is not None else 1.0,
+                                    backoff_max_s=peer.unreachable_backoff_max_s if peer is not None else 60.0)
         self.decode_daemons = Links("decode")
         #: a source daemon address -> whether its link is up (a fence can be answered); the link
         #: book's unless a caller models links itself
@@ -74,6 +75,13 @@ class LifecycleBase:
 
     def emit(self, effect: effects.Effect) -> None:
         self._effects.append(effect)
+
+    def _moved(self, book: Links, link: Link, happened: str, why: str = "", **detail: Any) -> None:
+        """Apply one happening to a link and tell the shell when its state changed (or why matters)."""
+        before = link.state
+        after = book.move(link, happened, self.now)
+        if before != after or why:
+            self.emit(effects.LinkChanged(book.side, link.key, link.daemon, before, after, why or happened, **detail))
 
     # -- hooks: the core and the other side answer these ------------------------------------------
     def _fail(self, entry: Entry, code: str, message: str, propagate: bool = True) -> None:

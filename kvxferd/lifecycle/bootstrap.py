@@ -27,6 +27,7 @@ from ..wire.messages import HandshakeOk, HandshakeRefused, HandshakeRetry
 from . import effects, events
 from .base import LifecycleBase
 from .handshakes import AGREED, ASKING, Handshake, Key
+from .links import DOWN
 from .inbox import DestEntry
 from .outbox import Route
 
@@ -40,11 +41,19 @@ class BootstrapSide(LifecycleBase):
             self._bootstrap_local(entry)
             return
         hs = self._need(entry, entry.source_address)
-        if hs.state == AGREED:
+        if hs is not None and hs.state == AGREED:
             self._proceed(entry)
 
-    def _need(self, entry: DestEntry, address: str) -> Handshake:
-        """The handshake of the entry's pair with ``address``; a hello leaves if none was asked."""
+    def _need(self, entry: DestEntry, address: str) -> Handshake | None:
+        """The handshake of the entry's pair with ``address``; a hello leaves if none was asked.
+        None: the daemon at ``address`` is backed off (:mod:`.links`), and the entry failed at once."""
+        link = self.source_daemons.get(address)
+        if link is not None and link.state == DOWN:
+            if self.now < link.retry_at:
+                self._bootstrap_failed(events.BootstrapFailed(
+                    entry, "peer_unreachable", self._unreachable_text(entry, address, link.tries, link.retry_at)))
+                return None
+            self._moved(self.source_daemons, link, "retry")  # its backoff ran out: this request tries it
         key: Key = (address, entry.source_instance, entry.rank.instance)
         hs, fresh = self.handshakes.need(key, entry.rank.geometry.spec, entry, self.now)
         if fresh:
@@ -52,6 +61,29 @@ class BootstrapSide(LifecycleBase):
         if hs.state != AGREED:
             entry.waiting_for = self._waiting_text(entry, hs)
         return hs
+
+    def _unreachable_text(self, entry: DestEntry, address: str, tries: int, retry_at: float) -> str:
+        what = f"source daemon {address}"
+        if address != entry.source_address:
+            primary = self.handshakes.get((entry.source_address, entry.source_instance, entry.rank.instance))
+            held = _ranks_at(entry.source_instance, primary.rank_map if primary else {}, address)
+            what = f"daemon {address}, holding {held} by the directory of rendezvous {entry.source_address},"
+        silent = f" for {self.peer.peer_timeout_s}s" if self.peer is not None else ""
+        return (f"{what} is unreachable: {tries} {'try' if tries == 1 else 'tries'} in a row found it silent{silent}; "
+                f"the next try in {max(0.0, retry_at - self.now):.1f}s (check that it runs and that its advertised "
+                "address, peer.advertise_host, is reachable from here)")
+
+    def _source_unreachable(self, address: str) -> None:
+        """The daemon at ``address`` never answered: destinations waiting for a handshake with it fail."""
+        link = self.source_daemons.get(address)
+        tries, retry_at = (link.tries, link.retry_at) if link is not None else (1, self.now)
+        for hs in self.handshakes.at(address):
+            for entry in list(hs.waiting):
+                if entry.failure is None:
+                    self._bootstrap_failed(events.BootstrapFailed(
+                        entry, "peer_unreachable", self._unreachable_text(entry, address, tries, retry_at)))
+            if hs.state != AGREED:  # the next try asks afresh, at once
+                self.handshakes.move(hs, "abandoned", self.now)
 
     def _waiting_text(self, entry: DestEntry, hs: Handshake) -> str:
         if hs.said:
@@ -88,8 +120,9 @@ class BootstrapSide(LifecycleBase):
                                             f"{self.address} and the rest at other daemons: a source instance partly "
                                             "on its decode daemon is not supported", field="ranks"))
             return
-        others = [self._need(entry, a) for a in addresses if a != primary.address]
-        if any(hs.state != AGREED for hs in others):
+        needed = [self._need(entry, a) for a in addresses if a != primary.address]
+        others = [hs for hs in needed if hs is not None]
+        if len(others) < len(needed) or any(hs.state != AGREED for hs in others):
             return  # the entry waits in each handshake not agreed yet; the last one to agree proceeds it
         refusal = _disagreement(prefill, primary, others)
         if refusal is not None:

@@ -134,13 +134,6 @@ class Lifecycle(DecodeSide, PrefillSide):
                            fix="poll a request this rank expected or sent")
 
     # -- links to peer daemons ----------------------------------------------------------------------
-    def _moved(self, book: Links, link: Link, happened: str, why: str = "", **detail: Any) -> None:
-        """Apply one happening to a link and tell the shell when its state changed (or why matters)."""
-        before = link.state
-        after = book.move(link, happened, self.now)
-        if before != after or why:
-            self.emit(effects.LinkChanged(book.side, link.key, link.daemon, before, after, why or happened, **detail))
-
     def _link_opened(self, ev: events.LinkOpened) -> None:
         link = self.source_daemons.get(ev.address) or Link(ev.address, ev.address)
         self._moved(self.source_daemons, link, "opened")
@@ -187,6 +180,8 @@ class Lifecycle(DecodeSide, PrefillSide):
             if happened == "silent" and was_up:
                 self._source_lost(events.SourceLost(link.daemon, "peer_dead",
                                                     f"source daemon {link.daemon} unresponsive for {silent_for:.1f}s"))
+            elif happened == "silent":  # never answered: what waits for its handshakes stops waiting
+                self._source_unreachable(link.daemon)
         # a decode daemon's link is closed as soon as it goes silent: nothing here waits on it after
         # its requests failed, and a new connection of it is a new link
         for link, _happened in self.decode_daemons.due(self.now, ev.timeout_s, lambda link: False):

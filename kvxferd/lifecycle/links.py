@@ -4,19 +4,26 @@ process (incarnation) answers on it; every change of a link's state in one table
 A decode daemon opens a link to each source daemon it pulls from (keyed by the source's
 address); a prefill daemon learns of each decode daemon when it first hears from it (keyed by
 the routing id of its connection). A link that stays silent past the peer timeout is down,
-and what waits on it fails; a down link nothing waits on any more is closed; a message that
-names another incarnation than the link knew shows a restart. Nothing here sends, pings or
-closes: :class:`Links` says what happened, and the core turns that into failures and effects.
+and what waits on it fails; a message that names another incarnation than the link knew shows
+a restart. Nothing here sends, pings or closes: :class:`Links` says what happened, and the core
+turns that into failures and effects.
+
+A down link costs nothing: its socket is closed, and it is tried again only after a backoff
+that doubles with every try that found the peer silent (with jitter, up to a cap), and only if
+a request needs it then. Until then requests that name it fail at once (``peer_unreachable``)
+instead of waiting out their bootstrap. A link nothing needed for a whole backoff cap after
+its backoff ran out is forgotten; the next request that names the peer tries it afresh.
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Any, Callable, Hashable
 
 CONNECTING = "connecting"  # opened; nothing heard from the peer yet
 UP = "up"  # heard within the peer timeout
-DOWN = "down"  # silent past the peer timeout: what waited on it failed
+DOWN = "down"  # silent past the peer timeout: what waited on it failed; tried again after a backoff
 
 #: (state, what happened) -> the next state; None: the link is forgotten. A link absent from
 #: the book is in state None.
@@ -31,7 +38,8 @@ TRANSITIONS: dict[tuple[str | None, str], str | None] = {
     (DOWN, "heard"): UP,                # back: its requests failed when it went down
     (CONNECTING, "silent"): DOWN,       # never answered within the peer timeout
     (UP, "silent"): DOWN,               # went silent: its requests fail (peer_dead)
-    (DOWN, "idle"): None,               # down, and nothing waits on it: closed
+    (DOWN, "retry"): CONNECTING,        # its backoff ran out and a request needs it: try again
+    (DOWN, "idle"): None,               # nothing needed it for a whole backoff cap after that: forgotten
     (CONNECTING, "closed"): None,       # the peer's process is gone (a restart seen on another link)
     (UP, "closed"): None,
     (DOWN, "closed"): None,
@@ -54,13 +62,19 @@ class Link:
     state: str | None = None
     last_seen: float = 0.0  # when it was opened or last heard
     incarnation: str = ""  # the peer process's, once a message named it
+    tries: int = 0  # tries in a row that found the peer silent (0 once it is heard)
+    retry_at: float = 0.0  # DOWN: when it may be tried again
 
 
 class Links:
     """Every link of one direction, by key; :meth:`move` is the only writer of a link's state."""
 
-    def __init__(self, side: str) -> None:
+    def __init__(self, side: str, backoff_s: float = 1.0, backoff_max_s: float = 60.0,
+                 rng: random.Random | None = None) -> None:
         self.side = side  # which side the peers serve: "prefill" (source daemons) or "decode"
+        self.backoff_s = backoff_s  # the first wait after a silent try; doubles with each silent try
+        self.backoff_max_s = backoff_max_s
+        self.rng = rng or random.Random()  # jitter: links that went down together are not tried together
         self.book: dict[Hashable, Link] = {}
 
     def __len__(self) -> int:
@@ -95,9 +109,20 @@ class Links:
             self.book.pop(link.key, None)
         else:
             self.book[link.key] = link
-        if happened in ("opened", "heard"):
+        if happened in ("opened", "heard", "retry"):
             link.last_seen = now
+        if happened == "heard":
+            link.tries = 0
+        elif state == DOWN:
+            link.tries += 1
+            wait = min(self.backoff_max_s, self.backoff_s * 2 ** (link.tries - 1))
+            link.retry_at = now + wait * self.rng.uniform(0.5, 1.0)
         return state
+
+    def backed_off(self, key: Hashable, now: float) -> Link | None:
+        """The link if it is down and not to be tried yet (requests that need it fail at once)."""
+        link = self.book.get(key)
+        return link if link is not None and link.state == DOWN and now < link.retry_at else None
 
     def open(self, key: Hashable, daemon: str, now: float) -> Link:
         link = self.book.get(key) or Link(key, daemon)
@@ -127,20 +152,26 @@ class Links:
                 if link.key != key and link.daemon == daemon and link.incarnation and link.incarnation != incarnation]
 
     def due(self, now: float, timeout_s: float, waited_on: Callable[[Link], bool]) -> list[tuple[Link, str]]:
-        """Links whose silence counts now: (link, what happened) for each, not applied yet.
+        """Links whose time came: (link, what happened) for each, not applied yet.
 
-        Up or connecting links silent past ``timeout_s`` are ``silent``; down ones that nothing
-        waits on any more (``waited_on``) are ``idle``: without closing them, every address an
-        engine ever named would keep a socket."""
+        Up or connecting links silent past ``timeout_s`` are ``silent``; down ones whose backoff
+        ran out are tried again (``retry``) if a request waits on them (``waited_on``), and
+        forgotten (``idle``) once nothing did for a backoff cap more. A request that comes for
+        a down link after its backoff tries it then (:meth:`backed_off` is None)."""
         out = []
         for link in self.book.values():
             if link.state in (UP, CONNECTING) and now - link.last_seen > timeout_s:
                 out.append((link, "silent"))
-            elif link.state == DOWN and not waited_on(link):
-                out.append((link, "idle"))
+            elif link.state == DOWN and now >= link.retry_at:
+                if waited_on(link):
+                    out.append((link, "retry"))
+                elif now >= link.retry_at + self.backoff_max_s:
+                    out.append((link, "idle"))
         return out
 
     def describe(self, now: float) -> list[dict[str, Any]]:
         return [{"address": link.daemon, "state": link.state, "side": self.side,
-                 "last_seen_s": round(now - link.last_seen, 3), "incarnation": link.incarnation}
+                 "last_seen_s": round(now - link.last_seen, 3), "incarnation": link.incarnation,
+                 **({"silent_tries": link.tries, "retry_in_s": round(max(0.0, link.retry_at - now), 3)}
+                    if link.state == DOWN else {})}
                 for link in self.book.values()]

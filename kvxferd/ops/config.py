@@ -105,6 +105,9 @@ class PeerSection:
     data_port: int = 5558
     heartbeat_interval_s: float = 1.0
     peer_timeout_s: float = 5.0
+    #: a source daemon found silent is tried again after heartbeat_interval_s, doubling with each
+    #: silent try up to this; meanwhile requests naming it fail at once (peer_unreachable)
+    unreachable_backoff_max_s: float = 60.0
     data_connections: int = 2
     transport: str = "tcp"  # "tcp", or "nixl": offer NIXL first, fall back to tcp
     transports: list[str] = field(default_factory=list)  # preference order; empty: from `transport`
