@@ -243,13 +243,19 @@ class DecodeLinks:
     def describe(self, now: float) -> list[dict[str, Any]]:
         """Each link, as ``status`` lists it among the daemon's peers."""
         out = []
+        asking: dict[str, list[dict[str, Any]]] = {}
+        for h in self.handshakes.describe():
+            asking.setdefault(h["source"], []).append(h)
+        agreed: dict[str, list[str]] = {}
+        for hs in self.handshakes.book.values():
+            if hs.state == AGREED:
+                agreed.setdefault(hs.address, []).append(f"{hs.key[1]}->{hs.key[2]}")
         for seen in self.book.describe(now):
             link = self.links.get(seen["address"])
             out.append({**seen, "auth_error": link.auth_error if link else "",
                         "batch": link.outgoing.max_parts if link else 1,
-                        "plans": sorted(f"{hs.key[1]}->{hs.key[2]}" for hs in self.handshakes.at(seen["address"])
-                                        if hs.state == AGREED),
-                        "handshaking": [h for h in self.handshakes.describe() if h["source"] == seen["address"]]})
+                        "plans": sorted(agreed.get(seen["address"], [])),
+                        "handshaking": asking.get(seen["address"], [])})
         return out
 
     # -- handshakes: the core decides, this carries -------------------------------------------------
