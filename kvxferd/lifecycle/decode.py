@@ -1,7 +1,8 @@
 """Decode side of the lifecycle core: destinations (one request at one decode rank).
 
 Entries live in the :class:`~kvxferd.lifecycle.inbox.Inbox`, which data threads share under its lock
-to admit and account chunks; every other change to a destination happens here.
+to admit and account chunks (an admission is a fact they record, ``DestEntry.admitted``); every
+change of a destination's state happens here, on this core's clock.
 """
 
 from __future__ import annotations
@@ -66,8 +67,16 @@ class DecodeSide(BootstrapSide):
             entry.expects_sent[address] = self.now
             self.emit(effects.ExpectUpstream(address, entry, writers))
 
+    def _admitted(self, entry: DestEntry) -> None:
+        """A data thread admitted a chunk (``entry.admitted``, under the inbox lock): the destination
+        is transferring from now, on this core's clock. Checked before anything reads its state."""
+        if entry.admitted and states.may(entry, states.DEST, "chunk_admitted"):
+            states.advance(entry, states.DEST, "chunk_admitted", self.now)
+
     def _dest_changed(self, entry: DestEntry) -> None:
-        """Tell the engine what it may know: done once complete, failed once nothing touches the pages."""
+        """A data thread admitted or finished a chunk. Tell the engine what it may know: done once
+        complete, failed once nothing touches the pages."""
+        self._admitted(entry)
         if entry.failure is not None:
             if entry.inflight == 0 and entry.state != states.FAILED and not entry.fence_until:
                 self._finalize_dest(entry, states.FAILED)
@@ -193,6 +202,7 @@ class DecodeSide(BootstrapSide):
         again and send the expect anew, once per request, while nothing of it has arrived yet."""
         self._handshakes_forgotten(ev.address)
         for entry in self.inbox.for_request(ev.request_id):
+            self._admitted(entry)
             if (entry.from_source(ev.address) and entry.failure is None and entry.rehandshakes == 0
                     and entry.state == states.WAITING and entry.bytes_received == 0):
                 entry.rehandshakes += 1
@@ -206,6 +216,7 @@ class DecodeSide(BootstrapSide):
         for entry in self.inbox.all():
             if not entry.from_source(ev.address):
                 continue
+            self._admitted(entry)
             if ev.code == "peer_dead":
                 if entry.fence_until:
                     entry.fence_waiting.discard(ev.address)
@@ -226,6 +237,7 @@ class DecodeSide(BootstrapSide):
     def _tick_dests(self) -> None:
         limits = self.phase_limits()
         for entry in self.inbox.all():
+            self._admitted(entry)
             if entry.fence_until and self.now > entry.fence_until:
                 self._fence_done(entry, f"no fenced answer from the source within {self.timeouts.fence_s}s; "
                                         "a WRITE still in flight may land in the request's pages")

@@ -45,6 +45,9 @@ class DestEntry:
     pending: dict[tuple[int, int], list[tuple[int, int]]] = field(default_factory=dict)
     last_end: dict[tuple[int, int], int] = field(default_factory=dict)
     inflight: int = 0
+    #: a data thread admitted a chunk of it (set under the inbox lock; the core moves the state
+    #: when it hears of it, on its own clock)
+    admitted: bool = False
     closed: bool = False
     aux: bytes | None = None
     bytes_received: int = 0
@@ -224,8 +227,9 @@ class Inbox:
             entry.inflight += 1
             if header["last"]:
                 entry.last_end[src] = end
-            if states.may(entry, states.DEST, "chunk_admitted"):
-                states.advance(entry, states.DEST, "chunk_admitted", time.monotonic())
+            first, entry.admitted = not entry.admitted, True
+        if first:  # the core hears of it and moves the destination to transferring
+            self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"))
 

@@ -46,7 +46,7 @@ DEST: dict[tuple[str, str], str] = {
     (BOOTSTRAPPING, "bound"): WAITING,
     # the source answered no_handshake (it restarted): handshake again, once, before any byte
     (WAITING, "rehandshake"): BOOTSTRAPPING,
-    # a data thread admitted a chunk (the inbox, under its lock)
+    # a data thread admitted a chunk (the inbox records it under its lock; the core moves the state)
     (BOOTSTRAPPING, "chunk_admitted"): TRANSFERRING,
     (WAITING, "chunk_admitted"): TRANSFERRING,
     # every writer of the plan delivered a gap-free range ending at the same token, no job in flight
