@@ -15,6 +15,8 @@ import pytest
 import zmq
 
 from kvxferd.model.geometry import InstanceSpec
+from kvxferd.model.plan_wire import plan_to_wire
+from kvxferd.model.planner import make_plan
 from kvxferd.tools.sim import Cluster, DaemonProc, Worker, in_parallel  # noqa: F401 - in_parallel named for the tests
 
 EVENT_TIMEOUT = 60
@@ -302,3 +304,10 @@ def move_batched_rounds(d0, p0, source_instance: str, source_address: str, rng: 
             assert finished(p0, r["request_id"])["state"] == "done"
         moved |= {p for r in dst for p in r["pages"]}
         assert untouched_bytes(d0, sorted(set(range(NUM_PAGES)) - moved)) == 0  # nothing written elsewhere
+
+
+def carried_plan(prefill: InstanceSpec, hello: dict[str, Any], mode: str) -> list[list[Any]]:
+    """What a fake source daemon's handshake answer carries: the pair's plan, made as a real source
+    daemon makes it (``mode`` direct or staged, the answer's)."""
+    assert mode in ("direct", "staged"), mode
+    return plan_to_wire(make_plan(prefill, InstanceSpec.from_dict(hello["decode_spec"]), mode=mode))

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from kvxferd.lifecycle.jobs import Moved
 from kvxferd.lifecycle.outbox import Chunk, Route
 from kvxferd.lifecycle.registry import Rank, Registry
 from kvxferd.model.geometry import InstanceSpec, RankGeometry, rank_id
+from kvxferd.model.plan_wire import plan_to_wire
 from kvxferd.model.segments import as_pages, unit_slots
 from kvxferd.ops.config import Config
 from kvxferd.ops.metrics import Metrics
@@ -115,6 +116,8 @@ class Cluster:
         self.sent_upstream: list[messages.Message] = []  # every message a decode node sent a source node
         #: a prefill instance -> what its source node answers a hello while set ("retry later")
         self.retry_reason: dict[str, str] = {}
+        #: while set, changes the plan rows a source node's handshake answer carries (a faulty source)
+        self.tamper_plan: Callable[[list[list[Any]]], list[list[Any]]] | None = None
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -212,7 +215,8 @@ class Cluster:
                 answer = messages.HandshakeRefused(refusal.to_wire())
             else:
                 ranks = [[tp, pp, self.node(name).address] for (tp, pp), name in sorted(holders.items())] or None
-                answer = messages.HandshakeOk(prefill_spec.to_dict(), plan.mode, source.incarnation,
+                rows = plan_to_wire(plan) if self.tamper_plan is None else self.tamper_plan(plan_to_wire(plan))
+                answer = messages.HandshakeOk(prefill_spec.to_dict(), plan.mode, rows, source.incarnation,
                                               {"transport": kind}, ranks)
         node.handle(events.HandshakeAnswered(source.address, prefill, decode, answer, token, kind))
 

@@ -13,7 +13,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Cluster
+from e2e_util import Cluster, carried_plan
 from e2e_util import run_case as e2e_run_case
 from kvxferd.tools.sim import Worker
 from kvxferd.transport.nixl import api as nixl_api
@@ -121,7 +121,8 @@ class FakePrefillDaemon:
             elif msg["op"] == "handshake":
                 self.handshake = msg
                 reply = {"op": "handshake_ok", "seq": msg["seq"], "prefill_spec": self.pspec.to_dict(),
-                         "mode": self.mode, "transport": "nixl", "nixl_agent": self.agent.name,
+                         "mode": self.mode, "plan": carried_plan(self.pspec, msg, self.mode),
+                         "transport": "nixl", "nixl_agent": self.agent.name,
                          "nixl_md": [self.agent.get_agent_metadata()]}  # so the decode side can notify us
             elif msg["op"] == "expect":
                 self.expects.append(msg)

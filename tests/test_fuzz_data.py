@@ -32,7 +32,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import cluster_run, finished, spec
+from e2e_util import carried_plan, cluster_run, finished, spec
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
 from test_fuzz_engine import canary, junk, wait_idle
@@ -218,7 +218,8 @@ class FakePrefillDaemon:
             reply = None
             if msg.get("op") == "handshake":
                 self.tokens[msg["decode_instance"]] = msg.get("data_token")
-                reply = {"op": "handshake_ok", "prefill_spec": self.spec.to_dict(), "mode": "auto"}
+                reply = {"op": "handshake_ok", "prefill_spec": self.spec.to_dict(), "mode": "direct",
+                         "plan": carried_plan(self.spec, msg, "direct")}
             elif msg.get("op") == "ping":
                 reply = {"op": "pong", "daemon": self.address}
             elif msg.get("op") == "expect":

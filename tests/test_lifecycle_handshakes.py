@@ -59,6 +59,23 @@ def test_a_refusal_fails_every_waiting_destination_naming_the_field_and_is_not_k
     assert len(dn.hellos) == 1
 
 
+def test_a_plan_that_would_leave_bytes_unwritten_is_refused_by_the_decode_side():
+    """The source daemon plans once and sends the plan; the decode side checks it and plans nothing:
+    a faulty source's plan fails the destinations ``incompatible`` before a byte moves."""
+    c, pn, dn, p, d = _pair()
+    c.tamper_plan = lambda rows: rows[:-1]
+    dn.expect(d, "a", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    told = dn.outcome("a", d)
+    assert (told.state, told.code) == ("failed", "incompatible") and "never be written" in told.reason, told
+    assert dn.metrics.refusals.labels("plan")._value.get() == 1
+    c.tamper_plan = None  # a sound answer next time: the pair agrees and the request lands
+    dn.expect(d, "b", pages(4), "p", num_tokens=16, source_node=pn)
+    pn.send(p, "b", pages(4, 8), 0, 16, True)
+    c.run()
+    assert dn.outcome("b", d).state == "done"
+
+
 def test_retry_later_pauses_then_asks_again_and_a_timeout_names_what_the_source_said():
     c, pn, dn, p, d = _pair()
     c.retry_reason["p"] = "missing ranks p/tp1/pp0"

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import (NUM_PAGES, Node, disjoint_requests, finished, module_cluster, move_batched_rounds, peer_socket,
+from e2e_util import (NUM_PAGES, carried_plan, Node, disjoint_requests, finished, module_cluster, move_batched_rounds, peer_socket,
                       sources_for, spec)
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.procstats import scrape
@@ -208,6 +208,7 @@ class FakeSource:
         extra = {"batch": self.batch} if self.batch is not None else {}
         if msg["op"] == "handshake":
             self._send({"op": "handshake_ok", "prefill_spec": spec().to_dict(), "mode": "direct",
+                        "plan": carried_plan(spec(), msg, "direct"),
                         "incarnation": "fake-source", "transport": "tcp", "seq": msg["seq"], **extra})
         elif msg["op"] == "ping":
             self._send({"op": "pong", "daemon": self.address, "incarnation": "fake-source", **extra})

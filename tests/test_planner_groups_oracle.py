@@ -28,6 +28,8 @@ from kvxferd.errors import GeometryError
 from kvxferd.model.geometry import InstanceSpec, RankGeometry
 from kvxferd.model.group_requests import group_origin, source_range
 from kvxferd.model.groups import Group
+from kvxferd.model.plan import Plan
+from kvxferd.model.plan_wire import plan_from_wire, plan_to_wire
 from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import paired_segments, request_segments, unit_slots
 from test_planner_oracle import canary, flat_index, ref_heads, ref_slots
@@ -82,6 +84,14 @@ def ref_local(logical: np.ndarray, split: int | None, tp: int, rank: int, parts:
     return np.take(logical, np.arange(a, b), axis=split + 1)
 
 
+def _carried(pspec: InstanceSpec, dspec: InstanceSpec) -> Plan:
+    """The plan as the decode daemon holds it: sent by the source, rebuilt and checked; equal to the planner's."""
+    plan = make_plan(pspec, dspec)
+    carried = plan_from_wire(plan_to_wire(plan), pspec, dspec, plan.mode)
+    assert carried == plan
+    return carried
+
+
 @st.composite
 def state_cases(draw: st.DrawFn) -> dict:
     ndim = draw(st.integers(1, 3))
@@ -114,7 +124,7 @@ def test_state_group_heterogeneous_tp_is_byte_exact(case: dict) -> None:
              "split_dim": case["split"], "dtype": case["dtype"], "split_parts": case["parts"]}
     pspec = with_group(case["ptp"], {**group, "layer_splits": case["psplits"]}, case["ppp"])
     dspec = with_group(case["dtp"], {**group, "layer_splits": case["dsplits"]}, case["dpp"])
-    gplan = make_plan(pspec, dspec).group("st").plan
+    gplan = _carried(pspec, dspec).group("st").plan
     event(f"sliced={gplan.sliced} parts={bool(case['parts'])} pp={case['ppp']}->{case['dpp']}")
     rng = np.random.default_rng(case["seed"])
     esize, split, layers = ESIZE[case["dtype"]], case["split"], case["layers"]
@@ -201,7 +211,7 @@ def test_window_group_moves_exactly_the_last_window_tokens(case: dict) -> None:
                                           layer_splits=tuple(map(tuple, splits)) if splits else None),))
     pspec = spec(case["ptp"], case["ps_p"], case["ppp"], case["psplits"])
     dspec = spec(case["dtp"], case["ps_d"], case["dpp"], case["dsplits"])
-    gplan = make_plan(pspec, dspec).group("swa").plan
+    gplan = _carried(pspec, dspec).group("swa").plan
     rng = np.random.default_rng(case["seed"])
     n, layers, ps_p, ps_d = case["tokens"], case["layers"], case["ps_p"], case["ps_d"]
     head_bytes = 4 * 2

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvxferd.errors import GeometryError, PlanRefusal
 from kvxferd.model.geometry import InstanceSpec
 from kvxferd.model.plan import Plan, Writer
+from kvxferd.model.plan_wire import plan_from_wire, plan_to_wire
 from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import Segments, request_segments
 
@@ -261,6 +262,10 @@ def run_oracle(case: Case) -> None:
         event("plan refused half-byte head slices")
         return
     event(f"mode={plan.mode} sliced={plan.sliced}")
+    # the decode daemon gets the plan over the wire and checks it: the oracle runs on what it rebuilt
+    carried = plan_from_wire(plan_to_wire(plan), pspec, dspec, plan.mode)
+    assert carried == plan
+    plan = carried
 
     rng = np.random.default_rng(case.seed)
     kinds, T = case.kinds, case.tokens

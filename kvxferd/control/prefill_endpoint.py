@@ -22,6 +22,7 @@ from ..lifecycle.core import Lifecycle
 from ..lifecycle.outbox import Route
 from ..lifecycle.registry import Registry
 from ..model.geometry import InstanceSpec
+from ..model.plan_wire import plan_to_wire
 from ..ops.config import Config
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
@@ -193,7 +194,7 @@ class PrefillEndpoint:
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
-        return messages.HandshakeOk(spec.to_dict(), plan.mode, self.me.incarnation,
+        return messages.HandshakeOk(spec.to_dict(), plan.mode, plan_to_wire(plan), self.me.incarnation,
                                     self.transports.answer(choice), ranks, self.max_parts)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:

@@ -20,6 +20,7 @@ import logging
 from ..directory.holders import spec_difference
 from ..errors import KvxferError, PlanRefusal
 from ..model.geometry import InstanceSpec, rank_id
+from ..model.plan_wire import plan_from_wire
 from ..model.planner import make_plan
 from ..ops.logutil import q
 from ..wire import protocol
@@ -190,8 +191,8 @@ class BootstrapSide(LifecycleBase):
         assert isinstance(answer, HandshakeOk)
         try:
             prefill_spec = InstanceSpec.from_dict(protocol.bounded_geometry(answer.prefill_spec, "prefill_spec"))
-            hs.plan = make_plan(prefill_spec, hs.spec, mode=answer.mode,
-                                require_same_page_size=self.require_same_page_size)
+            hs.plan = plan_from_wire(answer.plan, prefill_spec, hs.spec, answer.mode,  # the source's, checked
+                                     require_same_page_size=self.require_same_page_size)
         except KvxferError as exc:
             self.metrics.handshakes.labels("refused").inc()
             self._handshake_failed(hs, PlanRefusal(f"peer's handshake answer is unusable: {exc}",
@@ -259,7 +260,7 @@ def _ranks_at(instance: str, rank_map: dict[tuple[int, int], str], address: str)
 
 
 def _disagreement(prefill: str, primary: Handshake, others: list[Handshake]) -> PlanRefusal | None:
-    """Every daemon of a source instance computes the plan from the same two specs, and their data
+    """Every daemon of a source instance plans from the same two specs, and their data
     must reach this daemon one way: a refusal naming the first that differs, else None."""
     plan = primary.plan
     assert plan is not None
@@ -274,6 +275,10 @@ def _disagreement(prefill: str, primary: Handshake, others: list[Handshake]) -> 
         if theirs.mode != plan.mode:
             return PlanRefusal(f"daemon {hs.address} plans mode {theirs.mode!r}, the rendezvous {primary.address} "
                                f"{plan.mode!r}", field="mode", prefill=theirs.mode, decode=plan.mode)
+        if theirs != plan:  # its writers follow the plan it sent: it must be the one this daemon holds
+            return PlanRefusal(f"daemon {hs.address} holding {held} sent a plan whose writers differ from the "
+                               f"rendezvous {primary.address}'s", field="plan",
+                               fix="run the same kvxferd version on every daemon of the instance")
     kinds = {hs.address: hs.kind for hs in (primary, *others)}
     distinct = sorted(set(kinds.values()))
     if len(distinct) > 1:  # one destination, one way in: a fence and a receive path per request

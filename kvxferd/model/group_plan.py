@@ -5,7 +5,7 @@ the :func:`~kvxferd.model.pairing.pair` of the two sides' group specs; its write
 is how the lifecycle, the inbox and the data headers tell its chunks from the default
 group's. Before that, the groups themselves are compared field by field, so a refusal says
 ``groups.<name>.<field>`` with both values rather than the field of the derived spec.
-Pure, like the planner: both daemons of a pair compute the same sub-plans.
+Pure, like the planner.
 """
 
 from __future__ import annotations

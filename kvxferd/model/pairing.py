@@ -3,8 +3,8 @@
 :func:`pair` plans one pair of specs: an instance's full-attention KV, or one cache group
 moved as a spec of its own (:mod:`kvxferd.model.group_plan`); :func:`~kvxferd.model.planner.make_plan`
 adds the groups. ``pair`` is a pure function of the prefill and decode :class:`InstanceSpec`.
-Both daemons of a pair compute it independently from the handshake and must agree, so it is
-deterministic and depends on nothing but the two specs and the requested mode.
+The source daemon computes it from the handshake and sends it (:mod:`kvxferd.model.plan_wire`);
+it is deterministic and depends on nothing but the two specs and the requested mode.
 
 Rules:
 - every destination (head, layer) cell has exactly one writer;

@@ -1,8 +1,8 @@
 """What a plan says: which prefill rank (a writer) writes which heads and layers of which
 decode rank, for the instance's full-attention KV and for each cache group.
 
-A plan is made by :func:`~kvxferd.model.planner.make_plan` and is a pure value: both daemons of a
-pair compute it from the two specs and must find the same one.
+A plan is made by :func:`~kvxferd.model.planner.make_plan` and is a pure value: the source daemon
+makes it from the two specs and sends it to the decode daemon (:mod:`kvxferd.model.plan_wire`).
 """
 
 from __future__ import annotations

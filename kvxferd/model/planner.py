@@ -1,8 +1,9 @@
 """The plan of an instance pair: its full-attention KV paired (:mod:`kvxferd.model.pairing`) and each
 of its cache groups (:mod:`kvxferd.model.group_plan`), under one mode.
 
-``make_plan`` is a pure function of the prefill and decode :class:`InstanceSpec`: both daemons
-of a pair compute it from the handshake and must agree.
+``make_plan`` is a pure function of the prefill and decode :class:`InstanceSpec`. The source daemon
+computes it when a hello comes and sends it back (:mod:`kvxferd.model.plan_wire`); the decode
+daemon checks it and plans nothing.
 """
 
 from __future__ import annotations
@@ -31,4 +32,5 @@ def make_plan(prefill: InstanceSpec, decode: InstanceSpec, *, mode: str = "auto"
     resolved = plan.mode
     if mode == "auto" and any(g.plan.mode == "staged" for g in groups):
         resolved = "staged"  # one mode per pair: a group's small head slices make it staged
+    groups = tuple(replace(g, plan=replace(g.plan, mode=resolved)) for g in groups)
     return replace(plan, mode=resolved, groups=groups)

@@ -27,9 +27,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ProtocolError
-from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS, NAME,
-                       NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob, boolean, check_op,
-                       group_tables, int_list, integer, list_of, mapping, number, pair, rank_at, region, text)
+from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
+                       MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob,
+                       boolean, check_op, group_tables, int_list, integer, list_of, mapping, number, pair,
+                       plan_row, rank_at, region, text)
 
 #: cut lengths the schemas allow for free text sent to a peer
 MAX_REASON = 500
@@ -230,6 +231,8 @@ class HandshakeOk(Message):
     op: ClassVar[str] = "handshake_ok"
     prefill_spec: dict[str, Any] = wire(mapping)
     mode: str = wire(MODE)
+    #: the pair's plan, made here once, one row per writer (:mod:`kvxferd.model.plan_wire`)
+    plan: list[list[Any]] = wire(list_of(plan_row, MAX_PLAN_ROWS))
     incarnation: str | None = wire(INCARNATION, None)  # every daemon sends it; a restart shows in it
     extra: dict[str, Any] = extras(TRANSPORT_CHOICE)  # the transport chosen and what it needs
     #: the instance's ranks over several daemons, ``[[tp, pp, daemon], ...]`` (left out: all here)

@@ -257,6 +257,26 @@ def rank_at(name: str, value: Any) -> list[Any]:
     return [tp, pp, ADDRESS(name, value[2])]
 
 
+MAX_PLAN_ROWS = 1 << 16  # writers of one instance pair's plan, every group's (model.plan_wire)
+_GROUP_OR_MAIN = re.compile(r"^([a-z][a-z0-9_]{0,23})?$")
+
+
+def plan_row(name: str, value: Any) -> list[Any]:
+    """One writer of a carried plan (:mod:`kvxferd.model.plan_wire`): ``[destination, group, part, tp,
+    pp, head_start, head_end, layer_start, layer_end, src_head_offset, dst_head_offset, slice_bytes]``.
+    Only types and ranges here; whether the writers fit the ranks is the plan check's."""
+    if not isinstance(value, (list, tuple)) or len(value) != 12:
+        raise ProtocolError(f"{name} must be a 12-entry plan row", field=name,
+                            fix="send one [destination, group, part, tp, pp, heads x2, layers x2, offsets x2, "
+                                "slice_bytes] list per writer")
+    group = value[1]
+    if not isinstance(group, str) or not _GROUP_OR_MAIN.match(group):
+        raise ProtocolError(f"{name}: group must be a group name or \"\", got {group!r}"[:200], field=name,
+                            fix="send the cache group's name, or \"\" for the full-attention KV")
+    small = integer(0, 1 << 24)
+    return [small(name, value[0]), group, *(small(name, v) for v in value[2:11]), integer(1, 1 << 40)(name, value[11])]
+
+
 def landing_ring(name: str, value: Any) -> list[int]:
     """``[ring, address, slot_bytes, count, device]``: where a prefill daemon writes staged blocks over NIXL."""
     if not isinstance(value, (list, tuple)) or len(value) != 5:
