@@ -471,7 +471,8 @@ class Cluster:
     workers: list[Worker] = field(default_factory=list)
 
     def daemon(self, name: str, extra_toml: str = "", start: bool = True,
-               env: dict[str, str] | None = None) -> DaemonProc:
+               env: dict[str, str] | None = None, heartbeat_s: float = HEARTBEAT_S,
+               peer_timeout_s: float = PEER_TIMEOUT_S) -> DaemonProc:
         """A daemon of this cluster, started now unless ``start`` is False (``env``: for a start now;
         a later ``start`` takes its own)."""
         d = DaemonProc(name, self.root, str(self.root / f"{name}.sock"), free_port(), free_port(), free_port(),
@@ -480,7 +481,7 @@ class Cluster:
             f'[daemon]\ninstance_name = "{name}"\nlog_level = "info"\n'
             f'[engine]\nsocket_path = "{d.socket_path}"\nsocket_mode = "0600"\n'
             f'[peer]\nbind_host = "127.0.0.1"\ncontrol_port = {d.control_port}\ndata_port = {d.data_port}\n'
-            f'heartbeat_interval_s = {HEARTBEAT_S}\npeer_timeout_s = {PEER_TIMEOUT_S}\n'
+            f'heartbeat_interval_s = {heartbeat_s}\npeer_timeout_s = {peer_timeout_s}\n'
             f'[metrics]\nbind = "127.0.0.1:{d.metrics_port}"\n' + extra_toml)
         self.daemons[name] = d
         if start:
