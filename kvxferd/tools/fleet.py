@@ -268,7 +268,7 @@ class Report:
     links: int
     baseline: dict[str, Idle] = field(default_factory=dict)  # per role, before any peer
     live_sources: Idle | None = None  # the decode daemon with ``links`` live source daemons
-    dead_sources: Idle | None = None  # the decode daemon with ``links`` unreachable ones
+    dead_sources: Idle | None = None  # another decode daemon, with ``links`` unreachable source daemons
     live_decodes: Idle | None = None  # the prefill daemon with ``links`` live decode daemons
     storm_s: float = 0.0  # the prefill daemon: all ``links`` hellos sent at once until the last answer
     storm_answers: dict[str, int] = field(default_factory=dict)
@@ -322,7 +322,8 @@ def _dial(client: Any, rank_id: str, addresses: list[tuple[str, str]], tag: str,
 def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_s: float = 5.0,
             kinds: tuple[str, ...] = ("live_sources", "dead_sources", "live_decodes"),
             say: Callable[[str], None] = lambda _m: None) -> Report:
-    """Run the fleet against two real daemons (a decode one and a prefill one) and measure them."""
+    """Run the fleet against real daemons (a decode daemon with live sources, another with dead ones,
+    a prefill daemon with live decode daemons) and measure each."""
     from ..sdk.client import EngineClient
     report = Report(links)
     cluster = Cluster()
@@ -330,27 +331,32 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
     caches: list[Any] = []
     clients: list[Any] = []
     try:
-        if "live_sources" in kinds or "dead_sources" in kinds:
+        if "live_sources" in kinds:
             dec = cluster.daemon("fleet-decode", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
             client = EngineClient(dec.socket_path, timeout=60)
             clients.append(client)
             rid, cache = _register(client, "decode", "fleet-dst")
             caches.append(cache)
             report.baseline["decode"] = idle(dec, client, 0, idle_s, "up")
-            if "live_sources" in kinds:
-                say(f"fleet: {links} live source daemons")
-                sources = fleet.add_sources(links)
-                report.dial_s, report.ends = _dial(client, rid, [(s.instance, s.address) for s in sources],
-                                                   "live", 60 + links * 0.1)
-                _wait_until(lambda: sum(1 for p in client.status().get("peers", []) if p.get("state") == "up")
-                            >= links, 30, f"{links} source links up")
-                report.live_sources = idle(dec, client, links, idle_s, "up")
-            if "dead_sources" in kinds:
-                say(f"fleet: {links} dead source daemons")
-                dead = [(f"fleet-gone{i}", f"127.0.0.1:{free_port()}") for i in range(links)]
-                _, dead_ends = _dial(client, rid, dead, "dead", 60 + timeout_s * 4 + links * 0.1)
-                report.ends.update({f"dead:{k}": v for k, v in dead_ends.items()})
-                report.dead_sources = idle(dec, client, links, idle_s, "down")
+            say(f"fleet: {links} live source daemons")
+            sources = fleet.add_sources(links)
+            report.dial_s, report.ends = _dial(client, rid, [(s.instance, s.address) for s in sources],
+                                               "live", 60 + links * 0.1)
+            _wait_until(lambda: sum(1 for p in client.status().get("peers", []) if p.get("state") == "up")
+                        >= links, 30, f"{links} source links up")
+            report.live_sources = idle(dec, client, links, idle_s, "up")
+        if "dead_sources" in kinds:  # a daemon of its own: its figures are the dead links' alone
+            say(f"fleet: {links} dead source daemons")
+            gone = cluster.daemon("fleet-decode-dead", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
+            gclient = EngineClient(gone.socket_path, timeout=60)
+            clients.append(gclient)
+            grid, cache = _register(gclient, "decode", "fleet-dst-dead")
+            caches.append(cache)
+            report.baseline["decode_dead"] = idle(gone, gclient, 0, idle_s, "down")
+            dead = [(f"fleet-gone{i}", f"127.0.0.1:{free_port()}") for i in range(links)]
+            _, dead_ends = _dial(gclient, grid, dead, "dead", 60 + timeout_s * 4 + links * 0.1)
+            report.ends.update({f"dead:{k}": v for k, v in dead_ends.items()})
+            report.dead_sources = idle(gone, gclient, links, idle_s, "down")
         if "live_decodes" in kinds:
             pre = cluster.daemon("fleet-prefill", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
             pclient = EngineClient(pre.socket_path, timeout=60)

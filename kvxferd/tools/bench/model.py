@@ -57,6 +57,13 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("small_requests_per_s_pair", 5000.0, True, "req/s"),
     Target("small_requests_per_s_local", 10000.0, True, "req/s"),
     Target("plan_128k_ms", 5.0, False, "ms"),
+    # one daemon among many peer daemons (kvxferd.tools.fleet)
+    Target("fleet_idle_cpu_pct", 5.0, False, "% core"),
+    Target("fleet_dead_cpu_pct", 1.0, False, "% core"),
+    Target("fleet_status_p99_ms", 5.0, False, "ms"),
+    Target("fleet_fds_per_link", 1.0, False, ""),
+    Target("fleet_rss_growth_mib", 20.0, False, "MiB"),
+    Target("fleet_storm_s", 10.0, False, "s"),
 )}
 
 #: a throughput row below this payload gives no ratio to a limit: per-request costs (the
@@ -141,7 +148,7 @@ class Scenario:
 @dataclass
 class Row:
     name: str
-    group: str  # limit | kvxferd | latency | rate | peer | planner
+    group: str  # limit | kvxferd | latency | rate | peer | planner | fleet
     bytes: int | None = None
     gbps: float | None = None
     p50_ms: float | None = None

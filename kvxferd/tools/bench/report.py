@@ -145,7 +145,23 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
     for r in rows:
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
             _target(out, "plan_128k_ms", "plan_128k_ms", round(r.ms, 3))
+    for r in rows:
+        if r.group == "fleet" and not r.skipped:
+            _fleet_targets(out, r)
     return out
+
+
+def _fleet_targets(out: list[dict[str, Any]], r: Row) -> None:
+    """The fleet goals a fleet row reads: idle cost per link kind, or the storm's time."""
+    where = f"({r.extra['links']} {r.extra['kind'].replace('_', ' ')})"
+    if r.extra["kind"] == "storm":
+        _target(out, "fleet_storm_s", f"fleet_storm_s {where}", r.extra["storm_s"])
+        return
+    cpu = "fleet_dead_cpu_pct" if r.extra["kind"] == "dead_sources" else "fleet_idle_cpu_pct"
+    _target(out, cpu, f"{cpu} {where}", r.extra["cpu_pct"])
+    _target(out, "fleet_status_p99_ms", f"fleet_status_p99_ms {where}", r.p99_ms)
+    _target(out, "fleet_fds_per_link", f"fleet_fds_per_link {where}", r.extra["fds_per_link"])
+    _target(out, "fleet_rss_growth_mib", f"fleet_rss_growth_mib {where}", r.extra["rss_growth_mib"])
 
 
 def _cells(r: Row) -> tuple[str, ...]:
@@ -155,6 +171,9 @@ def _cells(r: Row) -> tuple[str, ...]:
     other = ""
     if r.requests_per_s is not None:
         other = f"{r.requests_per_s:,.0f} req/s"
+    elif r.group == "fleet" and "cpu_pct" in r.extra:
+        other = (f"{r.extra['cpu_pct']:.1f}% core, {r.extra['fds_per_link']:.2f} fd/link, "
+                 f"+{r.extra['rss_growth_mib']:.1f} MiB")
     elif r.ms is not None:
         other = f"{r.ms:.2f} ms"
     if r.moved_as and r.group == "kvxferd" and r.moved_as != r.mode:

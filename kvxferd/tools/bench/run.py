@@ -112,6 +112,37 @@ def _planner_rows(size: str) -> list[Row]:
     return rows
 
 
+def _fleet_rows(size: str) -> list[Row]:
+    """One real daemon among fake peer daemons (:mod:`kvxferd.tools.fleet`): idle cost with live
+    and dead links, and a handshake storm, at each fleet size."""
+    from ..fleet import measure
+    rows = []
+    for links in {"full": (100, 1000), "quick": (100,), "smoke": (5,)}[size]:
+        wait_quiet(10.0 if size == "full" else 0.0)
+        idle_s = {"full": 20.0, "quick": 10.0, "smoke": 0.5}[size]
+        say(f"fleet: {links} peer daemons of each kind, {idle_s:g} s idle readings")
+        with Noise() as noise:
+            rep = measure(links, idle_s, say=say)
+        if rep.errors:
+            rows.append(Row(f"fleet {links} links", "fleet", error="; ".join(rep.errors)[:500]))
+            continue
+        for kind, role in (("live_sources", "decode"), ("dead_sources", "decode_dead"),
+                           ("live_decodes", "prefill")):
+            got, base = getattr(rep, kind), rep.baseline[role]
+            rows.append(Row(f"fleet idle {links} {kind.replace('_', ' ')}", "fleet", p50_ms=got.status_p50_ms,
+                            p99_ms=got.status_p99_ms, extra={
+                                "kind": kind, "links": links, "cpu_pct": got.cpu_pct, "listed": got.peers_listed,
+                                "fds_per_link": round((got.fds - base.fds) / links, 2),
+                                "rss_growth_mib": round(got.rss_mib - base.rss_mib, 1),
+                                "baseline_cpu_pct": base.cpu_pct, "others_cpu_pct": noise.pct}))
+        rows.append(Row(f"fleet storm {links} handshakes", "fleet", ms=round(rep.storm_s * 1000, 1),
+                        extra={"kind": "storm", "links": links, "storm_s": rep.storm_s,
+                               "answers": rep.storm_answers, "others_cpu_pct": noise.pct}))
+        for r in rows[-4:]:
+            say(f"  {r.name}: {r.p50_ms or '-'} / {r.p99_ms or '-'} ms status, {r.extra}")
+    return rows
+
+
 def _kvxferd_rows(scenarios: list[Scenario], size: str, seed: int) -> list[Row]:
     """Every scenario's row, in scenario order; grouped by daemon configuration to reuse daemons."""
     results: dict[int, Row] = {}
@@ -152,6 +183,8 @@ def run_all(size: str, only: str | None = None, seed: int = 1) -> tuple[dict[str
     rows += _kvxferd_rows(scenarios, size, seed)
     if not only or re.search(only, "planner"):
         rows += _planner_rows(size)
+    if (not only and size != "smoke") or (only and re.search(only, "fleet")):
+        rows += _fleet_rows(size)
     ratios = compute(rows, headline, tp_workloads(size))
     verified = all(r.verified for r in rows if r.group in ("kvxferd", "latency", "rate") and not r.skipped)
     report = {"quick": size != "full", "size": size, "machine": machine(),
