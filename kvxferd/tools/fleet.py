@@ -26,6 +26,7 @@ import json
 import os
 import queue
 import shutil
+import socket
 import sys
 import threading
 import time
@@ -40,12 +41,20 @@ from ..model.plan_wire import plan_to_wire
 from ..model.planner import make_plan
 from ..wire import messages, protocol
 from .procstats import open_fds, rss_kb
-from .sim import Cluster, DaemonProc, free_port
+from .sim import Cluster, DaemonProc
 
 #: the one geometry every fake instance and the daemon's own rank use: small, so a request is cheap
 SPEC = InstanceSpec("mha", num_layers=2, head_dim=16, dtype="float16", page_size=16, total_kv_heads=2)
 MAX_BYTES = 1 << 20
 ABORT_REASON = "fleet simulator: this source sends no KV"
+
+
+def _unheld_port() -> int:
+    """A loopback port nobody listens on now (the kernel's pick; a fleet needs more ports than
+    :func:`~kvxferd.tools.sim.free_port`'s block holds). For dead peers and names only."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _seq(msg: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
@@ -56,13 +65,12 @@ class FakeSource:
     """A prefill daemon with one instance: answers pings, hellos (with the plan) and expects (an abort)."""
 
     def __init__(self, ctx: zmq.Context, index: int) -> None:
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
         self.instance = f"fleet-p{index}"
         self.incarnation = f"fleet-src-{os.getpid()}-{index}"
         self.sock = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.bind(f"tcp://{self.address}")
+        self.sock.bind("tcp://127.0.0.1:*")  # the kernel's pick, held from here on
+        self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
         self.handshakes = 0
         self.expects = 0
 
@@ -100,7 +108,7 @@ class FakeDecode:
     """A decode daemon with one instance: pings the daemon every heartbeat, handshakes once."""
 
     def __init__(self, ctx: zmq.Context, index: int, target: str, prefill_instance: str) -> None:
-        self.address = f"127.0.0.1:{free_port()}"  # named in its messages; nothing listens there
+        self.address = f"127.0.0.1:{_unheld_port()}"  # named in its messages; nothing listens there
         self.instance = f"fleet-d{index}"
         self.prefill_instance = prefill_instance
         self.incarnation = f"fleet-dst-{os.getpid()}-{index}"
@@ -353,7 +361,7 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
             grid, cache = _register(gclient, "decode", "fleet-dst-dead")
             caches.append(cache)
             report.baseline["decode_dead"] = idle(gone, gclient, 0, idle_s, "down")
-            dead = [(f"fleet-gone{i}", f"127.0.0.1:{free_port()}") for i in range(links)]
+            dead = [(f"fleet-gone{i}", f"127.0.0.1:{_unheld_port()}") for i in range(links)]
             _, dead_ends = _dial(gclient, grid, dead, "dead", 60 + timeout_s * 4 + links * 0.1)
             report.ends.update({f"dead:{k}": v for k, v in dead_ends.items()})
             report.dead_sources = idle(gone, gclient, links, idle_s, "down")

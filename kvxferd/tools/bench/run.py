@@ -122,7 +122,11 @@ def _fleet_rows(size: str) -> list[Row]:
         idle_s = {"full": 20.0, "quick": 10.0, "smoke": 0.5}[size]
         say(f"fleet: {links} peer daemons of each kind, {idle_s:g} s idle readings")
         with Noise() as noise:
-            rep = measure(links, idle_s, say=say)
+            try:
+                rep = measure(links, idle_s, say=say)
+            except Exception as exc:  # noqa: BLE001 - one size failing leaves the others' rows
+                rows.append(Row(f"fleet {links} links", "fleet", error=f"{type(exc).__name__}: {exc}"[:500]))
+                continue
         if rep.errors:
             rows.append(Row(f"fleet {links} links", "fleet", error="; ".join(rep.errors)[:500]))
             continue
