@@ -150,6 +150,7 @@ class Fleet:
 
     def __init__(self, heartbeat_s: float = 1.0) -> None:
         self.ctx = zmq.Context()
+        self.ctx.set(zmq.MAX_SOCKETS, 1 << 15)  # libzmq's default (1,023) is one fleet size's worth
         self.heartbeat_s = heartbeat_s
         self.sources: list[FakeSource] = []
         self.decodes: list[FakeDecode] = []

@@ -146,7 +146,7 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
             _target(out, "plan_128k_ms", "plan_128k_ms", round(r.ms, 3))
     for r in rows:
-        if r.group == "fleet" and not r.skipped:
+        if r.group == "fleet" and not r.skipped and not r.error:
             _fleet_targets(out, r)
     return out
 

@@ -126,6 +126,7 @@ def _fleet_rows(size: str) -> list[Row]:
                 rep = measure(links, idle_s, say=say)
             except Exception as exc:  # noqa: BLE001 - one size failing leaves the others' rows
                 rows.append(Row(f"fleet {links} links", "fleet", error=f"{type(exc).__name__}: {exc}"[:500]))
+                say(f"  fleet {links} links: {rows[-1].error}")
                 continue
         if rep.errors:
             rows.append(Row(f"fleet {links} links", "fleet", error="; ".join(rep.errors)[:500]))
