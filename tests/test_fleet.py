@@ -8,7 +8,8 @@ from kvxferd.tools import fleet
 
 
 def test_real_daemons_take_fake_peers_for_real_ones():
-    report = fleet.measure(links=6, idle_s=0.2, heartbeat_s=0.25, timeout_s=2.0)
+    # each idle reading outlasts the peer timeout: links still up after it are kept up by heartbeats
+    report = fleet.measure(links=6, idle_s=1.5, heartbeat_s=0.25, timeout_s=1.0)
     assert report.errors == []
     # the decode daemon dialled every fake source, handshook, sent its expect: each answered with an abort
     assert report.ends.get("peer_aborted") == 6

@@ -40,6 +40,7 @@ from ..model.geometry import InstanceSpec, RankGeometry
 from ..model.plan_wire import plan_to_wire
 from ..model.planner import make_plan
 from ..wire import messages, protocol
+from .bench.model import pct
 from .procstats import open_fds, rss_kb
 from .sim import Cluster, DaemonProc
 
@@ -71,15 +72,12 @@ class FakeSource:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind("tcp://127.0.0.1:*")  # the kernel's pick, held from here on
         self.address = self.sock.getsockopt_string(zmq.LAST_ENDPOINT).removeprefix("tcp://")
-        self.handshakes = 0
-        self.expects = 0
 
     def on_message(self, msg: dict[str, Any]) -> dict[str, Any] | None:
         op = msg.get("op")
         if op == "ping":
             return _seq(msg, messages.Pong(self.address, self.incarnation).to_wire())
         if op == "handshake":
-            self.handshakes += 1
             hello = messages.parse_peer(msg)
             assert isinstance(hello, messages.Handshake)
             decode = InstanceSpec.from_dict(hello.decode_spec)
@@ -87,7 +85,6 @@ class FakeSource:
             return _seq(msg, messages.HandshakeOk(SPEC.to_dict(), plan.mode, plan_to_wire(plan), self.incarnation,
                                                   {"transport": "tcp"}).to_wire())
         if op == "expect":
-            self.expects += 1
             return messages.PeerAbort(str(msg.get("request_id")), ABORT_REASON, "peer_aborted").to_wire()
         return None
 
@@ -246,11 +243,6 @@ class Idle:
     peers_listed: int  # links ``status`` lists in the state asked for
 
 
-def _pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, int(round(q * len(s) + 0.5)) - 1))]
-
-
 def idle(daemon: DaemonProc, client: Any, links: int, seconds: float, state: str, status_calls: int = 50) -> Idle:
     """The daemon's CPU over ``seconds`` with nobody calling it, then ``status_calls`` status calls."""
     from .bench.machine import proc_cpu
@@ -266,7 +258,7 @@ def idle(daemon: DaemonProc, client: Any, links: int, seconds: float, state: str
         took.append((time.perf_counter() - t) * 1000)
         listed = sum(1 for p in status.get("peers", []) if p.get("state") == state)
         time.sleep(0.02)
-    return Idle(links, round(cpu, 2), round(_pct(took, 0.5), 2), round(_pct(took, 0.99), 2), open_fds(pid),
+    return Idle(links, round(cpu, 2), round(pct(took, 0.5), 2), round(pct(took, 0.99), 2), open_fds(pid),
                 round(rss_kb(pid) / 1024, 1), listed)
 
 
@@ -275,7 +267,7 @@ class Report:
     """One fleet run: the daemon at rest, then with ``links`` peers of each kind."""
 
     links: int
-    baseline: dict[str, Idle] = field(default_factory=dict)  # per role, before any peer
+    baseline: dict[str, Idle] = field(default_factory=dict)  # per daemon (decode, decode-dead, prefill), before any peer
     live_sources: Idle | None = None  # the decode daemon with ``links`` live source daemons
     dead_sources: Idle | None = None  # another decode daemon, with ``links`` unreachable source daemons
     live_decodes: Idle | None = None  # the prefill daemon with ``links`` live decode daemons
@@ -340,13 +332,18 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
     caches: list[Any] = []
     clients: list[Any] = []
     try:
-        if "live_sources" in kinds:
-            dec = cluster.daemon("fleet-decode", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
-            client = EngineClient(dec.socket_path, timeout=60)
-            clients.append(client)
-            rid, cache = _register(client, "decode", "fleet-dst")
+        def daemon_with_rank(name: str, role: str, instance: str, state: str) -> tuple[DaemonProc, Any, str]:
+            """A daemon with one rank of this process registered, and its idle figures before any peer."""
+            d = cluster.daemon(name, heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
+            c = EngineClient(d.socket_path, timeout=60)
+            clients.append(c)
+            rank_id, cache = _register(c, role, instance)
             caches.append(cache)
-            report.baseline["decode"] = idle(dec, client, 0, idle_s, "up")
+            report.baseline[name.removeprefix("fleet-")] = idle(d, c, 0, idle_s, state)
+            return d, c, rank_id
+
+        if "live_sources" in kinds:
+            dec, client, rid = daemon_with_rank("fleet-decode", "decode", "fleet-dst", "up")
             say(f"fleet: {links} live source daemons")
             sources = fleet.add_sources(links)
             report.dial_s, report.ends = _dial(client, rid, [(s.instance, s.address) for s in sources],
@@ -356,23 +353,13 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
             report.live_sources = idle(dec, client, links, idle_s, "up")
         if "dead_sources" in kinds:  # a daemon of its own: its figures are the dead links' alone
             say(f"fleet: {links} dead source daemons")
-            gone = cluster.daemon("fleet-decode-dead", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
-            gclient = EngineClient(gone.socket_path, timeout=60)
-            clients.append(gclient)
-            grid, cache = _register(gclient, "decode", "fleet-dst-dead")
-            caches.append(cache)
-            report.baseline["decode_dead"] = idle(gone, gclient, 0, idle_s, "down")
+            gone, gclient, grid = daemon_with_rank("fleet-decode-dead", "decode", "fleet-dst-dead", "down")
             dead = [(f"fleet-gone{i}", f"127.0.0.1:{_unheld_port()}") for i in range(links)]
             _, dead_ends = _dial(gclient, grid, dead, "dead", 60 + timeout_s * 4 + links * 0.1)
             report.ends.update({f"dead:{k}": v for k, v in dead_ends.items()})
             report.dead_sources = idle(gone, gclient, links, idle_s, "down")
         if "live_decodes" in kinds:
-            pre = cluster.daemon("fleet-prefill", heartbeat_s=heartbeat_s, peer_timeout_s=timeout_s)
-            pclient = EngineClient(pre.socket_path, timeout=60)
-            clients.append(pclient)
-            _, cache = _register(pclient, "prefill", "fleet-src")
-            caches.append(cache)
-            report.baseline["prefill"] = idle(pre, pclient, 0, idle_s, "up")
+            pre, pclient, _ = daemon_with_rank("fleet-prefill", "prefill", "fleet-src", "up")
             say(f"fleet: {links} live decode daemons, their handshakes at once")
             decodes = fleet.add_decodes(links, pre.address, "fleet-src")
             _wait_until(lambda: all(d.pongs for d in decodes), 60 + links * 0.05, f"{links} decode links answered")

@@ -131,7 +131,7 @@ def _fleet_rows(size: str) -> list[Row]:
         if rep.errors:
             rows.append(Row(f"fleet {links} links", "fleet", error="; ".join(rep.errors)[:500]))
             continue
-        for kind, role in (("live_sources", "decode"), ("dead_sources", "decode_dead"),
+        for kind, role in (("live_sources", "decode"), ("dead_sources", "decode-dead"),
                            ("live_decodes", "prefill")):
             got, base = getattr(rep, kind), rep.baseline[role]
             rows.append(Row(f"fleet idle {links} {kind.replace('_', ' ')}", "fleet", p50_ms=got.status_p50_ms,
