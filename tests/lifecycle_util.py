@@ -118,6 +118,9 @@ class Cluster:
         self.retry_reason: dict[str, str] = {}
         #: while set, changes the plan rows a source node's handshake answer carries (a faulty source)
         self.tamper_plan: Callable[[list[list[Any]]], list[list[Any]]] | None = None
+        #: a prefill instance -> (code, message) a source node's peer endpoint answers every expect
+        #: with while set (busy, draining, a NIXL page table it cannot use): refused, nothing bound
+        self.refuse_expects: dict[str, tuple[str, str]] = {}
 
     def node(self, name: str) -> Node:
         return self.nodes[name]
@@ -162,6 +165,11 @@ class Cluster:
     def _expect_upstream(self, node: Node, address: str, entry: DestEntry,
                          writers: tuple[tuple[int, int], ...] | None = None) -> None:
         source = self.by_address(address)
+        if entry.source_instance in self.refuse_expects:  # the endpoint's error answer, as the shell reads it
+            code, message = self.refuse_expects[entry.source_instance]
+            self.later(node, events.UpstreamAbort(address, entry.request_id, code,
+                                                  f"source daemon {address}: {message}", started_only=True))
+            return
         plan = source.life.routes.plan(entry.source_instance, entry.rank.instance)
         route = source.life.routes.route_of(entry.source_instance, entry.rank.instance, node.identity)
         self.later(source, events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,

@@ -159,6 +159,28 @@ def test_a_decode_end_while_bootstrapping_reaches_the_prefill_side(kind, order):
     assert len(pn.events_for("r", p)) == 1 and _ends(pn, "prefill", code) == 1
 
 
+@pytest.mark.parametrize("order", ["expect_first", "send_first"])
+def test_an_expect_the_source_refused_ends_its_prefill_side_at_once(order):
+    """The source answered the expect with an error (busy here; a NIXL page table it cannot use
+    did the same): it bound nothing, so an abort would find no request there, or be dropped
+    before the prefill engine's send, and that send would wait out its bootstrap. The decode
+    side says ``ended`` instead, which the source keeps for the pair."""
+    c, pn, dn, p, d = _pair()
+    c.refuse_expects["p"] = ("busy", "source daemon holds 1 requests in flight")
+    if order == "send_first":
+        assert pn.send(p, "r", pages(4), 0, 16, True) == "bootstrapping"
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    told_d = dn.outcome("r", d)
+    assert (told_d.state, told_d.code) == ("failed", "busy") and "in flight" in told_d.reason
+    assert [m.op for m in c.sent_upstream] == ["ended"]
+    if order == "expect_first":
+        assert pn.send(p, "r", pages(4), 0, 16, True) == "failed"
+    told_p = pn.outcome("r", p)
+    assert (told_p.state, told_p.code) == ("failed", "busy") and "in flight" in told_p.reason
+    assert len(pn.events_for("r", p)) == 1
+
+
 @pytest.mark.parametrize("kind", ["abort", "rank_gone", "timeout"])
 def test_a_decode_end_after_the_expect_reached_the_source_is_an_abort(kind):
     c, pn, dn, p, d = _pair()

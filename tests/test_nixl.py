@@ -360,6 +360,48 @@ def test_negotiation_refuses_a_pair_without_a_common_transport():
     assert tcp_only.describe() == {"preference": ["nixl", "tcp"], "nixl": "simulated"}
 
 
+def test_a_rank_nixl_would_not_register_moves_its_pairs_to_tcp_saying_why():
+    """A registration NIXL refuses (UCX taking GPU memory for host memory did this) must not leave
+    the instance's pairs on NIXL, failing request after request: the pair takes the next
+    transport, with reason ``register_failed`` naming the rank, whichever side's rank it was."""
+    from types import SimpleNamespace
+
+    class Refusing:  # the agent's verb that fails; nothing else is asked of it here
+        def register_rank(self, rank):
+            raise RuntimeError("nixlBackendError: NIXL_ERR_BACKEND")
+
+        def deregister_rank(self, rank):
+            pass
+
+        def offer(self, decode_instance, source):  # an instance whose ranks all registered
+            return {"nixl_agent": "agent-d"}, {}
+
+    def support():
+        s = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
+                        max_pages=1 << 10)
+        s.transport = Refusing()
+        return s
+
+    rank = SimpleNamespace(id="d/tp1/pp0", instance="d")
+    decode = support()
+    decode.register(rank)
+    offer = decode.handshake_fields("p:1", "p", "d")
+    assert set(offer) == {"nixl_unusable"} and "d/tp1/pp0" in offer["nixl_unusable"]
+    assert "NIXL_ERR_BACKEND" in offer["nixl_unusable"]
+    assert decode.handshake_fields("p:1", "p", "other") == {"nixl_agent": "agent-d"}  # others unaffected
+    prefill = support()
+    msg = {"daemon": "d:1", "prefill_instance": "p", "transports": ["nixl", "tcp"], **offer}
+    chosen, remote, fallback = prefill.choose(msg, spec(), "auto")
+    assert (chosen, remote, fallback.code) == ("tcp", None, "register_failed")
+    assert "decode daemon" in fallback.detail and "d/tp1/pp0" in fallback.detail
+    prefill.register(SimpleNamespace(id="p/tp0/pp0", instance="p"))
+    chosen, _, fallback = prefill.choose({**msg, "nixl_unusable": None}, spec(), "auto")
+    assert (chosen, fallback.code) == ("tcp", "register_failed") and "here" in fallback.detail
+    prefill.deregister(SimpleNamespace(id="p/tp0/pp0", instance="p"))
+    decode.deregister(rank)
+    assert not prefill.unusable_for("p") and not decode.unusable_for("d")
+
+
 def test_expect_over_nixl_is_checked_before_any_write():
     support = NixlSupport("unit", ["nixl", "tcp"], inbox=None, timeout_s=1, max_header_bytes=1 << 20,
                                    max_pages=8)

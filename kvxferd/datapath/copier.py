@@ -129,8 +129,10 @@ def copy_regions(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src
             return int(src_slots.size) * len(srcs)
         segs = paired_segments(src_slots, dst_slots, writer)
     for src, dst in zip(srcs, dsts):
-        # long runs (whole pages): plain slice copies, no temporaries; short ones: index kernels
-        if len(segs) <= FEW_RUNS or segs.lengths.sum() >= LONG_RUN * len(segs):
+        # long runs (whole pages) on CPUs: plain slice copies, no temporaries; short ones, and
+        # any number on a GPU (where each slice copy is a launch): two index kernels
+        on_gpu = src.device.type == "cuda" or dst.device.type == "cuda"
+        if len(segs) <= FEW_RUNS or (not on_gpu and segs.lengths.sum() >= LONG_RUN * len(segs)):
             copy_runs(src, dst, segs.src, segs.dst, segs.lengths)
         else:
             copy_slots(src, src_slots, writer.src_row_bytes, src_head, dst, dst_slots,

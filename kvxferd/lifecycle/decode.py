@@ -172,23 +172,29 @@ class DecodeSide(BootstrapSide):
             self._tell_sources(entry, *entry.failure, also=[a for a in also or () if a != entry.source_address],
                                ended=True)
 
-    def _fail_from_source(self, entry: DestEntry, code: str, message: str, skip: str = "") -> None:
+    def _fail_from_source(self, entry: DestEntry, code: str, message: str, skip: str = "",
+                          ended: bool = False) -> None:
         """A source daemon failed the request or went. With an instance over several daemons every
         source daemon of the request hears it from here (also the one it came from: its other ranks
-        of the request learn it too; it does not answer back), except ``skip``, a link that is gone."""
+        of the request learn it too; it does not answer back), except ``skip``, a link that is gone.
+        ``ended``: the source refused the request's expect, so it holds nothing of it; every source
+        daemon, that one too, hears ``ended``, which a source keeps for a request it has not bound."""
         first = entry.failure is None
         if first and entry.state not in states.TERMINAL:
             self.metrics.peer_end("decode", code)
         self._fail(entry, code, message, propagate=False)
-        if first and entry.source_daemons:
-            self._tell_sources(entry, code, message, skip=skip)
+        if first and (entry.source_daemons or ended):
+            self._tell_sources(entry, code, message, skip=skip, ended=ended)
 
     # -- the source daemon -------------------------------------------------------------------
     def _upstream_abort(self, ev: events.UpstreamAbort) -> None:
         for entry in self.inbox.for_request(ev.request_id):
             # only requests this peer is the source of
             if entry.from_source(ev.address) and not (ev.started_only and entry.state == states.BOOTSTRAPPING):
-                self._fail_from_source(entry, ev.code, ev.message)
+                # an error answer refused an expect: the source bound nothing, and an abort of a
+                # request it does not hold yet would be dropped there, leaving its prefill side
+                # waiting for a bootstrap that cannot come; ``ended`` names the pair and is kept
+                self._fail_from_source(entry, ev.code, ev.message, ended=ev.started_only)
 
     def _upstream_fenced(self, ev: events.UpstreamFenced) -> None:
         for entry in self.inbox.for_request(ev.request_id):

@@ -22,6 +22,7 @@ NOT_OFFERED = "not_offered"  # the decode daemon did not offer it
 NO_LANDING_RING = "no_landing_ring"  # a staged plan needs a landing ring the decode daemon did not give
 NO_AGENT = "no_agent"  # the offer carried no agent metadata
 PEER_FAILED = "peer_failed"  # loading the peer's agent failed
+REGISTER_FAILED = "register_failed"  # a rank of the pair's instances could not be registered with it
 PEER_CHOSE = "peer_chose"  # decode side: the source daemon chose another (its reason, if it sent one)
 
 

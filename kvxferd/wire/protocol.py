@@ -297,6 +297,8 @@ NIXL_OFFER: dict[str, Checker] = {
     "nixl_md": list_of(blob(MAX_NIXL_MD), 4096),
     "nixl_regions": list_of(nixl_region, 1 << 20),
     "nixl_landing": landing_ring,
+    #: NIXL is offered but cannot carry this decode instance (a rank it would not register): why
+    "nixl_unusable": text(512),
 }
 
 #: what a decode daemon adds to a peer expect: the destination's page table and cache groups for

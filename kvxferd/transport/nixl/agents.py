@@ -58,30 +58,46 @@ class RemoteAgents:
              landing: list[int] | None = None) -> None:
         """Load a remote agent's metadata; ``regions`` and ``landing`` (the handshake's or expect's)
         say which addresses each blob describes, so a blob made stale by a newer one is noticed
-        (see :mod:`.remote`)."""
+        (see :mod:`.remote`).
+
+        Blobs that make an earlier one stale are not loaded beside it: they wait for the reload
+        the book now calls for. NIXL refuses a descriptor identical to a loaded one but for its
+        remote key (a GPU region re-registered at the same address: CUDA IPC handles differ), and
+        a refused load leaves the agent's connection half-loaded, failing every later load of it.
+        """
         with self._lock:
             self._forget_at.pop(agent, None)  # back before it was dropped: keep it
         with self._md_lock:  # a reload in progress must neither remove these blobs nor miss them
-            for md in metadata:
-                try:
-                    added = self.agent.add_remote_agent(md)
-                except Exception as exc:  # noqa: BLE001
-                    raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
-                                        field="nixl_md", fix="check both daemons run NIXL with a common backend")
-                name = added.decode() if isinstance(added, bytes) else str(added)
-                with self._lock:
-                    self._loaded.add(name)
-                if name != agent:
-                    raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
-                                        field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
             with self._lock:
                 book = self._books.setdefault(agent, RemoteBook())
-                stale = book.add(pair_blobs(metadata, regions or (), landing))
                 self._gates.setdefault(agent, Gate())
+            fresh = pair_blobs(metadata, regions or (), landing)
+            if book.makes_stale(fresh):
+                with self._lock:
+                    stale = book.add(fresh)
+            else:
+                for md in metadata:
+                    self._add(agent, md)
+                with self._lock:
+                    stale = book.add(fresh)
         if stale:
             log.info("event=nixl_remote_stale agent=%s blobs=%d reason=%s", q(agent), len(book.loaded),
                      q("newly described regions overlap regions of an earlier registration; the agent's "
                        "metadata is loaded anew before its next WRITE"))
+
+    def _add(self, agent: str, md: bytes) -> None:
+        """Load one blob of ``agent`` into NIXL, checking it is that agent's."""
+        try:
+            added = self.agent.add_remote_agent(md)
+        except Exception as exc:  # noqa: BLE001
+            raise TransferError(f"cannot load NIXL metadata of agent {agent!r}: {_why(exc)}",
+                                field="nixl_md", fix="check both daemons run NIXL with a common backend")
+        name = added.decode() if isinstance(added, bytes) else str(added)
+        with self._lock:
+            self._loaded.add(name)
+        if name != agent:
+            raise ProtocolError(f"NIXL metadata is of agent {name!r}, the handshake named {agent!r}",
+                                field="nixl_md", fix="send the metadata of the agent named in nixl_agent")
 
     def _enter(self, agent: str, deadline: float) -> Gate | None:
         """Share the agent's gate for a job's WRITEs (returned, to leave); first reload the agent's
@@ -111,7 +127,9 @@ class RemoteAgents:
         try:
             self.agent.remove_remote_agent(agent)
             for blob in blobs:
-                self.agent.add_remote_agent(blob)
+                self._add(agent, blob)
+        except ProtocolError:
+            raise
         except Exception as exc:  # noqa: BLE001
             raise TransferError(f"reloading the NIXL metadata of agent {agent!r} failed: {_why(exc)}",
                                 field="nixl_md", fix="check the decode daemon is up; its next handshake "

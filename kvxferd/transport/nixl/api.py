@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Iterable
@@ -48,6 +49,25 @@ def load_api() -> Any:
         return module
     _import_error = "NIXL is not importable (" + "; ".join(errors) + ")"
     raise ImportError(_import_error)
+
+
+#: UCX settings a daemon's agent needs, unless the operator's environment sets them. The memory
+#: type cache classifies an address by UCX's hooks on the allocation calls of this process; a
+#: daemon registers memory it never allocated (an engine's GPU memory opened by CUDA IPC), which
+#: the cache then takes for host memory, and NIXL refuses the VRAM registration ("VRAM memory is
+#: detected as host by UCX"). Without the cache UCX asks the CUDA driver each time.
+UCX_DEFAULTS = {"UCX_MEMTYPE_CACHE": "n"}
+
+
+def apply_ucx_defaults() -> dict[str, str]:
+    """Put :data:`UCX_DEFAULTS` into the environment where unset, before an agent starts UCX;
+    returns the ones set."""
+    applied = {}
+    for key, value in UCX_DEFAULTS.items():
+        if key not in os.environ:
+            os.environ[key] = value
+            applied[key] = value
+    return applied
 
 
 def loaded() -> bool:

@@ -72,6 +72,11 @@ class RemoteBook:
         self.due = False
         self.reloads = 0
 
+    def makes_stale(self, items: Sequence[Loaded]) -> bool:
+        """Whether loading these blobs would make a loaded one stale (what :meth:`add` would say)."""
+        fresh = [item for item in items if item not in self.loaded]
+        return any(old.blob != new.blob and old.overlaps(new) for old in self.loaded for new in fresh)
+
     def add(self, items: Sequence[Loaded]) -> bool:
         """Record blobs just loaded; True when an earlier blob overlaps one of them (a reload is due)."""
         fresh = [item for item in items if item not in self.loaded]

@@ -54,6 +54,9 @@ class NixlSupport:
         self._chosen: dict[tuple[str, str, str], str] = {}
         #: decode side: registration generation of each rank last described per (source daemon, prefill instance)
         self._sent: dict[tuple[str, str, str], int] = {}
+        #: ranks NIXL would not register, by rank id: (instance, why); their instances' pairs take
+        #: another transport, saying so, rather than failing each request
+        self.unregistered: dict[str, tuple[str, str]] = {}
 
     def get(self) -> NixlTransport | None:
         """The agent, created on first use; None where NIXL is off or unusable here."""
@@ -90,18 +93,31 @@ class NixlSupport:
             return
         try:
             transport.register_rank(rank)
-        except Exception as exc:  # noqa: BLE001 - the rank still works over tcp; NIXL chunks fail clearly
-            log.warning("event=nixl_register_failed rank=%s reason=%s", rank.id, q(_why(exc)))
+        except Exception as exc:  # noqa: BLE001 - the rank still works over tcp: its pairs fall back
+            self.unregistered[rank.id] = (rank.instance, _why(exc)[:300])
+            log.warning("event=nixl_register_failed rank=%s reason=%s fix=%s", rank.id, q(_why(exc)),
+                        q("the instance's pairs take the next transport; see the NIXL/UCX error above"))
 
     def deregister(self, rank: Rank) -> None:
+        self.unregistered.pop(rank.id, None)
         if self.transport is not None:
             self.transport.deregister_rank(rank)
+
+    def unusable_for(self, instance: str) -> str:
+        """Why NIXL cannot carry ``instance`` here (a rank it would not register), else empty."""
+        for rank_id, (owner, why) in sorted(self.unregistered.items()):
+            if owner == instance:
+                return f"rank {rank_id} could not be registered with NIXL ({why})"
+        return ""
 
     # -- decode side -----------------------------------------------------------------
     def handshake_fields(self, source: str, prefill: str, decode: str) -> dict[str, Any]:
         transport = self.get() if "nixl" in self.offered() else None
         if transport is None:
             return {}
+        unusable = self.unusable_for(decode)
+        if unusable:  # offered, with the reason it cannot be taken for this instance
+            return {"nixl_unusable": unusable[:500]}
         fields, sent = transport.offer(decode, source)
         for dest_rank, generation in sent.items():
             self._sent[(source, prefill, dest_rank)] = generation
@@ -184,6 +200,12 @@ class NixlSupport:
                 continue
             if name != "nixl":
                 return name, None, self._passed_over(name, skipped)
+            unusable = msg.get("nixl_unusable")
+            here = self.unusable_for(str(msg.get("prefill_instance", "")))
+            if unusable or here:
+                where = f"on the decode daemon: {unusable}" if unusable else f"here: {here}"
+                skipped[name] = Fallback(choices.REGISTER_FAILED, f"NIXL cannot carry this pair {where}")
+                continue
             if mode == "staged" and not msg.get("nixl_landing"):
                 skipped[name] = Fallback(choices.NO_LANDING_RING, "staged mode needs a landing ring the decode "
                                          "daemon did not offer (its limits.nixl_landing_bytes or _slots)")
