@@ -276,12 +276,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(segs) == 0:
             self._notify(peer.agent, notif)
             return Moved(job.nbytes, 0, "direct")
-        # whole rows in short runs: the same rule, with a bar set by where the bytes live. On a GPU
-        # a gather costs next to nothing and each descriptor a copy launch (one H200, shuffled
-        # 32 KiB pages: 0.40 GB/s direct, 3.3 GB/s through device slots), so GPU rows go in place
-        # only in runs of limits.nixl_in_place_bytes, as a sliced chunk's whole-row side does
-        short = self.in_place_bytes if max(src_device, dst_device) >= 0 else SMALL_RUN
-        if int(segs.lengths.sum()) < short * len(segs):
+        if int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
             route = self._route(job, peer, dst_slots)
             if route is not None:
                 return self._send_blocks(job, peer, route, dst_slots)
