@@ -259,18 +259,23 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         # token 0, or the request's state slot: one "page" of the slot's rows)
         dst_slots = (peer.dst_slots(job.dst, job.group, job.dst_pages, job.start, job.end)
                      if job.dst_pages is not None else None)
+        kinds = job.kinds
+        src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
         # cost UCX more than copying them through a slot (tcp's rule for socket views); a head slice
-        # is one run per token, so its size decides before any segment is built
-        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN):
-            route = self._route(job, peer, dst_slots)
+        # is one run per token, so its size decides before any segment is built. GPU memory is never
+        # read in place: it is an engine's, opened here by CUDA IPC, and UCX classifies it as host
+        # memory on the sending side, so a WRITE from it runs as a software copy over tcp (one H200:
+        # 0.21-0.28 GB/s, UCX_PROTO_INFO "from host memory to cuda ... software emulation"); gathered
+        # into this daemon's own device slot it goes over cuda_ipc (3.7-14.9 GB/s in the same check)
+        gpu_src = src_device >= 0
+        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN) or gpu_src:
+            route = self._route(job, peer, dst_slots, src_in_place=not gpu_src)
             if route is not None:
                 return self._send_blocks(job, peer, route, dst_slots)
         if dst_slots is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
-        kinds = job.kinds
         segs = paired_segments(job.src_slots, dst_slots, w)
-        src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
         notif = protocol.encode(job.header())
         if len(segs) == 0:
@@ -304,13 +309,15 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 self._sending -= 1
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
-    def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None) -> str | None:
+    def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None,
+               src_in_place: bool = True) -> str | None:
         """How a chunk goes in blocks (:mod:`.blocks`), or None if it can only go direct."""
         w = job.writer
         return nixl_blocks.choose(
             src_whole=w.slice_bytes == w.src_row_bytes, dst_whole=w.slice_bytes == w.dst_row_bytes,
             src_slots=job.src_slots, dst_slots=dst_slots, slice_bytes=w.slice_bytes,
-            can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes)
+            can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes,
+            src_in_place=src_in_place)
 
     def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None) -> Moved:
         """Cut the chunk's wire stream into blocks as :func:`~kvxferd.datapath.staging.pack` does and WRITE each
