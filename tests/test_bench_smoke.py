@@ -62,6 +62,20 @@ def test_top_level_shape(report: dict) -> None:
     assert isinstance(report["machine"]["cores"], int)
 
 
+def test_latency_rows_break_down_by_hop(report: dict) -> None:
+    """Each latency row carries the medians of its hops, stamped by the engine and both daemons
+    on one clock; the hops on the way to the decode engine's event follow one another causally
+    (each stamp is taken after the one before it happened), so none is negative."""
+    from kvxferd.tools.bench.hops import CRITICAL, SEGMENTS
+    rows = [r for r in report["rows"] if r["group"] == "latency" and not r.get("skipped")]
+    assert rows, "the smoke run has a latency row"
+    for row in rows:
+        hops = row["extra"]["hops_us"]
+        assert hops["requests"] >= 1, row["name"]
+        for name, _a, _b in SEGMENTS[:CRITICAL]:
+            assert _number(hops[name]) and hops[name] >= 0, (row["name"], name, hops)
+
+
 def test_rows(report: dict) -> None:
     groups = set()
     for row in report["rows"]:

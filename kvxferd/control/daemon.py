@@ -37,6 +37,7 @@ from ..lifecycle.inbox import Inbox
 from ..lifecycle.registry import Rank, Registry
 from ..ops import sdnotify
 from ..ops.config import LOCAL_MODE_NOTE, Config, transport_preference
+from ..ops.hops import TRACE
 from ..ops.httpserver import OpsServer
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
@@ -74,6 +75,7 @@ class Daemon:
         self._hurry = False
         self._stop: asyncio.Event | None = None  # created in run(), on the daemon's loop
         self.ctx = zmq.asyncio.Context()
+        TRACE.configure(cfg.daemon.hop_trace)
         self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks)
         self.inbox = Inbox(self.data.dest_changed)
         self.staging = StagingPool(cfg.limits.staging_bytes, cfg.limits.staging_slot_bytes,
@@ -142,8 +144,10 @@ class Daemon:
 
     def _apply(self, effect: effects.Effect) -> None:
         if isinstance(effect, effects.TellEngine):
+            TRACE.mark(effect.event.request_id, "told_engine")
             self.engine.deliver(effect.identity, effect.event.to_wire())
         elif isinstance(effect, effects.StartJob):
+            TRACE.mark(effect.job.request_id, "job_queued")
             self.data.start(effect, self.transports.get(effect.kind))
         elif isinstance(effect, effects.SendUpstream):
             self.decode_links.send(effect.address, effect.message)
@@ -226,6 +230,7 @@ class Daemon:
             "transports": self.transports.describe(),
             "copy_path": runcopy.copy_path(),  # native, or torch and why
             "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
+            **({"hops": TRACE.snapshot()} if TRACE.keep else {}),  # daemon.hop_trace: per-request hop times
         }
 
     # -- start, drain, stop --------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from ..lifecycle.handshakes import AGREED, Handshakes
 from ..lifecycle.inbox import DestEntry, Inbox
 from ..lifecycle.links import DOWN, UP, Links
 from ..ops.config import Config
+from ..ops.hops import TRACE
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from ..transport.hub import Transports
@@ -220,6 +221,7 @@ class DecodeLinks:
 
     def send_expect(self, address: str, entry: DestEntry, writers: tuple[tuple[int, int], ...] | None = None) -> None:
         num_tokens = entry.num_tokens if entry.num_tokens is not None else 0
+        TRACE.mark(entry.request_id, "peer_expect_out")
         self.send(address, messages.PeerExpect(
             entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
             entry.start or None, self.transports.expect_fields(address, entry),

@@ -29,6 +29,7 @@ from ..model.geometry import RankGeometry, rank_id
 from ..model.group_requests import expect_tables, send_tables
 from ..model.segments import as_pages, check_whole_pages, unit_slots
 from ..ops.config import Config
+from ..ops.hops import TRACE
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from ..wire import messages, protocol
@@ -226,6 +227,7 @@ class EngineEndpoint:
         return as_pages(pages, rank.geometry.num_pages, "pages")
 
     def expect(self, identity: bytes, msg: messages.Expect) -> dict[str, Any]:
+        TRACE.mark(msg.request_id, "expect_in")
         rank = self._owned(identity, msg.rank_id, "decode")
         self.life.check_capacity()
         pages = self._pages(rank, msg.pages)
@@ -262,6 +264,7 @@ class EngineEndpoint:
         return messages.reply(state=state)
 
     def send_chunk(self, identity: bytes, msg: messages.Send) -> dict[str, Any]:
+        TRACE.mark(msg.request_id, "send_in")
         rank = self._owned(identity, msg.rank_id, "prefill")
         start, end = msg.start, msg.end
         if end < start:

@@ -24,6 +24,7 @@ from ..lifecycle.registry import Registry
 from ..model.geometry import InstanceSpec
 from ..model.plan_wire import plan_to_wire
 from ..ops.config import Config
+from ..ops.hops import TRACE
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from ..transport.hub import Transports
@@ -198,6 +199,7 @@ class PrefillEndpoint:
                                     self.transports.answer(choice), ranks, self.max_parts)
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
+        TRACE.mark(msg.request_id, "peer_expect_in")
         route = self.life.routes.route_of(msg.prefill_instance, msg.decode_instance, identity)
         plan = self.life.routes.plan(msg.prefill_instance, msg.decode_instance)
         if route is None or plan is None:

@@ -21,6 +21,7 @@ from ..errors import RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
 from ..model.segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
+from ..ops.hops import TRACE
 from . import states
 from .registry import Rank
 
@@ -208,6 +209,7 @@ class Inbox:
         Every check runs under the lock that also guards the reservation, so two data
         threads cannot both admit overlapping ranges of one writer.
         """
+        TRACE.mark(header["request_id"], "chunk_in")
         src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
@@ -291,6 +293,7 @@ class Inbox:
 
     def finish(self, sink: Sink, ok: bool) -> None:
         entry = sink.entry
+        TRACE.mark(entry.request_id, "landed")
         src = sink.writer.key
         with self._lock:
             entry.inflight -= 1

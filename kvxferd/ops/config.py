@@ -87,6 +87,7 @@ class DaemonSection:
     log_format: str = "logfmt"  # or "json"
     data_threads: int = 2
     data_batch_chunks: int = 64
+    hop_trace: int = 0  # requests whose per-hop times status lists (0: off); kvxferd bench sets it
 
 
 @dataclass
@@ -423,6 +424,9 @@ def _check_peer(cfg: Config) -> None:
 def _check_daemon(cfg: Config) -> None:
     _positive("daemon.data_threads", cfg.daemon.data_threads)
     _positive("daemon.data_batch_chunks", cfg.daemon.data_batch_chunks)
+    if not 0 <= cfg.daemon.hop_trace <= 100_000:
+        raise ConfigError(f"daemon.hop_trace {cfg.daemon.hop_trace} is outside 0..100000", field="daemon.hop_trace",
+                          fix="use 0 (off) or the number of recent requests whose hop times status lists")
     if cfg.daemon.log_format not in ("logfmt", "json"):
         raise ConfigError(f"daemon.log_format {cfg.daemon.log_format!r} is not logfmt or json",
                           field="daemon.log_format", fix="use logfmt or json")

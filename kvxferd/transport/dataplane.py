@@ -26,6 +26,7 @@ from typing import Any, Callable, Hashable
 from ..lifecycle import effects, events
 from ..lifecycle.inbox import DestEntry
 from ..lifecycle.jobs import Moved
+from ..ops.hops import TRACE
 from ..ops.metrics import Metrics
 from .base import Transport
 
@@ -93,6 +94,11 @@ class DataPlane:
             found, self._posted = self._posted, []
             self._wake_due = False
         for event in found:
+            if TRACE.keep:
+                if isinstance(event, events.JobFinished):
+                    TRACE.mark(event.entry.request_id, "loop_job")
+                elif isinstance(event, events.DestChanged):
+                    TRACE.mark(event.entry.request_id, "loop_dest")
             try:
                 self.dispatch(event)
             except Exception:  # noqa: BLE001 - one bad event must not drop the others of the burst
@@ -158,6 +164,8 @@ class DataPlane:
         self.metrics.handoff_jobs.observe(len(taken))
         transport = taken[0].transport
         jobs = [item.effect.job for item in taken]
+        for job in jobs:
+            TRACE.mark(job.request_id, "data_start")
         try:
             if taken[0].batched:  # even alone: a small chunk's frame leaves in one write
                 outcomes: list[Moved | BaseException] = transport.send_many(jobs)  # type: ignore[attr-defined]
@@ -166,6 +174,8 @@ class DataPlane:
         except BaseException as exc:  # noqa: BLE001 - every job of the hand-off reports it
             outcomes = [exc] * len(jobs)
         seconds = time.monotonic() - started
+        for job in jobs:
+            TRACE.mark(job.request_id, "data_end")
         self._post_all([self._outcome(item, outcome, seconds) for item, outcome in zip(taken, outcomes)])
 
     @staticmethod

@@ -37,6 +37,11 @@ class SyncDriver:
         self.prefill_done: dict[str, int] = {}
         #: the "batch" client: a turn's new requests go out in one call per rank
         self.batched = lay.cfg.get("client") == "batch"
+        #: latency rows: each request's send and done on the host's monotonic clock (the daemons'
+        #: hop stamps use it too), for the per-hop breakdown
+        self.stamping = bool(lay.cfg.get("stamps"))
+        self.sent_ns: dict[str, int] = {}
+        self.stamps: dict[str, tuple[int, int]] = {}
 
     def events(self, timeout_ms: int) -> list[dict[str, Any]]:
         """Events the clients hold already, else those that arrive within ``timeout_ms``."""
@@ -84,6 +89,8 @@ class SyncDriver:
         if lay.cfg["gate"]:
             self.wait_known(req)
         t_send = time.perf_counter()
+        if self.stamping:
+            self.sent_ns[req] = time.monotonic_ns()
         for r in self.prefill:
             r.client.send(r.rid, req, pages=lay.src_pages, start=0, end=lay.n, last=True, aux=b"tok")
         return t_send
@@ -99,6 +106,8 @@ class SyncDriver:
             for req, _ in reqs:
                 self.wait_known(req)
         t_send = time.perf_counter()
+        if self.stamping:
+            self.sent_ns.update((req, time.monotonic_ns()) for req, _ in reqs)
         for r in self.prefill:
             _raise_refused(r.client.send_many(r.rid, [
                 {"request_id": req, "pages": lay.src_pages, "start": 0, "end": lay.n, "last": True, "aux": b"tok"}
@@ -151,6 +160,8 @@ class SyncDriver:
                     continue
                 last = time.perf_counter()
                 latencies.append(last - info["t"])
+                if self.stamping and ev.get("request_id") in self.sent_ns:
+                    self.stamps[ev["request_id"]] = (self.sent_ns.pop(ev["request_id"]), time.monotonic_ns())
                 if info["rotating"]:
                     free.append(info["set"])
                 done += 1
@@ -192,12 +203,15 @@ def drive_sync(lay: Layout, ranks: list[Rank], result: dict[str, Any], t_setup: 
         if result["failures"]:
             raise RuntimeError("warm-up requests failed")
         plan = lay.timed_plan()
+        driver.stamps.clear()  # the warm-up's are not the row's
         rounds, lat = [], []
         for part in split_rounds(plan, lay.cfg.get("rounds", 1)):
             seconds, part_lat = driver.run(part)
             rounds.append((len(part), seconds))
             lat += part_lat
         result.update(summary(lay, rounds, lat))
+        if driver.stamping:
+            result["engine_ns"] = {req: list(ns) for req, ns in driver.stamps.items()}
         finish(lay, ranks, result, driver.missing_prefill([req for req, _ in plan]))
     finally:
         if driver is not None:

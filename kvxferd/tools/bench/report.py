@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from . import hops
 from .model import STEADY_BYTES, STREAMS_BYTES, TARGETS, Row, Workload, size_label
 
 
@@ -204,6 +205,12 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
+def _hop_lines(rows: list[Row]) -> list[str]:
+    """Each latency row's per-hop medians (``daemon.hop_trace``), under the table."""
+    out = [f"{r.name}: {hops.render(r.extra['hops_us'])}" for r in rows if r.extra.get("hops_us")]
+    return out + [""] if out else []
+
+
 def render_text(report: dict[str, Any], rows: list[Row]) -> str:
     """The whole human-readable report: header, table, ratios, targets, the verdict on the bytes."""
     m = report["machine"]
@@ -212,6 +219,7 @@ def render_text(report: dict[str, Any], rows: list[Row]) -> str:
         f"TORCH copies (several times slower: {copy.get('reason')}), "
     lines = [f"kvxferd bench ({report.get('size') or ('quick' if report['quick'] else 'full')}) on {m['cores']} "
              f"cores, {m['cpu']}, {copies}{report['seconds']:.0f}s", "", render_table(rows), "",
+             *_hop_lines(rows),
              "ratios: " + "  ".join(f"{k}={'-' if v is None else v}" for k, v in report["ratios"].items()),
              "targets:"]
     for t in report["targets"]:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import launch
+from . import hops
 from .limits import memcpy_limit, socket_limit
 from .machine import children_cpu, machine_busy, others_pct, proc_cpu, wait_quiet
 from .model import STEADY_BYTES, GiB, MiB, Row, Scenario, Workload, say, size_label
@@ -143,7 +144,7 @@ class DaemonPool:
     def get(self, transport: str, mode: str, nbytes: int) -> tuple[Any, Any]:
         if self.key != (transport, mode) or self.held + nbytes > self.recycle_bytes:
             self.stop()
-            env = {"KVXFERD_PEER_MODE": mode, "KVXFERD_DAEMON_LOG_LEVEL": "info",
+            env = {"KVXFERD_PEER_MODE": mode, "KVXFERD_DAEMON_LOG_LEVEL": "info", "KVXFERD_DAEMON_HOP_TRACE": "1024",
                    "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10"}
             if transport == "nixl":  # the same UCX setup as the raw NIXL peer row
                 env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
@@ -261,6 +262,7 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
     adjacent = _adjacent_limit(sc)
     cfg = {"workload": asdict(wl), "window": sc.window, "requests": sc.requests, "verify": sc.verify,
            "gate": sc.gate, "seed": seed, "tag": _tag(sc), "client": sc.client, "rounds": rounds,
+           "stamps": sc.kind == "latency",
            "prefill_socket": pd.socket_path, "decode_socket": dd.socket_path,
            "source_address": None if sc.transport == "local" else pd.address}
     row = Row(sc.name, {"throughput": "kvxferd", "latency": "latency", "rate": "rate"}[sc.kind],
@@ -276,9 +278,24 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
         row.extra["waited_for_quiet_s"] = waited
     _record_moved(row, before, chunk_counts(pd.metrics_url))
     _record_result(row, res, sc, pool)
+    if res.get("engine_ns") and not row.error:
+        row.extra["hops_us"] = _hops(res["engine_ns"], pd, dd)
     say(f"  {sc.name}: {_value(row)}  bytes {'ok' if row.verified else 'FAILED'}  ({time.perf_counter() - t:.1f}s)"
         + (f"  error: {row.error[:200]}" if row.error else ""))
     return row
+
+
+def _hops(engine_ns: dict[str, list[int]], pd: Any, dd: Any) -> dict[str, Any]:
+    """The latency row's per-hop medians: the engine's stamps against both daemons' (``status``)."""
+    from ...sdk.client import EngineClient
+    stamps = []
+    for d in (pd, dd):
+        client = EngineClient(d.socket_path, timeout=30)
+        try:
+            stamps.append(client.status().get("hops", {}))
+        finally:
+            client.close()
+    return hops.breakdown({rid: (ns[0], ns[1]) for rid, ns in engine_ns.items()}, stamps[0], stamps[1])
 
 
 def _record_moved(row: Row, before: dict[str, float], after: dict[str, float]) -> None:
