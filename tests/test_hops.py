@@ -60,7 +60,7 @@ def _stamps(base: int, hops: list[str], step: int = 1000) -> dict[str, int]:
 
 def test_the_breakdown_takes_each_segments_median_over_requests_stamped_at_both_ends():
     source_hops = ["send_in", "job_queued", "data_start"]
-    decode_hops = ["chunk_in", "landed", "loop_dest", "told_engine"]
+    decode_hops = ["chunk_in", "landed", "loop_dest", "told_decode"]
     engine, source, decode = {}, {}, {}
     for i, slow in enumerate((1, 1, 3)):  # the third request is three times slower at every hop
         t0 = i * 10_000_000
@@ -68,7 +68,7 @@ def test_the_breakdown_takes_each_segments_median_over_requests_stamped_at_both_
         decode[f"r{i}"] = _stamps(t0 + 4000 * slow, decode_hops, 1000 * slow)
         engine[f"r{i}"] = (t0, t0 + 8000 * slow)
     source["r0"].update(data_end=source["r0"]["send_in"] + 5500, loop_job=source["r0"]["send_in"] + 6000,
-                        told_engine=source["r0"]["send_in"] + 7000)
+                        told_prefill=source["r0"]["send_in"] + 7000)
     out = breakdown(engine, source, decode)
     for name, _a, _b in SEGMENTS[:CRITICAL]:
         assert out[name] == 1.0, (name, out)  # 1 us: the median, not the slow request's 3 us
@@ -80,6 +80,6 @@ def test_the_breakdown_takes_each_segments_median_over_requests_stamped_at_both_
 
 def test_one_daemon_is_both_source_and_decode():
     both = {"r": _stamps(1000, ["send_in", "job_queued", "data_start", "chunk_in", "landed", "loop_dest",
-                                "told_engine"])}
+                                "told_decode"])}
     out = breakdown({"r": (0, 8000)}, both, both)
     assert [out[name] for name, _a, _b in SEGMENTS[:CRITICAL]] == [1.0] * CRITICAL

@@ -144,7 +144,9 @@ class Daemon:
 
     def _apply(self, effect: effects.Effect) -> None:
         if isinstance(effect, effects.TellEngine):
-            TRACE.mark(effect.event.request_id, "told_engine")
+            if TRACE.keep:  # one daemon may hold both sides of a request: each side's event is its hop
+                rank = self.registry.get(effect.event.rank_id)
+                TRACE.mark(effect.event.request_id, f"told_{rank.role if rank is not None else 'engine'}")
             self.engine.deliver(effect.identity, effect.event.to_wire())
         elif isinstance(effect, effects.StartJob):
             TRACE.mark(effect.job.request_id, "job_queued")

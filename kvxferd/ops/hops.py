@@ -15,8 +15,9 @@ Hops, in the order one chunk of a remote request passes them:
 - ``data_start`` / ``data_end``: a data thread took it / its transport returned (sent and
   acknowledged, or copied);
 - ``chunk_in`` / ``landed``: the receiving side admitted the chunk's header / its bytes are in;
-- ``loop_job`` / ``loop_dest``: the event loop took the data thread's report / the receiver's;
-- ``told_engine``: an event for the request left for its engine.
+- ``loop_job`` / ``loop_dest``: the event loop took the data thread's report / the receiver's
+  once bytes had landed;
+- ``told_prefill`` / ``told_decode``: an event for the request left for that side's engine.
 
 A hop is stamped once per request and daemon (the first time): a request of one chunk reads
 straight off; for more, the first chunk's hops.

@@ -97,8 +97,8 @@ class DataPlane:
             if TRACE.keep:
                 if isinstance(event, events.JobFinished):
                     TRACE.mark(event.entry.request_id, "loop_job")
-                elif isinstance(event, events.DestChanged):
-                    TRACE.mark(event.entry.request_id, "loop_dest")
+                elif isinstance(event, events.DestChanged) and event.entry.bytes_received:
+                    TRACE.mark(event.entry.request_id, "loop_dest")  # bytes landed, not a chunk admitted
             try:
                 self.dispatch(event)
             except Exception:  # noqa: BLE001 - one bad event must not drop the others of the burst

@@ -22,11 +22,11 @@ SEGMENTS: tuple[tuple[str, tuple[str, str], tuple[str, str]], ...] = (
     ("to the receiver", ("source", "data_start"), ("decode", "chunk_in")),
     ("receive", ("decode", "chunk_in"), ("decode", "landed")),
     ("to the decode loop", ("decode", "landed"), ("decode", "loop_dest")),
-    ("decode lifecycle", ("decode", "loop_dest"), ("decode", "told_engine")),
-    ("event out", ("decode", "told_engine"), ("engine", "done")),
+    ("decode lifecycle", ("decode", "loop_dest"), ("decode", "told_decode")),
+    ("event out", ("decode", "told_decode"), ("engine", "done")),
     ("acknowledged at source", ("decode", "landed"), ("source", "data_end")),
     ("to the source loop", ("source", "data_end"), ("source", "loop_job")),
-    ("source lifecycle, done", ("source", "loop_job"), ("source", "told_engine")),
+    ("source lifecycle, done", ("source", "loop_job"), ("source", "told_prefill")),
 )
 #: the first segments, end to end: the engine's own send to its done event
 CRITICAL = 8
