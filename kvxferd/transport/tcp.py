@@ -201,7 +201,7 @@ class TcpDataServer:
         regions = sink.regions()
         runs = payload_runs(sink.dst_slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if not use_staging(runs, cpu):
+        if not use_staging(runs, cpu, len(regions)):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             reader.read_into_many([region.view[off:off + n] for region in regions
                                    for off, n in zip(offsets, lengths)])
@@ -373,7 +373,7 @@ class TcpTransport:
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if job.mode != "staged" and not use_staging(runs, cpu):
+        if job.mode != "staged" and not use_staging(runs, cpu, len(regions)):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             for region in regions:
                 view = region.view

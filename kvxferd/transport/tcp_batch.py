@@ -67,7 +67,7 @@ class _Write:
         w = job.writer
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
-        if job.mode != "staged" and not use_staging(runs, all(r.is_cpu for r in regions)):
+        if job.mode != "staged" and not use_staging(runs, all(r.is_cpu for r in regions), len(regions)):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             self.views.append(head)
             self.views.extend(r.view[o:o + n] for r in regions for o, n in zip(offsets, lengths))
