@@ -130,3 +130,17 @@ def test_a_large_payload_goes_straight_into_its_views_not_through_the_buffer(con
     assert dst == payload
     # at most what one buffered read took in with the header; the rest landed in place
     assert counting.buffered <= framing.READ_BUFFER and counting.scattered >= len(payload) - framing.READ_BUFFER
+
+
+def test_only_many_short_runs_or_device_memory_go_through_a_staging_slot():
+    import numpy as np
+
+    from kvxferd.model.segments import side_runs
+    one_page = side_runs(np.arange(16), 128, 0, 128)  # 16 token rows of 128 B: one run of 2 KiB
+    scattered = side_runs(np.arange(0, 200, 2), 128, 0, 128)  # 100 runs of one 128 B row
+    long_runs = side_runs(np.arange(0, 4096), 4096, 0, 4096)  # one 16 MiB run
+    assert not framing.use_staging(one_page, cpu=True, regions=4)  # 4 views: cheaper than two copies
+    assert framing.use_staging(one_page, cpu=True, regions=framing.FEW_VIEWS + 1)
+    assert framing.use_staging(scattered, cpu=True, regions=1)
+    assert not framing.use_staging(long_runs, cpu=True, regions=1000)  # long runs: views at any count
+    assert framing.use_staging(one_page, cpu=False, regions=1)  # GPU memory has no socket view
