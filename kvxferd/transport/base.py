@@ -36,6 +36,8 @@ class Transport(Protocol):
     # optional, for transports that move several small chunks in one go:
     # ``batch_key(job)`` -> a hashable shared by jobs that may go together (None: alone), and
     # ``send_many(jobs)`` -> one ``Moved`` or exception per job, in order
+    # optional, for transports whose small jobs never block (a local copy of host memory):
+    # ``runs_inline(job)`` -> True where the data plane may run the job on the event loop
 
     def stop_receiving(self, entry: Any) -> None: ...
 

@@ -45,6 +45,12 @@ class LocalTransport:
             self.inbox.finish(sink, ok)
 
     @staticmethod
+    def runs_inline(job: ChunkJob) -> bool:
+        """A copy out of host memory never blocks: small ones may run on the loop (the data plane
+        decides how small). From a GPU, a copy waits for the device: always on a data thread."""
+        return all(r.is_cpu for r in job.regions())
+
+    @staticmethod
     def batch_key(job: ChunkJob) -> Hashable | None:
         """Small copies go several to a data thread: one hand-off and one post back for all."""
         return "local" if job.nbytes <= SMALL_CHUNK else None
