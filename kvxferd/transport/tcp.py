@@ -143,7 +143,11 @@ class TcpDataServer:
                 try:
                     timeouts.set(IDLE_TIMEOUT_S if proven else FIRST_HEADER_TIMEOUT_S)
                     header = reader.frame(self.max_header_bytes)
-                    timeouts.set(self.timeout_s)
+                    nbytes = header.get("nbytes")
+                    if not (isinstance(nbytes, int) and 0 <= nbytes <= reader.buffered):
+                        # the payload is still to come: a transfer's timeout now, not an idle one (a
+                        # small chunk read whole with its header waits on nothing: no system call)
+                        timeouts.set(self.timeout_s)
                 except (ConnectionError, OSError):
                     return  # peer closed between chunks, or timed out idle
                 except ProtocolError as exc:  # oversize length prefix or undecodable header: say so, hang up
