@@ -775,6 +775,8 @@ def start_daemons(cluster: Any, transports: Sequence[str], device: str, args: ar
         tls = args.ucx_tls or UCX_TLS["cpu" if device == "cpu" else "cuda"]
         env = {"KVXFERD_PEER_TRANSPORT": "nixl", "UCX_TLS": tls,
                "UCX_NET_DEVICES": os.environ.get("UCX_NET_DEVICES", "lo")}
+        if args.no_landing_ring:  # blocks from GPU memory then take the place route (written in place)
+            env["KVXFERD_LIMITS_NIXL_LANDING_SLOTS"] = "0"
         wanted += [("nixl-prefill", env), ("nixl-decode", env)]
     daemons = {name: cluster.daemon(name, start=False) for name, _ in wanted}
     errors: list[BaseException] = []
@@ -992,6 +994,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
                          "that imported torch once, as the test suite's do; on cuda they always start on their own)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--json", default=None, help="also write every case's figures to this file")
+    ap.add_argument("--no-landing-ring", action="store_true",
+                    help="NIXL daemons offer no landing ring: chunks gathered from GPU memory are written in place "
+                         "into the decode pages (the place route), sliced decode rows go direct")
     ap.add_argument("--corrupt-one-byte", action="store_true",
                     help="flip one destination byte of the first case before its check (the run must fail)")
     args = ap.parse_args(list(argv))
