@@ -239,7 +239,11 @@ class DecodeLinks:
 
     async def ask(self, address: str, message: messages.Message, timeout: float) -> dict[str, Any]:
         """A numbered message to the daemon at ``address`` and its answer (an announcement to a
-        rendezvous goes this way)."""
+        rendezvous goes this way). A daemon backed off after silent tries is not asked: opening a
+        link to it would start its backoff over at every heartbeat; it raises TimeoutError, as an
+        unanswered ask does, and the heartbeat after the backoff tries again."""
+        if self.book.backed_off(address, time.monotonic()) is not None:
+            raise TimeoutError(f"daemon {address} is backed off after silent tries")
         return await self.link(address).request(message, timeout)
 
     def describe(self, now: float) -> list[dict[str, Any]]:
