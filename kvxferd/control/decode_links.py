@@ -37,6 +37,7 @@ from .zmq_loop import ignore_result
 log = logging.getLogger("kvxferd.upstream")
 
 MAX_UNANSWERED = 256  # numbered messages a link remembers the sending time of
+PING_BURST = 64  # links pinged at once; more are spread over the heartbeat interval
 
 
 class PeerLink:
@@ -345,9 +346,28 @@ class DecodeLinks:
 
     # -- liveness: the core decides (:mod:`kvxferd.lifecycle.links`), this carries -----------------
     def ping_all(self) -> None:
-        """A numbered ping to every source daemon: its pong is heard, and dates a restart."""
-        for link in list(self.links.values()):
-            link.ping(messages.PeerPing(self.me.address, self.me.incarnation))
+        """A numbered ping to every source daemon: its pong is heard, and dates a restart.
+
+        Up to ``PING_BURST`` links are pinged at once; more are spread in groups over the
+        heartbeat interval (each link still once per interval, at about the same offset each
+        time). A thousand pings and their pongs in one burst held the loop for tenths of a
+        second every heartbeat, and any call that came then (``status``) waited it out.
+        """
+        links = list(self.links.values())
+        groups = [links[i:i + PING_BURST] for i in range(0, len(links), PING_BURST)]
+        if not groups:
+            return
+        self._ping(groups[0])
+        loop = asyncio.get_running_loop()
+        step = self.cfg.peer.heartbeat_interval_s / len(groups)
+        for k, group in enumerate(groups[1:], start=1):
+            loop.call_later(step * k, self._ping, group)
+
+    def _ping(self, group: list[PeerLink]) -> None:
+        ping = messages.PeerPing(self.me.address, self.me.incarnation)
+        for link in group:
+            if self.links.get(link.address) is link:  # not closed (gone silent, replaced) since
+                link.ping(ping)
 
     def changed(self, change: effects.LinkChanged) -> None:
         """Carry out what a link's change means here: its socket, its transports state, the counts."""

@@ -30,12 +30,14 @@ import socket
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import zmq
 
 from .. import PROTOCOL_VERSION
+from ..control.decode_links import PING_BURST
 from ..model.geometry import InstanceSpec, RankGeometry
 from ..model.plan_wire import plan_to_wire
 from ..model.planner import make_plan
@@ -198,6 +200,7 @@ class Fleet:
 
     def _run(self) -> None:
         next_beat = time.monotonic() + self.heartbeat_s
+        due: deque[tuple[float, list[FakeDecode]]] = deque()
         while not self._stop.is_set():
             try:
                 for sock, _ in self.poller.poll(20) if self.by_socket else ():
@@ -213,9 +216,14 @@ class Fleet:
                         done.put((False, exc))
                 if not self.by_socket:
                     time.sleep(0.02)
-                if time.monotonic() >= next_beat:
+                if time.monotonic() >= next_beat:  # pings spread over the interval, as a daemon's are
                     next_beat = time.monotonic() + self.heartbeat_s
-                    for d in self.decodes:
+                    groups = [self.decodes[i:i + PING_BURST] for i in range(0, len(self.decodes), PING_BURST)]
+                    step = self.heartbeat_s / max(1, len(groups))
+                    now = time.monotonic()
+                    due.extend((now + k * step, group) for k, group in enumerate(groups))
+                while due and due[0][0] <= time.monotonic():
+                    for d in due.popleft()[1]:
                         d.ping()
             except Exception as exc:  # noqa: BLE001 - a fake's bug: reported, the rest keep serving
                 self.errors.append(f"{type(exc).__name__}: {exc}")
