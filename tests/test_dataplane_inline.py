@@ -48,9 +48,7 @@ def _run(jobs: list[tuple[str, int]], transport) -> tuple[dict[str, str], list, 
         plane.loop = asyncio.get_running_loop()
         for rid, nbytes in jobs:
             _start(plane, transport, rid, nbytes)
-        for _ in range(500):
-            if len(finished) == len(jobs):
-                break
+        while len(finished) < len(jobs):  # the data threads' posts come back on this loop
             await asyncio.sleep(0.01)
         return threading.current_thread().name
 

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from . import hops
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -424,8 +425,9 @@ def _check_peer(cfg: Config) -> None:
 def _check_daemon(cfg: Config) -> None:
     _positive("daemon.data_threads", cfg.daemon.data_threads)
     _positive("daemon.data_batch_chunks", cfg.daemon.data_batch_chunks)
-    if not 0 <= cfg.daemon.hop_trace <= 100_000:
-        raise ConfigError(f"daemon.hop_trace {cfg.daemon.hop_trace} is outside 0..100000", field="daemon.hop_trace",
+    if not 0 <= cfg.daemon.hop_trace <= hops.MAX_KEEP:
+        raise ConfigError(f"daemon.hop_trace {cfg.daemon.hop_trace} is outside 0..{hops.MAX_KEEP}",
+                          field="daemon.hop_trace",
                           fix="use 0 (off) or the number of recent requests whose hop times status lists")
     if cfg.daemon.log_format not in ("logfmt", "json"):
         raise ConfigError(f"daemon.log_format {cfg.daemon.log_format!r} is not logfmt or json",

@@ -29,7 +29,7 @@ import threading
 import time
 from collections import OrderedDict
 
-MAX_KEEP = 100_000
+MAX_KEEP = 100_000  # the most requests daemon.hop_trace may keep
 
 
 class HopTrace:

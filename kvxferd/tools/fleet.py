@@ -32,7 +32,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import zmq
 
@@ -64,6 +64,15 @@ def _seq(msg: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
     return {**answer, "seq": msg["seq"]} if isinstance(msg.get("seq"), int) else answer
 
 
+def _drain(recv: Callable[[int], Any]) -> Iterator[Any]:
+    """What a socket holds now, message by message (``recv`` is its non-blocking receive)."""
+    while True:
+        try:
+            yield recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+
+
 class FakeSource:
     """A prefill daemon with one instance: answers pings, hellos (with the plan) and expects (an abort)."""
 
@@ -91,11 +100,7 @@ class FakeSource:
         return None
 
     def serve(self) -> None:
-        while True:
-            try:
-                frames = self.sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for frames in _drain(self.sock.recv_multipart):
             identity, parts = frames[0], frames[1:]
             for data in parts:
                 answer = self.on_message(protocol.decode(data, MAX_BYTES))
@@ -132,11 +137,7 @@ class FakeDecode:
                                       self.incarnation).to_wire())
 
     def serve(self) -> None:
-        while True:
-            try:
-                data = self.sock.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
+        for data in _drain(self.sock.recv):
             op = protocol.decode(data, MAX_BYTES).get("op")
             if op == "pong":
                 self.pongs += 1

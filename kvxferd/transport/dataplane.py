@@ -197,8 +197,9 @@ class DataPlane:
         self.metrics.handoff_jobs.observe(len(taken))
         transport = taken[0].transport
         jobs = [item.effect.job for item in taken]
-        for job in jobs:
-            TRACE.mark(job.request_id, "data_start")
+        if TRACE.keep:
+            for job in jobs:
+                TRACE.mark(job.request_id, "data_start")
         try:
             if taken[0].batched:  # even alone: a small chunk's frame leaves in one write
                 outcomes: list[Moved | BaseException] = transport.send_many(jobs)  # type: ignore[attr-defined]
@@ -207,8 +208,9 @@ class DataPlane:
         except BaseException as exc:  # noqa: BLE001 - every job of the hand-off reports it
             outcomes = [exc] * len(jobs)
         seconds = time.monotonic() - started
-        for job in jobs:
-            TRACE.mark(job.request_id, "data_end")
+        if TRACE.keep:
+            for job in jobs:
+                TRACE.mark(job.request_id, "data_end")
         self._post_all([self._outcome(item, outcome, seconds) for item, outcome in zip(taken, outcomes)])
 
     @staticmethod

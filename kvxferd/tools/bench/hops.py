@@ -38,11 +38,11 @@ def breakdown(engine: Mapping[str, tuple[int, int]], source: Mapping[str, Mappin
     many requests each median is over; ``engine`` maps request id -> (send ns, done ns)."""
     out: dict[str, Any] = {}
     counts: dict[str, int] = {}
+    per_request = [{"engine": {"send": sent, "done": done}, "source": source.get(rid, {}),
+                    "decode": decode.get(rid, {})} for rid, (sent, done) in engine.items()]
     for name, a, b in SEGMENTS:
         spans = []
-        for rid, (sent, done) in engine.items():
-            stamps = {"engine": {"send": sent, "done": done}, "source": source.get(rid, {}),
-                      "decode": decode.get(rid, {})}
+        for stamps in per_request:
             start, end = stamps[a[0]].get(a[1]), stamps[b[0]].get(b[1])
             if start is not None and end is not None:
                 spans.append((end - start) / 1e3)

@@ -288,14 +288,17 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
 def _hops(engine_ns: dict[str, list[int]], pd: Any, dd: Any) -> dict[str, Any]:
     """The latency row's per-hop medians: the engine's stamps against both daemons' (``status``)."""
     from ...sdk.client import EngineClient
-    stamps = []
-    for d in (pd, dd):
+
+    def stamps_of(d: Any) -> dict[str, Any]:
         client = EngineClient(d.socket_path, timeout=30)
         try:
-            stamps.append(client.status().get("hops", {}))
+            return client.status().get("hops", {})
         finally:
             client.close()
-    return hops.breakdown({rid: (ns[0], ns[1]) for rid, ns in engine_ns.items()}, stamps[0], stamps[1])
+
+    source = stamps_of(pd)
+    decode = source if dd is pd else stamps_of(dd)  # a local row: one daemon holds both sides
+    return hops.breakdown({rid: (ns[0], ns[1]) for rid, ns in engine_ns.items()}, source, decode)
 
 
 def _record_moved(row: Row, before: dict[str, float], after: dict[str, float]) -> None:

@@ -87,7 +87,9 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None) -> None:
         api = load_api()
-        apply_ucx_defaults()
+        applied = apply_ucx_defaults()
+        if applied:
+            log.info("event=ucx_defaults set=%s", ",".join(f"{k}={v}" for k, v in applied.items()))
         self.inbox = inbox
         self.timeout_s = timeout_s
         self.max_header_bytes = max_header_bytes
