@@ -37,3 +37,19 @@ def test_a_source_that_may_not_be_read_in_place_is_always_gathered(can_land, dst
     else:
         assert route == (LAND if can_land else PLACE)
     assert _choose(src_in_place=False, can_gather=False) is None  # no slot of its own: only direct is left
+
+
+@pytest.mark.parametrize("src_in_place", [True, False])
+@pytest.mark.parametrize("dst", ["long", "short"])
+def test_a_destination_that_may_not_be_written_in_place_lands_when_the_peer_gave_a_ring(src_in_place, dst):
+    """The decode side's GPU memory opened by CUDA IPC: written in place it moves by software, so
+    every chunk goes through the landing ring when there is one, read in place on a host source
+    with long runs, gathered otherwise; with no ring it is written in place, the only way left."""
+    dst_slots = LONG if dst == "long" else SHUFFLED
+    route = _choose(src_in_place=src_in_place, src_slots=SHUFFLED, dst_slots=dst_slots, dst_in_place=False)
+    assert route == LAND
+    assert _choose(src_in_place=src_in_place, dst_slots=dst_slots, dst_in_place=False) == (READ if src_in_place else LAND)
+    assert _choose(src_in_place=src_in_place, src_slots=SHUFFLED, dst_slots=dst_slots, dst_in_place=False,
+                   can_land=False) == PLACE
+    assert _choose(src_in_place=src_in_place, src_slots=SHUFFLED, dst_slots=dst_slots, dst_in_place=False,
+                   can_land=False, dst_whole=False) is None

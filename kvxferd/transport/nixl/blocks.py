@@ -43,7 +43,7 @@ def mean_run(slots: np.ndarray, slice_bytes: int) -> float:
 
 def choose(*, src_whole: bool, dst_whole: bool, src_slots: np.ndarray, dst_slots: np.ndarray | None,
            slice_bytes: int, can_land: bool, can_gather: bool, in_place_bytes: int,
-           src_in_place: bool = True) -> str | None:
+           src_in_place: bool = True, dst_in_place: bool = True) -> str | None:
     """The route of a sliced chunk, or None when none applies (the slices then go direct).
 
     A side is used in place only where it holds whole rows in runs of at least
@@ -55,14 +55,19 @@ def choose(*, src_whole: bool, dst_whole: bool, src_slots: np.ndarray, dst_slots
     ``src_in_place=False``: the source may not be read in place at all (GPU memory an engine
     shared by CUDA IPC, which UCX takes for host memory on the sending side), so every route
     gathers it into a slot of this daemon's own; any destination run length then beats direct.
+    ``dst_in_place=False``: the same for the destination (an engine's GPU memory on the decode
+    daemon): written in place it moved at 0.05-0.25 GB/s on one H200 where the landing ring
+    moved 10-30, so it lands whenever the peer gave a ring, and is written in place (``place``)
+    only where nothing else can carry it.
     """
     if src_in_place and can_land and src_whole and mean_run(src_slots, slice_bytes) >= in_place_bytes:
         return READ
-    if can_gather and dst_whole and dst_slots is not None and mean_run(dst_slots, slice_bytes) >= in_place_bytes:
+    if (dst_in_place and can_gather and dst_whole and dst_slots is not None
+            and mean_run(dst_slots, slice_bytes) >= in_place_bytes):
         return PLACE
     if can_land and can_gather:
         return LAND
-    if not src_in_place and can_gather and dst_whole and dst_slots is not None:
+    if not (src_in_place and dst_in_place) and can_gather and dst_whole and dst_slots is not None:
         return PLACE
     return None
 

@@ -137,6 +137,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         self._books: dict[str, RemoteBook] = {}
         self._gates: dict[str, Gate] = {}
         self._md_lock = threading.Lock()  # loading a remote agent's metadata, or reloading it
+        self._warned_no_ring = False
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._poll_loop, name="kvxferd-nixl", daemon=True)
         self._thread.start()
@@ -155,6 +156,11 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         rows = np.unique(np.array([[r.flat.data_ptr(), r.nbytes, max(device, 0)] for r in regions],
                                   dtype=np.uint64), axis=0)
         reg = self.agent.register_memory(rows, _mem(device))
+        if device >= 0 and self.landing.slots_per_ring == 0 and not self._warned_no_ring:
+            self._warned_no_ring = True
+            log.warning("event=nixl_gpu_without_landing_ring rank=%s reason=%s fix=%s", rank.id,
+                        q("sources write into this engine's GPU memory in place, which UCX moves by software "
+                          "(0.05-0.25 GB/s on one H200)"), q("set limits.nixl_landing_slots above 0"))
         with self._lock:
             self._generation += 1
             old = self._ranks.get(rank.id)
@@ -270,15 +276,17 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         # memory on the sending side, so a WRITE from it runs as a software copy over tcp (one H200:
         # 0.21-0.28 GB/s, UCX_PROTO_INFO "from host memory to cuda ... software emulation"); gathered
         # into this daemon's own device slot it goes over cuda_ipc (3.7-14.9 GB/s in the same check)
-        gpu_src = src_device >= 0
-        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN) or gpu_src:
-            route = self._route(job, peer, dst_slots, src_in_place=not gpu_src)
+        # The decode side's GPU memory is likewise an engine's opened by CUDA IPC: written in place
+        # it moved at 0.05-0.25 GB/s on the same H200, so it is written through the landing ring
+        dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
+        gpu_src, gpu_dst = src_device >= 0, dst_device >= 0
+        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN) or gpu_src or gpu_dst:
+            route = self._route(job, peer, dst_slots, src_in_place=not gpu_src, dst_in_place=not gpu_dst)
             if route is not None:
                 return self._send_blocks(job, peer, route, dst_slots)
         if dst_slots is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         segs = paired_segments(job.src_slots, dst_slots, w)
-        dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
         notif = protocol.encode(job.header())
         if len(segs) == 0:
             self._notify(peer.agent, notif)
@@ -312,14 +320,14 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
     def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None,
-               src_in_place: bool = True) -> str | None:
+               src_in_place: bool = True, dst_in_place: bool = True) -> str | None:
         """How a chunk goes in blocks (:mod:`.blocks`), or None if it can only go direct."""
         w = job.writer
         return nixl_blocks.choose(
             src_whole=w.slice_bytes == w.src_row_bytes, dst_whole=w.slice_bytes == w.dst_row_bytes,
             src_slots=job.src_slots, dst_slots=dst_slots, slice_bytes=w.slice_bytes,
             can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes,
-            src_in_place=src_in_place)
+            src_in_place=src_in_place, dst_in_place=dst_in_place)
 
     def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None) -> Moved:
         """Cut the chunk's wire stream into blocks as :func:`~kvxferd.datapath.staging.pack` does and WRITE each
