@@ -93,15 +93,20 @@ def test_gather_then_scatter_matches_reference(path: str, case: dict) -> None:
     rng = np.random.default_rng(case["seed"])
     # a staged piece always holds a token (the torch path cannot view an empty slot as words)
     n, sb, row, head = max(1, case["n"]), case["slice_bytes"], case["src_row"], case["src_head"]
-    slots = rng.permutation(n + 4)[:n].astype(np.int64)
-    region = random_bytes(rng, (n + 4) * row)
+    if case["whole"]:
+        row, head = sb, 0  # whole rows: the native copy moves each run of consecutive slots at once
+    # pages of 3 slots in random order, one of them cut short: runs of 1 to 3 consecutive slots
+    pages = -(-n // 3) + 2
+    slots = (rng.permutation(pages)[:, None] * 3 + np.arange(3)).ravel()
+    slots = np.delete(slots, rng.integers(0, slots.size))[:n].astype(np.int64)
+    region = random_bytes(rng, pages * 3 * row)
     out = torch.zeros(n * sb + 7, dtype=torch.uint8)
     copier.gather(region, slots, row, head, sb, out[:n * sb])
     flat = region.numpy()
     want = b"".join(flat[s * row + head:s * row + head + sb].tobytes() for s in slots.tolist())
     assert out.numpy()[:n * sb].tobytes() == want and not out.numpy()[n * sb:].any()
 
-    target = random_bytes(rng, (n + 4) * row)
+    target = random_bytes(rng, pages * 3 * row)
     ref = target.numpy().copy()
     data = random_bytes(rng, n * sb)
     for i, s in enumerate(slots.tolist()):

