@@ -73,3 +73,25 @@ def test_every_state_the_table_names_is_reachable_from_none():
                 reached.add(nxt)
                 frontier.append(nxt)
     assert reached == {None, ASKING, PAUSED, AGREED}
+
+
+def test_a_lost_member_is_remembered_past_the_handshake_until_the_pair_agrees_again():
+    book = Handshakes(answer_s=1.0, retry_s=0.5)
+    hs, _ = book.need(KEY, spec(), entry(), now=0.0)
+    book.move(hs, "agreed", 0.1)
+    book.member_lost(hs, "b:2", "p/tp2/pp0")
+    book.move(hs, "forgotten", 1.0)
+    assert book.get(KEY) is None and book.lost[KEY] == ("b:2", "p/tp2/pp0")
+    again, fresh = book.need(KEY, spec(), entry(), now=2.0)
+    assert fresh and book.move(again, "retry", 2.1) == PAUSED and KEY in book.lost  # still lost
+    book.move(again, "due", 3.0)
+    assert book.move(again, "agreed", 3.1) == AGREED and KEY not in book.lost  # its ranks are back
+
+
+def test_lost_members_are_bounded_oldest_first():
+    book = Handshakes(answer_s=1.0, retry_s=0.5)
+    for i in range(hs_.MAX_LOST + 3):
+        hs, _ = book.need((f"src:{i}", "p", "d"), spec(), entry(), now=0.0)
+        book.member_lost(hs, "b:2", "p/tp2/pp0")
+    assert len(book.lost) == hs_.MAX_LOST and ("src:0", "p", "d") not in book.lost
+    assert (f"src:{hs_.MAX_LOST + 2}", "p", "d") in book.lost

@@ -178,6 +178,7 @@ class BootstrapSide(LifecycleBase):
             self.handshakes.move(hs, "retry", self.now)
             for entry in hs.waiting:
                 entry.waiting_for = self._waiting_text(entry, hs)
+            self._member_still_lost(hs)
             return
         if isinstance(answer, HandshakeRefused):
             err = answer.error
@@ -207,6 +208,21 @@ class BootstrapSide(LifecycleBase):
         waiting, hs.waiting = hs.waiting, []
         for entry in waiting:
             self._proceed(entry)
+
+    def _member_still_lost(self, hs: Handshake) -> None:
+        """The rendezvous says "retry later" for a pair whose rank map named a member daemon that
+        went down and is not back: its ranks are gone, not on their way, so the destinations fail
+        now, naming the member and the rendezvous, instead of waiting out their bootstrap."""
+        lost = self.handshakes.lost.get(hs.key)
+        if lost is None or self.source_daemons.is_up(lost[0]):
+            return
+        member, held = lost
+        text = (f"ranks {held} were at daemon {member}, which went silent; their rendezvous {hs.address} lists "
+                f"no daemon for them yet (it said: {hs.said}): they must register again, at {member} once it "
+                f"is back or at another daemon naming {hs.address} as their rendezvous")
+        for entry in list(hs.waiting):
+            if entry.failure is None:
+                self._bootstrap_failed(events.BootstrapFailed(entry, "peer_dead", text))
 
     def _wants_handshake(self, entry: DestEntry) -> bool:
         """A destination waits for its handshake while it lives, and once failed while its end went to
@@ -246,6 +262,8 @@ class BootstrapSide(LifecycleBase):
             if hs.state == AGREED and hs.address != address and address in hs.rank_map.values():
                 log.info("event=rank_map_forgotten rendezvous=%s prefill=%s decode=%s lost=%s", hs.address,
                          hs.key[1], hs.key[2], address)
+                if code == "peer_dead":
+                    self.handshakes.member_lost(hs, address, _ranks_at(hs.key[1], hs.rank_map, address))
                 self.handshakes.move(hs, "forgotten", self.now)
 
     def _handshakes_forgotten(self, address: str) -> None:

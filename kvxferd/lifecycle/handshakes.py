@@ -10,6 +10,7 @@ them, numbered, and hands the answers back as events) and which destinations may
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -44,6 +45,9 @@ TRANSITIONS: dict[tuple[str | None, str], str | None] = {
 }
 
 Key = tuple[str, str, str]  # (source daemon address, prefill instance, decode instance)
+
+#: pairs remembered as having lost a member daemon (bounded: the oldest go first)
+MAX_LOST = 4096
 
 
 @dataclass
@@ -81,6 +85,10 @@ class Handshakes:
         self.answer_s = answer_s  # an unanswered hello goes again after this
         self.retry_s = retry_s  # a "retry later" is asked again after this
         self.book: dict[Key, Handshake] = {}
+        #: pairs whose rendezvous's rank map named a member daemon that went down -> (that daemon,
+        #: the ranks it held): until the pair agrees again, the rendezvous's "retry later" means
+        #: those ranks are gone, not on their way
+        self.lost: OrderedDict[Key, tuple[str, str]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self.book)
@@ -98,6 +106,8 @@ class Handshakes:
         except KeyError:
             raise HandshakeError(f"handshake {hs.key} in state {hs.state}: no transition for {happened!r}") from None
         hs.state = state
+        if state == AGREED:
+            self.lost.pop(hs.key, None)
         if state is None:
             self.book.pop(hs.key, None)
             hs.plan, hs.rank_map = None, {}
@@ -106,6 +116,13 @@ class Handshakes:
         elif state == PAUSED:
             hs.due = now + self.retry_s
         return state
+
+    def member_lost(self, hs: Handshake, member: str, ranks: str) -> None:
+        """``hs``'s rank map named ``member``, which went down: remembered past the handshake."""
+        self.lost[hs.key] = (member, ranks)
+        self.lost.move_to_end(hs.key)
+        while len(self.lost) > MAX_LOST:
+            self.lost.popitem(last=False)
 
     def need(self, key: Key, spec: InstanceSpec, entry: DestEntry, now: float) -> tuple[Handshake, bool]:
         """The handshake ``entry`` waits for; True when a hello must leave now (it was not asked)."""
