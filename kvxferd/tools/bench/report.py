@@ -132,17 +132,25 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
     for r in rows:
         if r.group == "kvxferd" and r.transport == "local" and r.mode == "direct" and r.verified:
             _target(out, "local_vs_memcpy", f"local_vs_memcpy ({r.workload})", r.vs_limit, r.extra.get("no_ratio"))
+    trips = {r.bytes: r.p50_ms for r in rows if r.group == "limit" and r.extra.get("limit") == "round_trip"}
     for r in rows:
         if r.group == "latency" and r.p50_ms is not None:
             where = f"({r.transport}, {(r.workload or '').split()[0]})"
-            _target(out, "one_page_p50_ms", f"one_page_p50_ms {where}", round(r.p50_ms, 3))
-            _target(out, "one_page_p99_ms", f"one_page_p99_ms {where}", round(r.p99_ms or 0.0, 3))
+            wire = 0.0 if r.transport == "local" else trips.get(r.bytes)
+            _target(out, "one_page_p50_over_wire_ms", f"one_page_p50_over_wire_ms {where}",
+                    None if wire is None else round(r.p50_ms - wire, 3),
+                    f"needs the raw round trip of {size_label(r.bytes or 0)} from the same run")
+            _target(out, "one_page_p99_over_p50", f"one_page_p99_over_p50 {where}",
+                    round(r.p99_ms / r.p50_ms, 2) if r.p99_ms and r.p50_ms else None, "no p99 in this row")
     for r in rows:
         if r.group == "rate" and r.requests_per_s is not None:
             pair = r.transport != "local"
+            where = f"({'tcp pair' if pair else 'one daemon'}, {r.extra.get('client', 'sync')} client)"
             _target(out, "small_requests_per_s_pair" if pair else "small_requests_per_s_local",
-                    f"small_requests_per_s ({'tcp pair' if pair else 'one daemon'}, {r.extra.get('client', 'sync')} "
-                    "client)", round(r.requests_per_s))
+                    f"small_requests_per_s {where}", round(r.requests_per_s))
+            cpu = r.extra.get("daemon_cpu_ms_per_request")
+            _target(out, "daemon_cpu_us_per_request", f"daemon_cpu_us_per_request {where}",
+                    None if cpu is None else round(cpu * 1e3), "the daemons' CPU was not read in this row")
     for r in rows:
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
             _target(out, "plan_128k_ms", "plan_128k_ms", round(r.ms, 3))
