@@ -85,6 +85,13 @@ class TransferError(KvxferError):
     code = "transfer"
 
 
+class IntegrityError(TransferError):
+    """Bytes landed that differ from what the source read (integrity.mode): the request fails
+    rather than let an engine decode from them."""
+
+    code = "integrity"
+
+
 class PeerHungUp(TransferError):
     """The receiving daemon ended a chunk on purpose or died: it hung up mid-chunk, or refused
     the chunk as no longer expected. A daemon that fails a request says why on the control

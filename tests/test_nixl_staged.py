@@ -322,7 +322,7 @@ class _Inbox:
         return Sink(_Entry(), _Writer(), header["start"], header["end"], header["last"], header["nbytes"],
                     np.arange(header["end"] - header["start"]), 0, None)
 
-    def finish(self, sink, ok):
+    def finish(self, sink, ok, transport=""):
         self.finished.append(((sink.start, sink.end), ok))
 
 

@@ -121,7 +121,7 @@ FULL: list[Message] = [
                                            "nixl_unusable": "rank d/tp0/pp0 could not be registered"}),
     messages.PeerExpect("r1", "p", "d", (1, 0), 64, 16,
                         {"dst_pages": [3, 4], "dst_groups": {"kv": [3]}, "nixl_md": [b"md"],
-                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)]),
+                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)], True),
     messages.PeerAbort("r1", "the engine aborted", "aborted"),
     messages.PeerEnded("r1", "p", "d", "timeout", "bootstrap took too long"),
     messages.Fence("r1"),

@@ -28,6 +28,7 @@ import zmq.asyncio
 
 from .. import PROTOCOL_VERSION, __version__
 from ..datapath import runcopy
+from ..datapath.integrity import LandedCheck
 from ..datapath.regions import MemoryMapper
 from ..datapath.staging import StagingPool
 from ..directory.holders import Directory
@@ -77,7 +78,8 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         TRACE.configure(cfg.daemon.hop_trace)
         self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks)
-        self.inbox = Inbox(self.data.dest_changed)
+        self.inbox = Inbox(self.data.dest_changed, check=LandedCheck(self.metrics, cfg.integrity.corrupt_landed_every),
+                           on_refused=self.data.chunk_refused)
         self.staging = StagingPool(cfg.limits.staging_bytes, cfg.limits.staging_slot_bytes,
                                    self._staging_changed, self.metrics.staging_waits.inc)
         self.transports = Transports(
@@ -96,7 +98,8 @@ class Daemon:
                               wall_clock=time.time,
                               peer=cfg.peer,
                               remote_ranks=lambda instance: {c: h.daemon for c, h in self.directory.remote(
-                                  instance, "prefill", time.monotonic()).items()})
+                                  instance, "prefill", time.monotonic()).items()},
+                              integrity=cfg.integrity.mode == "full")
         #: the ranks other daemons announced to this one (or it read from etcd), by instance
         self.directory = Directory("", cfg.peer.peer_timeout_s, cfg.limits.max_ranks)
         self.decode_links = DecodeLinks(
@@ -231,6 +234,7 @@ class Daemon:
                      "refused_by_peers": self.auth_refused_by.describe()},
             "transports": self.transports.describe(),
             "copy_path": runcopy.copy_path(),  # native, or torch and why
+            "integrity": cfg.integrity.mode,  # "full": chunks carry digests checked over the landed bytes
             "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
             **({"hops": TRACE.snapshot()} if TRACE.keep else {}),  # daemon.hop_trace: per-request hop times
         }

@@ -233,7 +233,8 @@ class PrefillEndpoint:
             return messages.PeerError(exc.to_wire(), msg.request_id)
         writers = tuple((w[0], w[1]) for w in msg.writers) if msg.writers is not None else None
         self.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
-                                          route, dst_pages, start, writers, msg.num_tokens, dst_groups))
+                                          route, dst_pages, start, writers, msg.num_tokens, dst_groups,
+                                          bool(msg.integrity)))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:

@@ -35,7 +35,8 @@ class LifecycleBase:
     def __init__(self, limits: Any, timeouts: Any, registry: Registry, inbox: Inbox, metrics: Metrics, *,
                  one_sided: Callable[[str], bool], source_up: Callable[[str], bool] | None = None,
                  wall_clock: Callable[[], float], peer: Any = None, address: str = "",
-                 remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {}) -> None:
+                 remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {},
+                 integrity: bool = False) -> None:
         self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
         self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
         self.registry = registry
@@ -55,6 +56,9 @@ class LifecycleBase:
         self.peer = peer  # config.Peer: require_same_page_size (plans refuse others), heartbeat_interval_s
         #: a prefill instance -> its ranks the rank directory lists at other daemons (coords -> daemon)
         self.remote_ranks = remote_ranks
+        #: integrity.mode = "full": this daemon's decode ranks check every chunk's digests, and its
+        #: prefill ranks send them to every destination (a peer that asks gets them regardless)
+        self.integrity = integrity
         #: decode side: handshakes with source daemons (an unanswered hello goes again after a
         #: heartbeat interval, at least a second), and destinations waiting for a local source
         self.handshakes = Handshakes(max(1.0, peer.heartbeat_interval_s if peer is not None else 1.0),

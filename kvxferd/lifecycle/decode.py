@@ -22,7 +22,7 @@ class DecodeSide(BootstrapSide):
     def _expect(self, ev: events.ExpectCalled) -> str:
         self.refuse_finished(ev.request_id, ev.rank.id)
         entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
-                          created=self.now, phase_since=self.now, groups=ev.groups or {})
+                          created=self.now, phase_since=self.now, groups=ev.groups or {}, integrity=self.integrity)
         entry.transport = "tcp" if ev.source_address else "local"
         entry.source_address = ev.source_address
         self.inbox.add(entry)
@@ -52,7 +52,7 @@ class DecodeSide(BootstrapSide):
         assert pair is not None, "a local plan is found through the route book"
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
                                             entry.rank.coords, pair[0], pair[1], start=entry.start,
-                                            num_tokens=entry.num_tokens or 0))
+                                            num_tokens=entry.num_tokens or 0, integrity=entry.integrity))
 
     def _expect_each_daemon(self, entry: DestEntry, ev: events.PlanFound) -> None:
         """A source instance over several daemons: every daemon of it hears the expect, naming the

@@ -187,6 +187,7 @@ class PeerExpected:
     writers: tuple[tuple[int, int], ...] | None = None  # the writers held here (None: every writer)
     num_tokens: int = 0  # the request's length (0: not given); a sliding-window group's window ends there
     dst_groups: Any = None  # route "nixl": each cache group's destination table (pages, or [state slot])
+    integrity: bool = False  # the destination checks digests: every chunk to it carries them
 
 
 @dataclass(frozen=True)

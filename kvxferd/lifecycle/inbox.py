@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import RequestError
+from ..errors import IntegrityError, RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
 from ..model.segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
@@ -72,6 +72,8 @@ class DestEntry:
     #: its failure went to a source daemon as ``ended`` (its expect had not reached it): said once
     #: more when its bootstrap returns, which puts the handshake ahead of it on the link
     end_told: bool = False
+    #: every chunk must carry its source's digests, checked over the landed bytes (integrity.mode)
+    integrity: bool = False
 
     def source_addresses(self) -> list[str]:
         """Every source daemon of this destination (none: the source instance is on this daemon)."""
@@ -144,6 +146,7 @@ class Sink:
     dst_slots: np.ndarray
     head_offset: int
     aux: bytes | None
+    digests: list[int] | None = None  # the source's, one per region (integrity); None: not sent
 
     def regions(self) -> list[Any]:
         return list(self._regions)  # a fresh list each time: callers may keep or change theirs
@@ -160,11 +163,17 @@ class Sink:
 class Inbox:
     """Thread-safe table of destinations; data threads call begin/finish."""
 
-    def __init__(self, on_change: Callable[[DestEntry], None]) -> None:
+    def __init__(self, on_change: Callable[[DestEntry], None], *,
+                 check: Callable[[Sink, str], str | None] | None = None,
+                 on_refused: Callable[[DestEntry, str, str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], DestEntry] = {}
         self._by_request: dict[str, list[DestEntry]] = {}
         self._on_change = on_change  # called from any thread; must be thread-safe
+        #: a landed chunk's bytes against its source's digests (:class:`~kvxferd.datapath.integrity.LandedCheck`):
+        #: None, or why they differ; and who hears that the chunk failed its request (thread-safe too)
+        self._check = check
+        self._on_refused = on_refused
 
     def add(self, entry: DestEntry) -> None:
         key = (entry.request_id, entry.rank.id)
@@ -233,7 +242,7 @@ class Inbox:
         if first:  # the core hears of it and moves the destination to transferring
             self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
-                    head_offset_bytes(writer, "dst"), header.get("aux"))
+                    head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"))
 
     def _writer_of(self, header: dict[str, Any], dest_rank: str, src: tuple) -> tuple[DestEntry, Writer]:
         """The open entry a chunk is for and the plan's writer it claims to be (lock held)."""
@@ -291,9 +300,19 @@ class Inbox:
             raise RequestError(f"last chunk ends at {end}, request has {entry.num_tokens} tokens",
                                field="end", fix="end the last chunk at the request's length")
 
-    def finish(self, sink: Sink, ok: bool) -> None:
+    def finish(self, sink: Sink, ok: bool, transport: str = "") -> IntegrityError | None:
+        """A chunk ``begin`` admitted has landed (``ok``) or failed. A landed chunk counts only once
+        its bytes match its source's digests, where the inbox has a check; one that does not fails
+        its request with code ``integrity`` and is returned, for the transport to tell its sender."""
         entry = sink.entry
         TRACE.mark(entry.request_id, "landed")
+        failed = None
+        if ok and self._check is not None:
+            why = self._check(sink, transport)
+            if why is not None:
+                ok, failed = False, IntegrityError(why, field="digests")
+                if self._on_refused is not None:
+                    self._on_refused(entry, failed.code, why)
         src = sink.writer.key
         with self._lock:
             entry.inflight -= 1
@@ -306,3 +325,4 @@ class Inbox:
             elif sink.last:
                 entry.last_end.pop(src, None)
         self._on_change(entry)
+        return failed

@@ -10,6 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
+from ..datapath.digest import region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
 from ..model.segments import chunk_bytes, head_offset_bytes, slot_count
@@ -34,6 +35,7 @@ class ChunkJob:
     dst_pages: np.ndarray | None = None  # nixl: the destination's page table (one-sided writes need it)
     remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
     group: str = ""  # a cache group's chunk: its regions, slots and writer are the group's
+    digests: bool = False  # the header carries the digests of its bytes (integrity: either side asked)
 
     # derived once per job (a job's fields are never reassigned): transports ask for them
     # several times per chunk, and for a small chunk deriving them cost more than moving it
@@ -74,7 +76,17 @@ class ChunkJob:
             head["group"] = self.group
         if self.writer.part:
             head["part"] = self.writer.part
+        if self.digests:
+            head["digests"] = self.region_digests
         return head
+
+    @cached_property
+    def region_digests(self) -> list[int]:
+        """The chunk's bytes in each source region as they are now (read once: a job's header may
+        be built more than once, and the pages do not change while the request moves)."""
+        w = self.writer
+        return region_digests([r.flat for r in self._regions], self.src_slots, w.src_row_bytes, self.head_offset,
+                              w.slice_bytes)
 
 
 @dataclass

@@ -79,6 +79,7 @@ class Target:
     dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
     start: int = 0  # the decode side holds tokens before it already: chunks are clipped to >= start
     inflight: int = 0  # jobs towards it not returned yet (a fence waits for those of its daemon)
+    digests: bool = False  # its chunks carry their digests (integrity: its expect asked, or this daemon does)
 
 
 @dataclass

@@ -126,7 +126,8 @@ class PrefillSide(LifecycleBase):
             start = group_origin(ev.plan.prefill, w.group, ev.start, ev.num_tokens)
             # one-sided writes address a group's chunk by the group's own destination table
             dst_pages = (ev.dst_groups or {}).get(w.group) if w.group else ev.dst_pages
-            target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start)
+            target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start,
+                            digests=ev.integrity or self.integrity)
             entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
@@ -281,7 +282,8 @@ class PrefillSide(LifecycleBase):
         assert route is not None
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
-                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl)
+                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
+                       digests=target.digests)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -304,7 +306,8 @@ class PrefillSide(LifecycleBase):
         assert route is not None
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
-                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group)
+                       route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
+                       digests=target.digests)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):

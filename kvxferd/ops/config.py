@@ -199,6 +199,21 @@ class DirectorySection:
 DIRECTORY_BACKENDS = ("embedded", "etcd")
 
 
+@dataclass
+class IntegritySection:
+    #: "full": every chunk carries a digest of its bytes, which the destination checks over the
+    #: bytes that landed before the request can be done; "off": none asked for (a peer that asks
+    #: still gets them: the stricter side of a pair wins)
+    mode: str = "off"
+    #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
+    #: before it is checked (0: never). Logged loudly at start; never set it in production.
+    corrupt_landed_every: int = 0
+
+
+#: integrity.mode values
+INTEGRITY_MODES = ("off", "full")
+
+
 def lease_ttl(cfg: "Config") -> int:
     """The etcd lease of a daemon's ranks, in whole seconds (etcd's unit; it grants no less than 2)."""
     return max(2, math.ceil(cfg.directory.lease_ttl_s or cfg.peer.peer_timeout_s))
@@ -214,6 +229,7 @@ class Config:
     timeouts: TimeoutsSection = field(default_factory=TimeoutsSection)
     auth: AuthSection = field(default_factory=AuthSection)
     directory: DirectorySection = field(default_factory=DirectorySection)
+    integrity: IntegritySection = field(default_factory=IntegritySection)
 
     def __post_init__(self) -> None:
         # not settings, so not fields: where each setting that is not a default came from (the
@@ -367,7 +383,17 @@ def validate(cfg: Config) -> Config:
     _check_engine(cfg)
     _check_metrics_and_auth(cfg)
     _check_directory(cfg)
+    _check_integrity(cfg.integrity)
     return cfg
+
+
+def _check_integrity(integrity: IntegritySection) -> None:
+    if integrity.mode not in INTEGRITY_MODES:
+        raise ConfigError(f"integrity.mode {integrity.mode!r} is not one of {', '.join(INTEGRITY_MODES)}",
+                          field="integrity.mode", fix="use off or full")
+    if integrity.corrupt_landed_every < 0:
+        raise ConfigError(f"integrity.corrupt_landed_every must be >= 0, got {integrity.corrupt_landed_every}",
+                          field="integrity.corrupt_landed_every", fix="leave it 0 outside tests")
 
 
 def _check_limits(cfg: Config) -> None:

@@ -135,6 +135,13 @@ class Metrics:
         self.heartbeat_misses = Counter(
             "kvxferd_heartbeat_misses", "Peers declared unresponsive after missing heartbeats.",
             registry=r)
+        self.integrity_checked = Counter(
+            "kvxferd_integrity_checked_chunks", "Chunks whose landed bytes this daemon checked against their "
+            "source's digests (integrity), by transport.", ["transport"], registry=r)
+        self.integrity_failures = Counter(
+            "kvxferd_integrity_failures", "Chunks whose landed bytes differ from their source's digests, or "
+            "that came without the digests this daemon asked for; each fails its request with code "
+            "integrity. By source daemon (\"local\": this one) and transport.", ["peer", "transport"], registry=r)
         self.invalid_messages = Counter(
             "kvxferd_invalid_messages", "Messages rejected by validation, by endpoint.",
             ["endpoint"], registry=r)

@@ -33,16 +33,18 @@ class LocalTransport:
                                      sink.head_offset)
             settle(r.flat for r in sink.regions())
             ok = True
-            moved = Moved(job.nbytes, fragments, "direct")
-            if self.on_received is not None:
-                self.on_received(sink, moved)
-            return moved
         except KvxferError:
             raise
         except Exception as exc:  # a torch or memory error must fail the request, not the thread
             raise TransferError(f"local copy failed: {exc}", field="transport") from exc
         finally:
-            self.inbox.finish(sink, ok)
+            failed = self.inbox.finish(sink, ok, self.name)
+        if failed is not None:
+            raise failed
+        moved = Moved(job.nbytes, fragments, "direct")
+        if self.on_received is not None:
+            self.on_received(sink, moved)
+        return moved
 
     @staticmethod
     def runs_inline(job: ChunkJob) -> bool:

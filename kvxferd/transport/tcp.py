@@ -26,7 +26,7 @@ import torch
 from ..datapath.copier import scatter, settle
 from ..datapath.pipeline import receive_blocks, send_blocks
 from ..datapath.staging import Piece, StagingPool, block_bytes, pack
-from ..errors import KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
+from ..errors import IntegrityError, KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
 from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..model.geometry import rank_id
@@ -174,12 +174,15 @@ class TcpDataServer:
                 finally:
                     with self._lock:
                         self._receiving.pop(conn, None)
-                    self.inbox.finish(sink, ok)
-                if self.on_received:
+                    failed = self.inbox.finish(sink, ok, "tcp")
+                if failed is None and self.on_received:
                     self.on_received(sink, moved)
                 # the connection may now wait idle for minutes: nothing of this chunk may stay referenced, or
                 # its sink (the destination rank's regions) keeps a departed engine's KV cache mapped
                 del sink, moved
+                if failed is not None:  # the bytes came, and differ from the source's: its sender hears why
+                    replies.add(protocol.frame({"op": "ack", "ok": False, "error": failed.to_wire()}))
+                    continue
                 replies.add(ACK_OK)
                 proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
@@ -358,6 +361,9 @@ class TcpTransport:
     @staticmethod
     def refused(reply: dict[str, Any]) -> KvxferError:
         err = reply.get("error") or {}
+        if err.get("code") == IntegrityError.code:  # the bytes went, and landed other than they left
+            return IntegrityError(f"destination found the chunk's bytes changed: {err.get('message', '')}",
+                                  field="digests")
         # a request the receiver no longer expects ended there: its reason comes on the control link
         error = PeerHungUp if err.get("code") == "not_expected" else RequestError
         return error(f"destination refused chunk: {err.get('message', 'no reason given')}",

@@ -267,6 +267,9 @@ class PeerExpect(Message):
     extra: dict[str, Any] = extras(EXPECT_TARGETS)  # dst_pages and regions for one-sided writes
     #: the writers the receiving daemon holds (left out: every writer)
     writers: list[list[int]] | None = wire(list_of(pair, MAX_INSTANCE_RANKS), None)
+    #: the decode side checks every chunk's digest (integrity.mode = "full" there): the source
+    #: sends them whatever its own mode (left out: not asked)
+    integrity: bool | None = wire(boolean, None)
 
 
 @dataclass(frozen=True)

@@ -325,6 +325,9 @@ BATCH_PARTS = integer(1, 1 << 16)
 PEER_REPLY_OPS = ("handshake_ok", "handshake_refused", "handshake_retry", "error", "pong", "announce_ok",
                   "ranks")
 
+#: regions one chunk may span (layers x kinds of one writer): bounds a data header's digest list
+MAX_CHUNK_REGIONS = 1 << 14
+
 DATA_HEADER = Schema(
     required={"request_id": REQUEST_ID, "decode_instance": NAME, "dst": pair, "src": pair,
               "start": integer(0, 1 << 40), "end": integer(0, 1 << 40), "last": boolean,
@@ -335,7 +338,10 @@ DATA_HEADER = Schema(
               "ring": integer(0, 2**62), "slot": integer(0, 1 << 20), "block": integer(0, 1 << 40),
               "pack": integer(1, 1 << 34),
               # a cache group's chunk (kvxferd.model.groups): its writer is (src, group) at the destination
-              "group": text(24), "part": integer(0, 16)},
+              "group": text(24), "part": integer(0, 16),
+              # integrity: XXH3-64 of the chunk's bytes in each of its regions, in wire order, as
+              # the source's pages held them (kvxferd.datapath.digest)
+              "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS)},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

@@ -343,8 +343,8 @@ class Assemblies:
             if asm.busy or not (asm.failed or asm.done.all()) or self._open.get(asm.key) is not asm:
                 return None
             del self._open[asm.key]
-        self.inbox.finish(asm.sink, not asm.failed)
-        return not asm.failed
+        failed = self.inbox.finish(asm.sink, not asm.failed, "nixl")  # digests are checked in there
+        return not asm.failed and failed is None
 
     def abandon(self, entry: DestEntry) -> int:
         """The request failed: its chunks end as failed, at once or when their last scatter returns."""

@@ -1,0 +1,84 @@
+"""Digests of a chunk's bytes as they sit in memory, one per region (no I/O).
+
+Both ends of a chunk hash the same byte stream: for each region of the writer, in wire
+order, the writer's slice of every token slot in slot order. The source reads it from its
+pages, the destination from its pages after the bytes landed, so the digest covers what the
+engines will read, whatever moved the bytes (a socket, a NIXL WRITE, a staging slot, a local
+copy) and whatever the two sides' page sizes and TP slicing: each side walks its own slots.
+
+The hash is XXH3-64 (the ``xxhash`` package): 34 GB/s on one core of the host the benchmarks
+ran on, where CRC32C (``google-crc32c``) ran 5.2 GB/s and zlib's CRC32 1.3 GB/s. It guards
+against corruption and stale writes, not against an adversary (authentication does that).
+
+Long runs are hashed where they lie. Short runs (head slices, small pages) are first gathered
+into a scratch buffer of at most :data:`SCRATCH_BYTES` per thread: a hash call per 1 KiB
+slice would cost more than the slice. Device memory is gathered on its device and copied to
+the host a block at a time.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from ..model.segments import side_runs
+from .copier import gather
+
+#: runs at least this long on average are hashed in place, shorter ones gathered first
+HASH_IN_PLACE = 16 * 1024
+#: one thread's scratch buffer for gathered runs (each data thread, and the loop, holds one)
+SCRATCH_BYTES = 4 * 1024 * 1024
+
+_local = threading.local()
+
+
+def _hasher():  # the import is deferred: daemons that never check integrity need no xxhash
+    import xxhash
+    return xxhash.xxh3_64()
+
+
+def _scratch() -> torch.Tensor:
+    buf = getattr(_local, "buf", None)
+    if buf is None:
+        buf = _local.buf = torch.empty(SCRATCH_BYTES, dtype=torch.uint8)
+    return buf
+
+
+def region_digests(flats: Sequence[torch.Tensor], slots: np.ndarray, row_bytes: int, head_offset: int,
+                   slice_bytes: int) -> list[int]:
+    """XXH3-64 of each region's ``slice_bytes`` at ``head_offset`` of every slot, in slot order."""
+    slots = np.ascontiguousarray(slots)
+    runs = side_runs(slots, row_bytes, head_offset, slice_bytes)
+    long_runs = len(runs) > 0 and runs.nbytes // len(runs) >= HASH_IN_PLACE
+    out = []
+    for flat in flats:
+        h = _hasher()
+        if flat.device.type == "cpu" and long_runs:
+            view = memoryview(flat.numpy()).cast("B")
+            for off, n in zip(runs.offsets.tolist(), runs.lengths.tolist()):
+                h.update(view[off:off + n])
+        else:
+            _gathered(h, flat, slots, row_bytes, head_offset, slice_bytes)
+        out.append(h.intdigest())
+    return out
+
+
+def _gathered(h, flat: torch.Tensor, slots: np.ndarray, row_bytes: int, head_offset: int, slice_bytes: int) -> None:
+    """Feed ``h`` the slices of ``slots`` gathered a scratch buffer at a time."""
+    scratch = _scratch()
+    per = max(1, SCRATCH_BYTES // slice_bytes)
+    if slice_bytes > SCRATCH_BYTES:  # one slice larger than the scratch: a buffer of its own
+        scratch = torch.empty(slice_bytes, dtype=torch.uint8)
+    for i in range(0, slots.size, per):
+        part = slots[i:i + per]
+        n = part.size * slice_bytes
+        if flat.device.type == "cpu":
+            gather(flat, part, row_bytes, head_offset, slice_bytes, scratch[:n])
+        else:
+            on_device = torch.empty(n, dtype=torch.uint8, device=flat.device)
+            gather(flat, part, row_bytes, head_offset, slice_bytes, on_device)
+            scratch[:n].copy_(on_device)
+        h.update(memoryview(scratch[:n].numpy()))

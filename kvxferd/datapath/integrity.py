@@ -1,0 +1,89 @@
+"""The destination's integrity check: a landed chunk's bytes against its source's digests.
+
+Every transport hands a landed chunk to :meth:`~kvxferd.lifecycle.inbox.Inbox.finish`, which
+asks this check before the chunk counts as received: one place, so a socket, a NIXL WRITE, a
+landing ring or a local copy are checked alike, after the bytes are where the engine will
+read them. A chunk that fails is never counted, and its request fails with code
+``integrity`` (the inbox tells the lifecycle).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from typing import Any
+
+from ..ops.logutil import q
+from ..ops.metrics import Metrics
+from .digest import region_digests
+
+log = logging.getLogger("kvxferd.integrity")
+
+#: pages a mismatch names at most (the chunk's first ones)
+NAMED_PAGES = 8
+
+
+class LandedCheck:
+    """Callable on a landed sink: None when its bytes are as the source read them, else why not."""
+
+    def __init__(self, metrics: Metrics, corrupt_every: int = 0) -> None:
+        self.metrics = metrics
+        self.corrupt_every = corrupt_every  # fault injection for tests (integrity.corrupt_landed_every)
+        self._seen = itertools.count(1)
+        if corrupt_every:
+            log.warning("event=integrity_fault_injection every=%d note=%s", corrupt_every,
+                        q("one landed byte of every Nth chunk with digests is flipped before it is checked: "
+                          "a test setting, never for production"))
+
+    def __call__(self, sink: Any, transport: str) -> str | None:
+        entry, w = sink.entry, sink.writer
+        if sink.digests is None and not entry.integrity:
+            return None
+        peer = entry.daemon_of(w.src) or "local"
+        if sink.digests is None:
+            self.metrics.integrity_failures.labels(peer, transport).inc()
+            return self._say(sink, transport, peer, "came without digests, which this daemon asks for "
+                             "(integrity.mode = full)", "run a kvxferd that sends them on the source side")
+        regions = sink.regions()
+        if len(sink.digests) != len(regions):
+            self.metrics.integrity_failures.labels(peer, transport).inc()
+            return self._say(sink, transport, peer, f"carries {len(sink.digests)} digests for its {len(regions)} "
+                             "regions", "check both sides run the same kvxferd")
+        if self.corrupt_every and sink.nbytes and next(self._seen) % self.corrupt_every == 0:
+            self._corrupt(sink, regions[0])
+        landed = region_digests([r.flat for r in regions], sink.dst_slots, w.dst_row_bytes, sink.head_offset,
+                                w.slice_bytes)
+        self.metrics.integrity_checked.labels(transport).inc()
+        bad = [i for i, (a, b) in enumerate(zip(landed, sink.digests)) if a != b]
+        if not bad:
+            return None
+        self.metrics.integrity_failures.labels(peer, transport).inc()
+        first = regions[bad[0]]
+        return self._say(sink, transport, peer,
+                         f"landed with bytes that differ from what the source read in {len(bad)} of its "
+                         f"{len(regions)} regions, first layer {first.layer} kind {first.kind!r} (digest "
+                         f"{landed[bad[0]]:#018x}, source's {sink.digests[bad[0]]:#018x})",
+                         "the request must be sent again; if it recurs, suspect the memory or the transport "
+                         "between these daemons")
+
+    @staticmethod
+    def _corrupt(sink: Any, region: Any) -> None:
+        at = int(sink.dst_slots[0]) * sink.writer.dst_row_bytes + sink.head_offset
+        region.flat[at] = int(region.flat[at]) ^ 0xFF
+
+    @staticmethod
+    def _say(sink: Any, transport: str, peer: str, what: str, fix: str) -> str:
+        entry, w = sink.entry, sink.writer
+        group = w.group
+        pages = entry.groups.get(group) if group else entry.pages
+        page_size = entry.rank.geometry.group(group).spec.page_size
+        named = ""
+        if pages is not None and sink.end > sink.start:
+            first, last = sink.start // page_size, (sink.end - 1) // page_size
+            listed = [int(p) for p in pages[first:min(last + 1, first + NAMED_PAGES)]]
+            named = f" on destination pages {listed}{' ...' if last + 1 - first > NAMED_PAGES else ''}"
+        text = (f"request {entry.request_id!r}: chunk of tokens [{sink.start}, {sink.end}){named} from writer "
+                f"{list(w.src)}{f' (group {group!r})' if group else ''} at {peer} over {transport} {what}; fix: {fix}")
+        log.warning("event=integrity_failed request=%s rank=%s writer=%s peer=%s transport=%s tokens=%d-%d msg=%s",
+                    q(entry.request_id), entry.rank.id, list(w.src), peer, transport, sink.start, sink.end, q(text))
+        return text

@@ -1,0 +1,92 @@
+"""Chunk digests: both ends of a chunk hash the same bytes however each side lays them out.
+
+The oracle is a plain per-token loop that copies a writer's slice from source rows to
+destination rows of another width and offset. The digest of the source's slots must equal
+the digest of the destination's slots after that copy, on either path (runs hashed in place,
+runs gathered first, the scratch buffer cut several times); a changed byte inside a copied
+slice must change it, and a byte outside every slice must not.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvxferd.datapath import digest
+from kvxferd.datapath.digest import region_digests
+
+
+def _copy_oracle(src: np.ndarray, dst: np.ndarray, src_slots, dst_slots, src_row: int, dst_row: int,
+                 src_head: int, dst_head: int, n: int) -> None:
+    for s, d in zip(src_slots, dst_slots):
+        dst[d * dst_row + dst_head:d * dst_row + dst_head + n] = src[s * src_row + src_head:s * src_row + src_head + n]
+
+
+@st.composite
+def _layouts(draw):
+    slice_bytes = draw(st.sampled_from([2, 64, 1024, 4096, 32768]))
+    src_extra = draw(st.sampled_from([0, slice_bytes, 3 * slice_bytes]))  # head slices of wider rows
+    dst_extra = draw(st.sampled_from([0, slice_bytes]))
+    src_head = draw(st.integers(0, src_extra // slice_bytes)) * slice_bytes if src_extra else 0
+    dst_head = draw(st.integers(0, dst_extra // slice_bytes)) * slice_bytes if dst_extra else 0
+    n_tokens = draw(st.integers(1, 24))
+    src_slots_n, dst_slots_n = n_tokens + draw(st.integers(0, 8)), n_tokens + draw(st.integers(0, 8))
+    rand = draw(st.randoms(use_true_random=False))
+    consecutive = draw(st.booleans())  # consecutive slots: one long run; else scattered
+    src_slots = (np.arange(n_tokens) + rand.randrange(src_slots_n - n_tokens + 1) if consecutive
+                 else np.array(rand.sample(range(src_slots_n), n_tokens)))
+    dst_slots = np.array(rand.sample(range(dst_slots_n), n_tokens))
+    return (slice_bytes, slice_bytes + src_extra, slice_bytes + dst_extra, src_head, dst_head,
+            src_slots.astype(np.int64), dst_slots.astype(np.int64), src_slots_n, dst_slots_n, draw(st.integers(1, 3)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(layout=_layouts(), small_scratch=st.booleans(), seed=st.integers(0, 2**31))
+def test_source_and_destination_digests_agree_and_see_one_changed_byte(layout, small_scratch, seed):
+    (n, src_row, dst_row, src_head, dst_head, src_slots, dst_slots, src_count, dst_count, regions) = layout
+    rng = np.random.default_rng(seed)
+    srcs = [rng.integers(0, 256, src_count * src_row, dtype=np.uint8) for _ in range(regions)]
+    dsts = [rng.integers(0, 256, dst_count * dst_row, dtype=np.uint8) for _ in range(regions)]
+    for s, d in zip(srcs, dsts):
+        _copy_oracle(s, d, src_slots, dst_slots, src_row, dst_row, src_head, dst_head, n)
+    saved = digest.SCRATCH_BYTES
+    if small_scratch:  # several gathers per region, and a slice larger than the scratch
+        digest.SCRATCH_BYTES = 3 * n if n < 4096 else 1024
+        digest._local.__dict__.pop("buf", None)
+    try:
+        want = region_digests([torch.from_numpy(s) for s in srcs], src_slots, src_row, src_head, n)
+        got = region_digests([torch.from_numpy(d) for d in dsts], dst_slots, dst_row, dst_head, n)
+        assert got == want
+        k = int(rng.integers(regions))
+        # a byte outside every slice of the chunk: the digest does not cover it
+        covered = np.zeros(dst_count * dst_row, dtype=bool)
+        for d in dst_slots:
+            covered[d * dst_row + dst_head:d * dst_row + dst_head + n] = True
+        outside = np.flatnonzero(~covered)
+        if outside.size:
+            dsts[k][outside[int(rng.integers(outside.size))]] ^= 0xFF
+            assert region_digests([torch.from_numpy(d) for d in dsts], dst_slots, dst_row, dst_head, n) == want
+        # one byte inside a slice: that region's digest, and only that one, changes
+        d = int(dst_slots[int(rng.integers(dst_slots.size))])
+        dsts[k][d * dst_row + dst_head + int(rng.integers(n))] ^= 0x01
+        changed = region_digests([torch.from_numpy(d) for d in dsts], dst_slots, dst_row, dst_head, n)
+        assert [i for i, (a, b) in enumerate(zip(changed, want)) if a != b] == [k]
+    finally:
+        digest.SCRATCH_BYTES = saved
+        digest._local.__dict__.pop("buf", None)
+
+
+def test_the_order_of_slots_is_part_of_the_digest():
+    """Two tokens' slices swapped on the destination is a different KV cache: caught."""
+    data = torch.arange(64, dtype=torch.uint8)
+    a = region_digests([data], np.array([0, 1, 2, 3]), 16, 0, 16)
+    b = region_digests([data], np.array([1, 0, 2, 3]), 16, 0, 16)
+    assert a != b
+
+
+def test_an_empty_chunk_has_the_digest_of_no_bytes():
+    data = torch.zeros(64, dtype=torch.uint8)
+    empty = np.zeros(0, dtype=np.int64)
+    assert region_digests([data], empty, 16, 0, 16) == region_digests([data[:0]], empty, 16, 0, 16)

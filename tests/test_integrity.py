@@ -1,0 +1,114 @@
+"""End-to-end integrity: a changed landed byte fails its request ``integrity``, never ``done``.
+
+Real daemons and engine processes on 127.0.0.1, over tcp, NIXL (UCX on loopback tcp) and the
+local copy, direct and staged, TP matched (1 -> 1) and mismatched (2 -> 1: head slices). The
+corruption is the daemon's test-only fault injection (``integrity.corrupt_landed_every = 1``):
+one byte of each landed chunk flipped in the decode pages after the transport wrote them and
+before the check read them, which is where a stale writer or a bad transport would leave it.
+
+- The source daemon runs with integrity off and still sends digests: its decode peers ask.
+- Clean requests land byte-exact and the decode daemon counts the chunks it checked.
+- Corrupted ones fail with code ``integrity`` on the decode side, naming the request and the
+  layer, and on the prefill side too, except over NIXL, whose one-sided writes may have told
+  the prefill side done (its bytes left) before the check ran.
+- A source in ``full`` towards a decode daemon in ``off``: the digests come anyway and are
+  checked (the stricter side wins).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from e2e_util import NUM_PAGES, Node, assert_verified, cluster_run, finished, pages_for, spec, start_nodes, transfer
+from nixl_util import NIXL_ENV, NIXL_MISSING, metric
+
+FULL = '[integrity]\nmode = "full"\n'
+CORRUPT = '[integrity]\nmode = "full"\ncorrupt_landed_every = 1\n'
+OFF_CORRUPT = '[integrity]\nmode = "off"\ncorrupt_landed_every = 1\n'
+STAGED = {"KVXFERD_PEER_MODE": "staged"}  # the run dir's config has its own [peer] table
+TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}"))]
+SHAPES = {"matched": (spec(tp_size=1), spec(tp_size=1)), "sliced": (spec(tp_size=2), spec(tp_size=1))}
+N_TOKENS = 22  # several pages and a partial last one; clean requests go in two chunks
+
+
+def _request(c, pd, dd, tag: str, shape: str, rng: random.Random, local: bool = False,
+             chunks: list[list[int]] | None = None):
+    pspec, dspec = SHAPES[shape]
+    prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES), (dd, f"{tag}-d", "decode", dspec,
+                                                                                  NUM_PAGES))
+    src = pages_for(rng, NUM_PAGES, N_TOKENS, pspec.page_size)
+    dst = pages_for(rng, NUM_PAGES, N_TOKENS, dspec.page_size)
+    return transfer(prefill, decode, f"{tag}-r", N_TOKENS, src_pages=src, dst_pages=dst,
+                    source_address=None if local else pd.address, chunks=chunks)
+
+
+def _clean(c, pd, dd, tag, shape, rng, transport, local=False):
+    checked = metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport)
+    dec, pre = _request(c, pd, dd, tag, shape, rng, local, chunks=[[0, 12], [12, N_TOKENS]])
+    assert_verified(dec, pre)
+    assert metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport) > checked, \
+        f"{tag}: no chunk was checked over {transport}"
+
+
+def _corrupted(c, pd, dd, tag, shape, rng, transport, local=False):
+    failures = metric(dd, "kvxferd_integrity_failures_total", transport=transport)
+    # one chunk: a second send after the request failed would be refused, which is not under test
+    dec, pre = _request(c, pd, dd, tag, shape, rng, local)
+    for ev in dec:
+        assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
+    for ev in pre:
+        # NIXL writes are one-sided: the prefill side may already have been told done (its bytes
+        # left, and its pages are free) when the decode side's check fails the request
+        if transport == "nixl" and ev.get("state") == "done":
+            continue
+        if ev["event"] == "error":  # a rank whose send came after the request failed hears why in its answer
+            assert ev["cmd"] == "send" and "already failed" in ev["error"] and "(integrity:" in ev["error"], ev
+            continue
+        assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
+    for ev in dec:
+        assert f"{tag}-r" in ev["reason"] and "layer" in ev["reason"], ev
+    assert metric(dd, "kvxferd_integrity_failures_total", transport=transport) > failures
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transport):
+    env = NIXL_ENV if transport == "nixl" else {}
+    rng = random.Random(7)
+    with cluster_run(request) as c:
+        src, clean, bad, clean_staged, bad_staged = start_nodes(
+            c, Node("src", env=env), Node("clean", FULL, env), Node("bad", CORRUPT, env),
+            Node("clean-staged", FULL, {**env, **STAGED}), Node("bad-staged", CORRUPT, {**env, **STAGED}))
+        for shape in SHAPES:
+            for mode, (ok, broken) in (("direct", (clean, bad)), ("staged", (clean_staged, bad_staged))):
+                _clean(c, src, ok, f"ok-{shape}-{mode}", shape, rng, transport)
+                _corrupted(c, src, broken, f"bad-{shape}-{mode}", shape, rng, transport)
+        # the daemons keep serving after the failures
+        _clean(c, src, clean, "after", "sliced", rng, transport)
+
+
+def test_local_copies_are_checked_and_a_changed_byte_fails(request):
+    rng = random.Random(8)
+    with cluster_run(request) as c:
+        clean, bad = start_nodes(c, Node("clean", FULL), Node("bad", CORRUPT))
+        for shape in SHAPES:
+            _clean(c, clean, clean, f"lok-{shape}", shape, rng, "local", local=True)
+            _corrupted(c, bad, bad, f"lbad-{shape}", shape, rng, "local", local=True)
+
+
+def test_the_stricter_side_wins_a_source_in_full_sends_digests_to_a_decode_daemon_in_off(request):
+    rng = random.Random(9)
+    with cluster_run(request) as c:
+        src, dst, plain = start_nodes(c, Node("src", FULL), Node("dst", OFF_CORRUPT), Node("plain"))
+        _corrupted(c, src, dst, "strict", "sliced", rng, "tcp")
+        # neither side in full: no digests, nothing checked, and nothing corrupted (the injection
+        # only touches chunks that carry digests)
+        before = metric(plain, "kvxferd_integrity_checked_chunks_total")
+        dec, pre = _request(c, dst, plain, "neither", "matched", rng)
+        assert_verified(dec, pre)
+        assert metric(plain, "kvxferd_integrity_checked_chunks_total") == before
+        # engines hear the mode in status
+        from kvxferd.sdk.client import EngineClient
+        with EngineClient(src.socket_path, timeout=30) as client:
+            assert client.status()["integrity"] == "full"
