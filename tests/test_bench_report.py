@@ -148,3 +148,20 @@ def test_a_tcp_latency_row_reads_the_raw_round_trip_of_its_own_payload():
     assert rows[3].vs_limit == 0.1
     assert rows[4].vs_limit is None  # no socket in a local request
     assert "0.50 round trip" in render_table(rows)
+
+
+def test_a_row_with_integrity_on_is_read_against_the_same_row_off_and_never_as_the_headline():
+    wl = headline_workload("quick")
+    tp = tp_workloads("quick")
+    rows = _rows(wl, tp, {"local": 8.0, "tcp": 3.0, "tp21": 2.7, "tp12": 2.4})
+    rows.append(Row("tcp direct integrity full", "kvxferd", bytes=wl.nbytes, gbps=2.4, verified=True, transport="tcp",
+                    mode="direct", workload=wl.label, extra={"integrity": "full"}))
+    rows.append(Row("local direct integrity full", "kvxferd", bytes=wl.nbytes, gbps=9.0, verified=False,
+                    transport="local", mode="direct", workload=wl.label, extra={"integrity": "full"}))
+    ratios = compute(rows, wl, tp)
+    assert ratios["tcp_vs_socket"] == 0.75  # the plain row's 3.0 over the socket's 4.0, not the checked row's
+    got = {t["target"]: t for t in targets_report(rows, ratios)}
+    tcp = got[f"integrity_full_vs_off (tcp direct {wl.label})"]
+    assert tcp["value"] == 0.8 and tcp["met"] is True and tcp["goal"] == ">= 0.75x"
+    local = got[f"integrity_full_vs_off (local direct {wl.label})"]  # its bytes were not verified: no figure
+    assert local["value"] is None and local["met"] is None and "verified" in local["note"]

@@ -58,6 +58,16 @@ def _latency_ratios(rows: list[Row]) -> None:
             r.limit, r.vs_limit = "round trip", round(trip.p50_ms / r.p50_ms, 3)
 
 
+def _integrity_ratios(rows: list[Row], plain: list[Row]) -> None:
+    """A row with integrity on over the same row (transport, mode, workload) with it off:
+    ``extra.vs_integrity_off``; absent where either is missing or failed."""
+    for r in rows:
+        if r.group == "kvxferd" and r.extra.get("integrity") and r.verified and r.gbps:
+            same = _find_row(plain, lambda x: (x.transport, x.mode, x.workload) == (r.transport, r.mode, r.workload))
+            if same is not None:
+                r.extra["vs_integrity_off"] = _ratio(r.gbps, same.gbps)
+
+
 def compute(rows: list[Row], headline: Workload, tp_workloads: list[Workload]) -> dict[str, Any]:
     """The run's ratios (None where a row is missing, failed, or too small to say)."""
     limits = {(r.extra.get("limit"), r.bytes): r.gbps for r in rows if r.group == "limit"}
@@ -68,7 +78,9 @@ def compute(rows: list[Row], headline: Workload, tp_workloads: list[Workload]) -
 
     _row_ratios(rows, limits, peer_at)
     _latency_ratios(rows)
-    ok = [r for r in rows if r.group == "kvxferd" and r.verified and r.gbps and steady(r)]
+    ok = [r for r in rows if r.group == "kvxferd" and r.verified and r.gbps and steady(r)
+          and not r.extra.get("integrity")]  # the rows with integrity on are read only against their own
+    _integrity_ratios(rows, ok)
 
     def best(transport: str, wl: Workload, mode: str | None = None) -> float | None:
         vals = [r.gbps for r in ok if r.transport == transport and r.workload == wl.label
@@ -151,6 +163,10 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
             cpu = r.extra.get("daemon_cpu_ms_per_request")
             _target(out, "daemon_cpu_us_per_request", f"daemon_cpu_us_per_request {where}",
                     None if cpu is None else round(cpu * 1e3), "the daemons' CPU was not read in this row")
+    for r in rows:
+        if r.group == "kvxferd" and r.extra.get("integrity"):
+            _target(out, "integrity_full_vs_off", f"integrity_full_vs_off ({r.transport} {r.mode} {r.workload})",
+                    r.extra.get("vs_integrity_off"), "needs this row and the same row with integrity off, both verified")
     for r in rows:
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):
             _target(out, "plan_128k_ms", "plan_128k_ms", round(r.ms, 3))

@@ -28,19 +28,20 @@ class _Adder:
         self.out: list[Scenario] = []
 
     def __call__(self, kind: str, transport: str, mode: str, wl: Workload, requests: int | None = None,
-                 window: int | None = None, verify: int = 2, client: str = "sync") -> None:
+                 window: int | None = None, verify: int = 2, client: str = "sync", integrity: str = "off") -> None:
         if requests is None:
             budget = {"full": 6 * GiB, "quick": 1536 * MiB, "smoke": 48 * MiB}[self.size]
             requests = max(6 if self.size == "full" else 4, min(64, -(-budget // wl.nbytes)))
         if window is None:
             window = 2 if wl.nbytes >= GiB else 3 if wl.nbytes >= 384 * MiB else 4
         if kind == "throughput":
-            name = f"{transport} {mode} {wl.label}"
+            name = f"{transport} {mode} {wl.label}" + (f" integrity {integrity}" if integrity != "off" else "")
         elif kind == "latency":
             name = f"latency 1 page {transport} {wl.model}"
         else:
             name = f"small requests {transport} {wl.model} {client} client"
-        self.out.append(Scenario(name, kind, transport, mode, wl, requests, window, verify, len(self.out), client))
+        self.out.append(Scenario(name, kind, transport, mode, wl, requests, window, verify, len(self.out), client,
+                                 integrity))
 
 
 def _full(add: _Adder) -> None:
@@ -72,6 +73,11 @@ def _full(add: _Adder) -> None:
     for layout in ("NHD_kv", "HND_kv"):
         for p_tp, d_tp in ((1, 1), (2, 1)):
             add("throughput", "nixl", "direct", Workload("70B", 2048, p_tp, d_tp, layout=layout))
+    # integrity.mode = "full" beside the same rows without it: what checking every chunk costs
+    for t, m, wl in (("local", "direct", Workload("8B", 4096)), ("tcp", "direct", Workload("8B", 4096)),
+                     ("tcp", "staged", Workload("70B", 2048, 2, 1)), ("nixl", "direct", Workload("8B", 4096)),
+                     ("nixl", "staged", Workload("70B", 2048, 2, 1))):
+        add("throughput", t, m, wl, integrity="full")
     for t in ("local", "tcp"):
         for model in ("8B", "tiny"):
             add("latency", t, "direct", Workload(model, 16), requests=400, window=1, verify=1)
@@ -89,6 +95,8 @@ def _quick(add: _Adder) -> None:
         add("throughput", t, m, headline)
     for wl in tp_workloads("quick")[1:]:
         add("throughput", "tcp", "direct", wl)
+    for t in ("local", "tcp"):
+        add("throughput", t, "direct", headline, integrity="full")
     for t, model in (("local", "8B"), ("tcp", "8B"), ("tcp", "tiny")):
         add("latency", t, "direct", Workload(model, 16), requests=100, window=1, verify=1)
     for t, client in (("local", "sync"), ("local", "batch"), ("tcp", "sync"), ("tcp", "batch"), ("tcp", "async")):
@@ -135,17 +143,18 @@ class DaemonPool:
         from ..sim import Cluster
         self.cluster = Cluster(root=root)
         self.recycle_bytes = recycle_bytes
-        self.key: tuple[str, str] | None = None
+        self.key: tuple[str, str, str] | None = None
         self.prefill: Any = None
         self.decode: Any = None
         self.held = 0
         self.count = 0
 
-    def get(self, transport: str, mode: str, nbytes: int) -> tuple[Any, Any]:
-        if self.key != (transport, mode) or self.held + nbytes > self.recycle_bytes:
+    def get(self, transport: str, mode: str, nbytes: int, integrity: str = "off") -> tuple[Any, Any]:
+        if self.key != (transport, mode, integrity) or self.held + nbytes > self.recycle_bytes:
             self.stop()
             env = {"KVXFERD_PEER_MODE": mode, "KVXFERD_DAEMON_LOG_LEVEL": "info", "KVXFERD_DAEMON_HOP_TRACE": "1024",
-                   "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10"}
+                   "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10",
+                   "KVXFERD_INTEGRITY_MODE": integrity}
             if transport == "nixl":  # the same UCX setup as the raw NIXL peer row
                 env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
             self.count += 1
@@ -153,7 +162,7 @@ class DaemonPool:
             self.prefill = self.cluster.daemon(f"b{self.count}-prefill", env=env)
             self.decode = self.prefill if transport == "local" else self.cluster.daemon(f"b{self.count}-decode",
                                                                                             env=env)
-            self.key = (transport, mode)
+            self.key = (transport, mode, integrity)
             self.held = 0
         self.held += nbytes
         return self.prefill, self.decode
@@ -256,7 +265,7 @@ class _Cpu:
 def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quiet_wait: float = 0.0,
                  rounds: int = 3) -> Row:
     wl = sc.workload
-    pd, dd = pool.get(sc.transport, sc.mode, wl.nbytes * (sc.window + sc.verify + 1))
+    pd, dd = pool.get(sc.transport, sc.mode, wl.nbytes * (sc.window + sc.verify + 1), sc.integrity)
     before = chunk_counts(pd.metrics_url)
     waited = wait_quiet(quiet_wait) if quiet_wait > 0 else 0.0
     adjacent = _adjacent_limit(sc)
@@ -267,7 +276,8 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
            "source_address": None if sc.transport == "local" else pd.address}
     row = Row(sc.name, {"throughput": "kvxferd", "latency": "latency", "rate": "rate"}[sc.kind],
               bytes=wl.nbytes, transport=sc.transport, mode=sc.mode, workload=wl.label, requests=sc.requests,
-              extra={"client": sc.client} if sc.kind == "rate" else {})
+              extra={**({"client": sc.client} if sc.kind == "rate" else {}),
+                     **({"integrity": sc.integrity} if sc.integrity != "off" else {})})
     t = time.perf_counter()
     cpu = _Cpu({"prefill": pd, "decode": dd} if dd is not pd else {"daemon": pd})
     res = run_engine(cfg, timeout)
