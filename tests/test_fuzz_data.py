@@ -362,3 +362,96 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
         "invalid_metric_delta": int(invalid_after - invalid_before), "internal_errors": 0,
         "bytes_outside_destinations": after["outside_bytes"],
         "daemon_alive": True, "seconds": seconds, "categories": dict(categories), "error_codes": dict(outcomes)})
+
+
+# -- digests: a data port of a decode daemon in integrity.mode = "full" --------------------------
+
+DIGEST_REQUESTS = 120
+
+
+def oracle_digests(request_id: str, writer: int, start: int, end: int) -> list[int]:
+    """XXH3-64 of each region's part of :func:`oracle_payload`, computed here from the oracle's
+    logical cache (not with kvxferd's digest code): regions in wire order, layers then K and V."""
+    import xxhash
+    logical = logical_cache(request_id, N_TOKENS, spec(), (0, spec().num_layers))
+    part = logical[:, :, start:end, 2 * writer:2 * writer + 2, :]
+    return [xxhash.xxh3_64(part[layer, kind].contiguous().numpy().tobytes()).intdigest()
+            for layer in range(part.shape[0]) for kind in range(part.shape[1])]
+
+
+def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
+    """The test plays both prefill writers towards a decode daemon in integrity.mode = "full",
+    request after request: the oracle's bytes with the oracle's digests must land ``done`` and
+    byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list must
+    never: the chunk is refused (``ok: false``) and the request fails, with code ``integrity``
+    wherever the header itself was well formed."""
+    fake = FakePrefillDaemon(spec(tp_size=2))
+    rng = random.Random(5)
+    try:
+        with cluster_run(request) as c:
+            dd = c.daemon("digest-decode-node", extra_toml=CONFIG + '[integrity]\nmode = "full"\n')
+            decode = c.instance(dd, "dg", "decode", spec(), NUM_PAGES)
+            geo = decode[0].geometry
+            per_token = 2 * geo.spec.num_layers * geo.spec.row_bytes // 2
+            writers = [[0, 0], [1, 0]]
+            outcomes: Counter[str] = Counter()
+            with EngineClient(dd.socket_path, timeout=10) as client:
+                for i in range(DIGEST_REQUESTS):
+                    rid = f"dg-{i}"
+                    decode[0].command(cmd="expect", request_id=rid, pages=DST, n=N_TOKENS, source_instance="pp",
+                                      source_address=fake.address)
+                    deadline = time.monotonic() + 30
+                    while client.status()["requests"] != {"decode:waiting_for_input": 1}:
+                        assert time.monotonic() < deadline, client.status()["requests"]
+                        time.sleep(0.01)
+                    fuzzer = DataFuzzer(rng, rid, "dg", writers, per_token, fake.tokens["dg"])
+                    kind = "clean" if i % 4 == 0 else rng.choice(
+                        ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
+                         "digest_type"))
+                    bad_writer = rng.randrange(2)
+                    replies = []
+                    for w in range(2):
+                        h = fuzzer.header(0, N_TOKENS, src=writers[w], last=True)
+                        payload = bytearray(oracle_payload(rid, w, 0, N_TOKENS))
+                        digests = oracle_digests(rid, w, 0, N_TOKENS)
+                        if w == bad_writer and kind != "clean":
+                            if kind == "payload_byte":
+                                payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
+                            elif kind == "digest_bit":
+                                k = rng.randrange(len(digests))
+                                digests[k] ^= 1 << rng.randrange(64)
+                            elif kind == "digest_short":
+                                digests = digests[:-1]
+                            elif kind == "digest_long":
+                                digests = digests + [rng.randrange(2**64)]
+                            elif kind == "digest_type":
+                                digests = rng.choice(([-1] + digests[1:], ["1"] + digests[1:], "x", [None],
+                                                      [0.5] + digests[1:], [True] + digests[1:]))
+                        if not (w == bad_writer and kind == "digest_missing"):
+                            h["digests"] = digests
+                        replies.append(exchange(dd.data_port, frame(h), bytes(payload)))
+                    if kind == "digest_type":  # refused at the header: the request waits; end it
+                        assert replies[bad_writer]["ok"] is False, replies
+                        assert str(replies[bad_writer]["error"]["field"]).startswith("digests"), replies
+                        decode[0].command(cmd="abort", request_id=rid)
+                    ev = finished(decode[0], rid)
+                    outcomes[f"{kind}:{ev.get('state')}:{ev.get('code')}"] += 1
+                    if kind == "clean":
+                        assert replies == [{"op": "ack", "ok": True}] * 2, replies
+                        assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
+                        continue
+                    assert ev["state"] == "failed", (kind, ev)  # never done
+                    if kind != "digest_type":
+                        assert ev["code"] == "integrity" and rid in ev["reason"], (kind, ev)
+                        assert replies[bad_writer]["ok"] is False, (kind, replies)
+                        assert replies[bad_writer]["error"]["code"] == "integrity", (kind, replies)
+                    assert wait_idle(client, 30) == {}
+            assert dd.proc.poll() is None and "Traceback" not in dd.log()
+            assert outcomes["clean:done:None"] == DIGEST_REQUESTS // 4, outcomes
+            assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")) >= DIGEST_REQUESTS // 2, outcomes
+            failures = sum(v for k, v in rr.scrape(dd.metrics_url).items()
+                           if k.startswith("kvxferd_integrity_failures_total{") and 'transport="tcp"' in k)
+            assert failures == sum(v for k, v in outcomes.items() if k.endswith(":integrity")), (failures, outcomes)
+            decode[0].close()
+    finally:
+        fake.close()
