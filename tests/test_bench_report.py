@@ -158,6 +158,8 @@ def test_a_row_with_integrity_on_is_read_against_the_same_row_off_and_never_as_t
                     mode="direct", workload=wl.label, extra={"integrity": "full"}))
     rows.append(Row("local direct integrity full", "kvxferd", bytes=wl.nbytes, gbps=9.0, verified=False,
                     transport="local", mode="direct", workload=wl.label, extra={"integrity": "full"}))
+    rows.append(Row("tcp direct integrity sampled", "kvxferd", bytes=wl.nbytes, gbps=2.7, verified=True,
+                    transport="tcp", mode="direct", workload=wl.label, extra={"integrity": "sampled"}))
     ratios = compute(rows, wl, tp)
     assert ratios["tcp_vs_socket"] == 0.75  # the plain row's 3.0 over the socket's 4.0, not the checked row's
     got = {t["target"]: t for t in targets_report(rows, ratios)}
@@ -165,3 +167,5 @@ def test_a_row_with_integrity_on_is_read_against_the_same_row_off_and_never_as_t
     assert tcp["value"] == 0.8 and tcp["met"] is True and tcp["goal"] == ">= 0.75x"
     local = got[f"integrity_full_vs_off (local direct {wl.label})"]  # its bytes were not verified: no figure
     assert local["value"] is None and local["met"] is None and "verified" in local["note"]
+    sampled = got[f"integrity_sampled_vs_off (tcp direct {wl.label})"]  # its own, stricter goal
+    assert sampled["value"] == 0.9 and sampled["met"] is False and sampled["goal"] == ">= 0.95x"

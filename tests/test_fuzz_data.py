@@ -382,9 +382,10 @@ def oracle_digests(request_id: str, writer: int, start: int, end: int) -> list[i
 def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
     """The test plays both prefill writers towards a decode daemon in integrity.mode = "full",
     request after request: the oracle's bytes with the oracle's digests must land ``done`` and
-    byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list must
-    never: the chunk is refused (``ok: false``) and the request fails, with code ``integrity``
-    wherever the header itself was well formed."""
+    byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list, or a
+    sample that covers less than every slot (or is ill-formed) must never: the chunk is refused
+    (``ok: false``) and the request fails, with code ``integrity`` wherever the header itself was
+    well formed."""
     fake = FakePrefillDaemon(spec(tp_size=2))
     rng = random.Random(5)
     try:
@@ -407,7 +408,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     fuzzer = DataFuzzer(rng, rid, "dg", writers, per_token, fake.tokens["dg"])
                     kind = "clean" if i % 4 == 0 else rng.choice(
                         ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
-                         "digest_type"))
+                         "digest_type", "sample_narrow", "sample_type"))
                     bad_writer = rng.randrange(2)
                     replies = []
                     for w in range(2):
@@ -429,10 +430,15 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                                                       [0.5] + digests[1:], [True] + digests[1:]))
                         if not (w == bad_writer and kind == "digest_missing"):
                             h["digests"] = digests
+                        if w == bad_writer and kind == "sample_narrow":  # well formed, but not the full ask
+                            period = rng.randrange(2, 64)
+                            h["sample"] = [period, rng.randrange(period)]
+                        elif w == bad_writer and kind == "sample_type":
+                            h["sample"] = rng.choice(([0, 0], [3, 3], [2], [2, -1], "2", [1 << 17, 0], [2.0, 0]))
                         replies.append(exchange(dd.data_port, frame(h), bytes(payload)))
-                    if kind == "digest_type":  # refused at the header: the request waits; end it
+                    if kind in ("digest_type", "sample_type"):  # refused at the header: the request waits; end it
                         assert replies[bad_writer]["ok"] is False, replies
-                        assert str(replies[bad_writer]["error"]["field"]).startswith("digests"), replies
+                        assert str(replies[bad_writer]["error"]["field"]).startswith(kind.split("_")[0]), replies
                         decode[0].command(cmd="abort", request_id=rid)
                     ev = finished(decode[0], rid)
                     outcomes[f"{kind}:{ev.get('state')}:{ev.get('code')}"] += 1
@@ -441,7 +447,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                         assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
                         continue
                     assert ev["state"] == "failed", (kind, ev)  # never done
-                    if kind != "digest_type":
+                    if kind not in ("digest_type", "sample_type"):
                         assert ev["code"] == "integrity" and rid in ev["reason"], (kind, ev)
                         assert replies[bad_writer]["ok"] is False, (kind, replies)
                         assert replies[bad_writer]["error"]["code"] == "integrity", (kind, replies)

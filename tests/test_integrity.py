@@ -13,6 +13,8 @@ before the check read them, which is where a stale writer or a bad transport wou
   the prefill side done (its bytes left) before the check ran.
 - A source in ``full`` towards a decode daemon in ``off``: the digests come anyway and are
   checked (the stricter side wins).
+- ``sampled``: the same over a share of each request's pages (the injection flips a byte of a
+  sampled page); an instance that asks at register is checked on a daemon in ``off``.
 """
 
 from __future__ import annotations
@@ -27,6 +29,9 @@ from nixl_util import NIXL_ENV, NIXL_MISSING, metric
 FULL = '[integrity]\nmode = "full"\n'
 CORRUPT = '[integrity]\nmode = "full"\ncorrupt_landed_every = 1\n'
 OFF_CORRUPT = '[integrity]\nmode = "off"\ncorrupt_landed_every = 1\n'
+# one granule (a page here) in two: every request of N_TOKENS has some in each of its chunks
+SAMPLED = '[integrity]\nmode = "sampled"\nsample_share = 0.5\n'
+SAMPLED_CORRUPT = SAMPLED + 'corrupt_landed_every = 1\n'
 STAGED = {"KVXFERD_PEER_MODE": "staged"}  # the run dir's config has its own [peer] table
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}"))]
 SHAPES = {"matched": (spec(tp_size=1), spec(tp_size=1)), "sliced": (spec(tp_size=2), spec(tp_size=1))}
@@ -34,28 +39,33 @@ N_TOKENS = 22  # several pages and a partial last one; clean requests go in two 
 
 
 def _request(c, pd, dd, tag: str, shape: str, rng: random.Random, local: bool = False,
-             chunks: list[list[int]] | None = None):
+             chunks: list[list[int]] | None = None, asks: tuple[str | None, str | None] = (None, None)):
+    """One request; ``asks``: the integrity mode the prefill and the decode instance register with."""
     pspec, dspec = SHAPES[shape]
-    prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES), (dd, f"{tag}-d", "decode", dspec,
-                                                                                  NUM_PAGES))
+    if asks == (None, None):
+        prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES),
+                                      (dd, f"{tag}-d", "decode", dspec, NUM_PAGES))
+    else:
+        [prefill] = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES), integrity=asks[0])
+        [decode] = c.instances((dd, f"{tag}-d", "decode", dspec, NUM_PAGES), integrity=asks[1])
     src = pages_for(rng, NUM_PAGES, N_TOKENS, pspec.page_size)
     dst = pages_for(rng, NUM_PAGES, N_TOKENS, dspec.page_size)
     return transfer(prefill, decode, f"{tag}-r", N_TOKENS, src_pages=src, dst_pages=dst,
                     source_address=None if local else pd.address, chunks=chunks)
 
 
-def _clean(c, pd, dd, tag, shape, rng, transport, local=False):
+def _clean(c, pd, dd, tag, shape, rng, transport, local=False, asks=(None, None)):
     checked = metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport)
-    dec, pre = _request(c, pd, dd, tag, shape, rng, local, chunks=[[0, 12], [12, N_TOKENS]])
+    dec, pre = _request(c, pd, dd, tag, shape, rng, local, chunks=[[0, 12], [12, N_TOKENS]], asks=asks)
     assert_verified(dec, pre)
     assert metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport) > checked, \
         f"{tag}: no chunk was checked over {transport}"
 
 
-def _corrupted(c, pd, dd, tag, shape, rng, transport, local=False):
+def _corrupted(c, pd, dd, tag, shape, rng, transport, local=False, asks=(None, None)):
     failures = metric(dd, "kvxferd_integrity_failures_total", transport=transport)
     # one chunk: a second send after the request failed would be refused, which is not under test
-    dec, pre = _request(c, pd, dd, tag, shape, rng, local)
+    dec, pre = _request(c, pd, dd, tag, shape, rng, local, asks=asks)
     for ev in dec:
         assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
     for ev in pre:
@@ -112,3 +122,47 @@ def test_the_stricter_side_wins_a_source_in_full_sends_digests_to_a_decode_daemo
         from kvxferd.sdk.client import EngineClient
         with EngineClient(src.socket_path, timeout=30) as client:
             assert client.status()["integrity"] == "full"
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_sampled_mode_checks_a_share_of_each_request_and_fails_a_changed_byte_in_it(request, transport):
+    env = NIXL_ENV if transport == "nixl" else {}
+    rng = random.Random(10)
+    with cluster_run(request) as c:
+        src, clean, bad = start_nodes(c, Node("src", env=env), Node("clean", SAMPLED, env),
+                                      Node("bad", SAMPLED_CORRUPT, env))
+        for shape in SHAPES:
+            _clean(c, src, clean, f"sok-{shape}", shape, rng, transport)
+            _corrupted(c, src, bad, f"sbad-{shape}", shape, rng, transport)
+        from kvxferd.sdk.client import EngineClient
+        with EngineClient(clean.socket_path, timeout=30) as client:
+            status = client.status()
+        assert (status["integrity"], status["integrity_sample_share"]) == ("sampled", 0.5)
+
+
+def test_sampled_local_copies_and_a_sampled_source_towards_a_daemon_in_off(request):
+    rng = random.Random(11)
+    with cluster_run(request) as c:
+        sampled, bad, off_bad = start_nodes(c, Node("sampled", SAMPLED), Node("bad", SAMPLED_CORRUPT),
+                                            Node("off-bad", OFF_CORRUPT))
+        for shape in SHAPES:
+            _clean(c, sampled, sampled, f"slok-{shape}", shape, rng, "local", local=True)
+            _corrupted(c, bad, bad, f"slbad-{shape}", shape, rng, "local", local=True)
+        # the source samples on its own: the decode daemon in off checks what it sent
+        _corrupted(c, sampled, off_bad, "s-src", "sliced", rng, "tcp")
+
+
+def test_an_instance_that_asks_at_register_is_checked_on_daemons_in_off(request):
+    rng = random.Random(12)
+    with cluster_run(request) as c:
+        src, off, off_bad = start_nodes(c, Node("src"), Node("off"), Node("off-bad", OFF_CORRUPT))
+        # the decode instance asks: its daemon asks the source for digests in each expect
+        _clean(c, src, off, "ask-d", "sliced", rng, "tcp", asks=(None, "full"))
+        _corrupted(c, src, off_bad, "ask-d-bad", "sliced", rng, "tcp", asks=(None, "full"))
+        # the prefill instance asks: its daemon sends digests, which the decode daemon checks
+        _corrupted(c, src, off_bad, "ask-p-bad", "matched", rng, "tcp", asks=("full", None))
+        # the rank's ask shows in status
+        from kvxferd.sdk.client import EngineClient
+        with EngineClient(off.socket_path, timeout=30) as client:
+            ranks = client.status()["ranks"]
+        assert {r["instance"]: r.get("integrity") for r in ranks}["ask-d-d"] == "full"

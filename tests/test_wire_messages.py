@@ -107,7 +107,7 @@ NIXL_REGION = [0, 0, 1, "kv", 4096, 8192, -1, 256]
 #: one message of each checked op with every field set, each value in the form its checker
 #: returns (a pair is a tuple, a number a float, a region map keeps its op)
 FULL: list[Message] = [
-    messages.Register("pre", "prefill", {"num_layers": 2}, [REGION], 4321, "h:7", 1, 2),
+    messages.Register("pre", "prefill", {"num_layers": 2}, [REGION], 4321, "h:7", 1, 2, "sampled"),
     messages.Unregister("pre/0/0"),
     messages.Expect("dec/0/0", "r1", "pre", [1, 2], "h:1", 64, 16, 2.5, 1, {"kv": [1, 2], "ssm": [3]}),
     messages.Send("pre/0/0", "r1", [1, 2], 0, 16, True, b"aux", {"kv": [1]}),
@@ -121,7 +121,7 @@ FULL: list[Message] = [
                                            "nixl_unusable": "rank d/tp0/pp0 could not be registered"}),
     messages.PeerExpect("r1", "p", "d", (1, 0), 64, 16,
                         {"dst_pages": [3, 4], "dst_groups": {"kv": [3]}, "nixl_md": [b"md"],
-                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)], True),
+                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)], [20, 3]),
     messages.PeerAbort("r1", "the engine aborted", "aborted"),
     messages.PeerEnded("r1", "p", "d", "timeout", "bootstrap took too long"),
     messages.Fence("r1"),

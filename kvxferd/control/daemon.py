@@ -36,6 +36,7 @@ from ..lifecycle import effects, events, states
 from ..lifecycle.core import Lifecycle
 from ..lifecycle.inbox import Inbox
 from ..lifecycle.registry import Rank, Registry
+from ..model import sampling
 from ..ops import sdnotify
 from ..ops.config import LOCAL_MODE_NOTE, Config, transport_preference
 from ..ops.hops import TRACE
@@ -99,7 +100,8 @@ class Daemon:
                               peer=cfg.peer,
                               remote_ranks=lambda instance: {c: h.daemon for c, h in self.directory.remote(
                                   instance, "prefill", time.monotonic()).items()},
-                              integrity=cfg.integrity.mode == "full")
+                              integrity=sampling.Policy(cfg.integrity.mode,
+                                                        sampling.period_of(cfg.integrity.sample_share)))
         #: the ranks other daemons announced to this one (or it read from etcd), by instance
         self.directory = Directory("", cfg.peer.peer_timeout_s, cfg.limits.max_ranks)
         self.decode_links = DecodeLinks(
@@ -234,7 +236,10 @@ class Daemon:
                      "refused_by_peers": self.auth_refused_by.describe()},
             "transports": self.transports.describe(),
             "copy_path": runcopy.copy_path(),  # native, or torch and why
-            "integrity": cfg.integrity.mode,  # "full": chunks carry digests checked over the landed bytes
+            # "full" or "sampled": chunks carry digests checked over the landed bytes (all, or a share)
+            "integrity": cfg.integrity.mode,
+            **({"integrity_sample_share": self.life.integrity.describe()["share"]}
+               if cfg.integrity.mode == "sampled" else {}),
             "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
             **({"hops": TRACE.snapshot()} if TRACE.keep else {}),  # daemon.hop_trace: per-request hop times
         }

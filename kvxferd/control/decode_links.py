@@ -226,7 +226,8 @@ class DecodeLinks:
         self.send(address, messages.PeerExpect(
             entry.request_id, entry.source_instance, entry.rank.instance, list(entry.rank.coords), num_tokens,
             entry.start or None, self.transports.expect_fields(address, entry),
-            [list(w) for w in writers] if writers is not None else None, True if entry.integrity else None))
+            [list(w) for w in writers] if writers is not None else None,
+            entry.integrity.to_wire() if entry.integrity is not None else None))
 
     def link(self, address: str) -> PeerLink:
         link = self.links.get(address)

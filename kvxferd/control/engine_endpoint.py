@@ -196,7 +196,7 @@ class EngineEndpoint:
         except BaseException:
             self.release_mappings()  # a refused registration keeps nothing mapped
             raise
-        rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size)
+        rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size, msg.integrity)
         old = self.registry.get(rank.id)
         if old is not None:
             self.drop_rank(old, "rank re-registered (engine restarted)")

@@ -23,6 +23,7 @@ from ..lifecycle.outbox import Route
 from ..lifecycle.registry import Registry
 from ..model.geometry import InstanceSpec
 from ..model.plan_wire import plan_to_wire
+from ..model.sampling import Sample
 from ..ops.config import Config
 from ..ops.hops import TRACE
 from ..ops.logutil import q
@@ -234,7 +235,7 @@ class PrefillEndpoint:
         writers = tuple((w[0], w[1]) for w in msg.writers) if msg.writers is not None else None
         self.dispatch(events.PeerExpected(msg.request_id, msg.prefill_instance, msg.decode_instance, dst, plan,
                                           route, dst_pages, start, writers, msg.num_tokens, dst_groups,
-                                          bool(msg.integrity)))
+                                          Sample.from_wire(msg.integrity) if msg.integrity else None))
         return None
 
     def abort(self, identity: bytes, msg: messages.PeerAbort) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
+from ..model.sampling import chosen, granule
 from .digest import region_digests
 
 log = logging.getLogger("kvxferd.integrity")
@@ -37,22 +38,29 @@ class LandedCheck:
 
     def __call__(self, sink: Any, transport: str) -> str | None:
         entry, w = sink.entry, sink.writer
-        if sink.digests is None and not entry.integrity:
+        asked, sent = entry.integrity, sink.sample
+        if sent is None and asked is None:
             return None
         peer = entry.daemon_of(w.src) or "local"
-        if sink.digests is None:
+        if sent is None:
             self.metrics.integrity_failures.labels(peer, transport).inc()
-            return self._say(sink, transport, peer, "came without digests, which this daemon asks for "
-                             "(integrity.mode = full)", "run a kvxferd that sends them on the source side")
+            return self._say(sink, transport, peer, f"came without digests, which this daemon asks for "
+                             f"({asked.describe()})", "run a kvxferd that sends them on the source side")
+        if asked is not None and not sent.covers(asked):
+            self.metrics.integrity_failures.labels(peer, transport).inc()
+            return self._say(sink, transport, peer, f"carries digests of {sent.describe()}, which do not cover "
+                             f"what this daemon asked for ({asked.describe()})",
+                             "check both sides run the same kvxferd")
         regions = sink.regions()
         if len(sink.digests) != len(regions):
             self.metrics.integrity_failures.labels(peer, transport).inc()
             return self._say(sink, transport, peer, f"carries {len(sink.digests)} digests for its {len(regions)} "
                              "regions", "check both sides run the same kvxferd")
-        if self.corrupt_every and sink.nbytes and next(self._seen) % self.corrupt_every == 0:
-            self._corrupt(sink, regions[0])
-        landed = region_digests([r.flat for r in regions], sink.dst_slots, w.dst_row_bytes, sink.head_offset,
-                                w.slice_bytes)
+        slots = chosen(sink.dst_slots, entry.rank.geometry.spec.group_spec(w.group).slot_tokens, sink.start,
+                       granule(entry.plan, w.group), sent)
+        if self.corrupt_every and slots.size and next(self._seen) % self.corrupt_every == 0:
+            self._corrupt(sink, regions[0], int(slots[0]))
+        landed = region_digests([r.flat for r in regions], slots, w.dst_row_bytes, sink.head_offset, w.slice_bytes)
         self.metrics.integrity_checked.labels(transport).inc()
         bad = [i for i, (a, b) in enumerate(zip(landed, sink.digests)) if a != b]
         if not bad:
@@ -67,8 +75,8 @@ class LandedCheck:
                          "between these daemons")
 
     @staticmethod
-    def _corrupt(sink: Any, region: Any) -> None:
-        at = int(sink.dst_slots[0]) * sink.writer.dst_row_bytes + sink.head_offset
+    def _corrupt(sink: Any, region: Any, slot: int) -> None:
+        at = slot * sink.writer.dst_row_bytes + sink.head_offset
         region.flat[at] = int(region.flat[at]) ^ 0xFF
 
     @staticmethod

@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
 from ..errors import RequestError
+from ..model.sampling import Policy
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from . import effects, events, states
@@ -36,7 +37,7 @@ class LifecycleBase:
                  one_sided: Callable[[str], bool], source_up: Callable[[str], bool] | None = None,
                  wall_clock: Callable[[], float], peer: Any = None, address: str = "",
                  remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {},
-                 integrity: bool = False) -> None:
+                 integrity: Policy | None = None) -> None:
         self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
         self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
         self.registry = registry
@@ -56,9 +57,10 @@ class LifecycleBase:
         self.peer = peer  # config.Peer: require_same_page_size (plans refuse others), heartbeat_interval_s
         #: a prefill instance -> its ranks the rank directory lists at other daemons (coords -> daemon)
         self.remote_ranks = remote_ranks
-        #: integrity.mode = "full": this daemon's decode ranks check every chunk's digests, and its
-        #: prefill ranks send them to every destination (a peer that asks gets them regardless)
-        self.integrity = integrity
+        #: integrity.mode: what share of each request this daemon's decode ranks check against
+        #: digests, and its prefill ranks send them for (a peer or an instance that asks for more
+        #: gets more: the stricter side wins)
+        self.integrity = integrity or Policy()
         #: decode side: handshakes with source daemons (an unanswered hello goes again after a
         #: heartbeat interval, at least a second), and destinations waiting for a local source
         self.handshakes = Handshakes(max(1.0, peer.heartbeat_interval_s if peer is not None else 1.0),

@@ -22,7 +22,8 @@ class DecodeSide(BootstrapSide):
     def _expect(self, ev: events.ExpectCalled) -> str:
         self.refuse_finished(ev.request_id, ev.rank.id)
         entry = DestEntry(ev.request_id, ev.rank, ev.source_instance, ev.pages, ev.num_tokens, ev.start,
-                          created=self.now, phase_since=self.now, groups=ev.groups or {}, integrity=self.integrity)
+                          created=self.now, phase_since=self.now, groups=ev.groups or {},
+                          integrity=self.integrity.sample(ev.rank.integrity))
         entry.transport = "tcp" if ev.source_address else "local"
         entry.source_address = ev.source_address
         self.inbox.add(entry)

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..model.geometry import InstanceSpec
 from ..model.plan import Plan
+from ..model.sampling import Sample
 from ..wire.messages import Message
 from .inbox import DestEntry
 from .jobs import Moved
@@ -187,7 +188,8 @@ class PeerExpected:
     writers: tuple[tuple[int, int], ...] | None = None  # the writers held here (None: every writer)
     num_tokens: int = 0  # the request's length (0: not given); a sliding-window group's window ends there
     dst_groups: Any = None  # route "nixl": each cache group's destination table (pages, or [state slot])
-    integrity: bool = False  # the destination checks digests: every chunk to it carries them
+    #: what the destination checks against digests (None: nothing asked): its chunks carry them
+    integrity: Sample | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ import numpy as np
 from ..errors import IntegrityError, RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
+from ..model.sampling import FULL, Sample
 from ..model.segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
 from ..ops.hops import TRACE
 from . import states
@@ -72,8 +73,9 @@ class DestEntry:
     #: its failure went to a source daemon as ``ended`` (its expect had not reached it): said once
     #: more when its bootstrap returns, which puts the handshake ahead of it on the link
     end_told: bool = False
-    #: every chunk must carry its source's digests, checked over the landed bytes (integrity.mode)
-    integrity: bool = False
+    #: what of its chunks must carry its source's digests, checked over the landed bytes
+    #: (integrity.mode, or its instance's ask; None: nothing asked)
+    integrity: Sample | None = None
 
     def source_addresses(self) -> list[str]:
         """Every source daemon of this destination (none: the source instance is on this daemon)."""
@@ -147,6 +149,7 @@ class Sink:
     head_offset: int
     aux: bytes | None
     digests: list[int] | None = None  # the source's, one per region (integrity); None: not sent
+    sample: Sample | None = None  # which granules those digests cover (FULL: every slot); None: not sent
 
     def regions(self) -> list[Any]:
         return list(self._regions)  # a fresh list each time: callers may keep or change theirs
@@ -242,7 +245,8 @@ class Inbox:
         if first:  # the core hears of it and moves the destination to transferring
             self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
-                    head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"))
+                    head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"),
+                    _sample_of(header))
 
     def _writer_of(self, header: dict[str, Any], dest_rank: str, src: tuple) -> tuple[DestEntry, Writer]:
         """The open entry a chunk is for and the plan's writer it claims to be (lock held)."""
@@ -326,3 +330,10 @@ class Inbox:
                 entry.last_end.pop(src, None)
         self._on_change(entry)
         return failed
+
+
+def _sample_of(header: dict[str, Any]) -> Sample | None:
+    """Which granules a data header's digests cover: what its ``sample`` says, every one without it."""
+    if header.get("digests") is None:
+        return None
+    return Sample.from_wire(header["sample"]) if "sample" in header else FULL

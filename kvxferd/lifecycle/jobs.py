@@ -13,6 +13,7 @@ import numpy as np
 from ..datapath.digest import region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
+from ..model.sampling import Sample, chosen
 from ..model.segments import chunk_bytes, head_offset_bytes, slot_count
 from .registry import Rank
 
@@ -35,7 +36,10 @@ class ChunkJob:
     dst_pages: np.ndarray | None = None  # nixl: the destination's page table (one-sided writes need it)
     remote: Any = None  # nixl: the destination daemon's agent (transport.nixl.NixlPeer)
     group: str = ""  # a cache group's chunk: its regions, slots and writer are the group's
-    digests: bool = False  # the header carries the digests of its bytes (integrity: either side asked)
+    #: the header carries the digests of the bytes of these granules (integrity: either side asked;
+    #: None: no digests), each granule ``granule`` tokens (0: the chunk is one state slot)
+    digests: Sample | None = None
+    granule: int = 0
 
     # derived once per job (a job's fields are never reassigned): transports ask for them
     # several times per chunk, and for a small chunk deriving them cost more than moving it
@@ -76,16 +80,21 @@ class ChunkJob:
             head["group"] = self.group
         if self.writer.part:
             head["part"] = self.writer.part
-        if self.digests:
+        if self.digests is not None:
             head["digests"] = self.region_digests
+            if not self.digests.full:
+                head["sample"] = self.digests.to_wire()
         return head
 
     @cached_property
     def region_digests(self) -> list[int]:
         """The chunk's bytes in each source region as they are now (read once: a job's header may
         be built more than once, and the pages do not change while the request moves)."""
-        w = self.writer
-        return region_digests([r.flat for r in self._regions], self.src_slots, w.src_row_bytes, self.head_offset,
+        w, sample = self.writer, self.digests
+        assert sample is not None, "digests are read only for a job that carries them"
+        slots = chosen(self.src_slots, self.rank.geometry.spec.group_spec(self.group).slot_tokens, self.start,
+                       self.granule, sample)
+        return region_digests([r.flat for r in self._regions], slots, w.src_row_bytes, self.head_offset,
                               w.slice_bytes)
 
 

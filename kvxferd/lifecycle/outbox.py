@@ -16,6 +16,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..model.plan import Plan, Writer, group_key
+from ..model.sampling import Sample
 from . import states
 
 
@@ -79,7 +80,10 @@ class Target:
     dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
     start: int = 0  # the decode side holds tokens before it already: chunks are clipped to >= start
     inflight: int = 0  # jobs towards it not returned yet (a fence waits for those of its daemon)
-    digests: bool = False  # its chunks carry their digests (integrity: its expect asked, or this daemon does)
+    #: which granules of its chunks carry their digests (integrity: what its expect asked, or this
+    #: daemon or the source's instance where stricter; None: none), and the granule's tokens
+    digests: Sample | None = None
+    granule: int = 0
 
 
 @dataclass

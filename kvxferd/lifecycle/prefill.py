@@ -16,6 +16,7 @@ from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
 from ..model.plan import Plan, group_key
 from ..model.planner import make_plan
+from ..model.sampling import Sample, granule, to_send
 from ..model.segments import clip_slots
 from ..ops.logutil import q
 from ..wire.messages import Event, Fenced, PeerAbort
@@ -127,7 +128,7 @@ class PrefillSide(LifecycleBase):
             # one-sided writes address a group's chunk by the group's own destination table
             dst_pages = (ev.dst_groups or {}).get(w.group) if w.group else ev.dst_pages
             target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start,
-                            digests=ev.integrity or self.integrity)
+                            digests=self._digests(rank_id, ev.integrity), granule=granule(ev.plan, w.group))
             entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
@@ -136,6 +137,12 @@ class PrefillSide(LifecycleBase):
                 entry.bind(binding, self.now)
                 self._pump(entry)
             self._check_src(entry)
+
+    def _digests(self, rank_id: str, asked: Sample | None) -> Sample | None:
+        """What a target's chunk digests cover: its expect's ask, or this daemon's or the source
+        instance's mode where stricter (a rank that registers later is held to this daemon's)."""
+        rank = self.registry.get(rank_id)
+        return to_send(self.integrity.sample(rank.integrity if rank is not None else None), asked)
 
     def _binding_for(self, ev: events.PeerExpected) -> Binding:
         """The request's one binding: every decode rank's expect adds its route to it (the peer
@@ -283,7 +290,7 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
-                       digests=target.digests)
+                       digests=target.digests, granule=target.granule)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -307,7 +314,7 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
-                       digests=target.digests)
+                       digests=target.digests, granule=target.granule)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):

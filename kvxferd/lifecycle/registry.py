@@ -46,6 +46,8 @@ class Rank:
     identity: bytes  # routing id of the engine connection that registered it
     process: "ProcessRef | None" = None  # the engine process, when this daemon can see it
     dp_size: int | None = None  # a DP rank of a data-parallel instance (``instance`` is <name>@dp<k>)
+    #: the integrity mode its instance asked for at register (the daemon's own applies when stricter)
+    integrity: str | None = None
     id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -63,6 +65,8 @@ class Rank:
                "geometry": self.geometry.to_dict(), "regions": len(self.regions)}
         if self.dp_size is not None:
             out["dp_size"] = self.dp_size
+        if self.integrity:
+            out["integrity"] = self.integrity
         return out
 
 

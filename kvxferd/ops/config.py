@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from ..model import sampling
 from . import hops
 
 if sys.version_info >= (3, 11):
@@ -201,17 +202,21 @@ DIRECTORY_BACKENDS = ("embedded", "etcd")
 
 @dataclass
 class IntegritySection:
-    #: "full": every chunk carries a digest of its bytes, which the destination checks over the
-    #: bytes that landed before the request can be done; "off": none asked for (a peer that asks
-    #: still gets them: the stricter side of a pair wins)
+    #: "full": every chunk carries digests of its bytes, which the destination checks over the
+    #: bytes that landed before the request can be done; "sampled": the same over a rotating
+    #: share of each request's pages (sample_share); "off": none asked for (a peer or an
+    #: instance that asks still gets them: the stricter side wins)
     mode: str = "off"
+    #: sampled: the share of each request's pages checked (0.05: one page in 20, a different one
+    #: with every request, so every page of a long-lived cache is checked in its turn)
+    sample_share: float = 0.05
     #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
     #: before it is checked (0: never). Logged loudly at start; never set it in production.
     corrupt_landed_every: int = 0
 
 
 #: integrity.mode values
-INTEGRITY_MODES = ("off", "full")
+INTEGRITY_MODES = sampling.MODES
 
 
 def lease_ttl(cfg: "Config") -> int:
@@ -390,7 +395,10 @@ def validate(cfg: Config) -> Config:
 def _check_integrity(integrity: IntegritySection) -> None:
     if integrity.mode not in INTEGRITY_MODES:
         raise ConfigError(f"integrity.mode {integrity.mode!r} is not one of {', '.join(INTEGRITY_MODES)}",
-                          field="integrity.mode", fix="use off or full")
+                          field="integrity.mode", fix="use off, sampled or full")
+    if not 0 < integrity.sample_share <= 1:
+        raise ConfigError(f"integrity.sample_share must be in (0, 1], got {integrity.sample_share}",
+                          field="integrity.sample_share", fix="use a share such as 0.05 (one page in 20)")
     if integrity.corrupt_landed_every < 0:
         raise ConfigError(f"integrity.corrupt_landed_every must be >= 0, got {integrity.corrupt_landed_every}",
                           field="integrity.corrupt_landed_every", fix="leave it 0 outside tests")

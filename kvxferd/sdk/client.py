@@ -104,7 +104,7 @@ class _Base:
     @staticmethod
     def _register_msg(instance: str, role: str, geometry: RankGeometry | dict[str, Any],
                       regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
-                      dp: tuple[int, int] | None = None) -> dict[str, Any]:
+                      dp: tuple[int, int] | None = None, integrity: str | None = None) -> dict[str, Any]:
         geo = geometry.to_dict() if isinstance(geometry, RankGeometry) else dict(geometry)
         # the pid lets a daemon on the same host notice an engine that died without a word
         msg = {"instance": instance, "role": role, "geometry": geo, "regions": list(regions), "pid": os.getpid()}
@@ -112,6 +112,8 @@ class _Base:
             msg["rendezvous"] = rendezvous
         if dp is not None:  # (dp_rank, dp_size): a data-parallel rank, filed as <instance>@dp<dp_rank>
             msg["dp_rank"], msg["dp_size"] = dp
+        if integrity and integrity != "off":  # the instance asks for digests; the daemon's mode applies where stricter
+            msg["integrity"] = integrity
         return msg
 
 
@@ -206,11 +208,13 @@ class EngineClient(_Base):
     # -- the API -----------------------------------------------------------------------
     def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
                  regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
-                 dp: tuple[int, int] | None = None) -> str:
+                 dp: tuple[int, int] | None = None, integrity: str | None = None) -> str:
         """``rendezvous``: host:port of the daemon every rank of the instance names (instances whose
         ranks register at several daemons); decode sides name it as the source address.
-        ``dp``: ``(dp_rank, dp_size)`` of a data-parallel (DP attention) rank."""
-        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp)
+        ``dp``: ``(dp_rank, dp_size)`` of a data-parallel (DP attention) rank. ``integrity``: "sampled"
+        or "full" asks that this rank's transfers be checked against digests even where the daemon's
+        ``integrity.mode`` is weaker (the stricter wins)."""
+        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp, integrity)
         return self.call("register", **msg)["rank_id"]
 
     def unregister(self, rank_id: str) -> None:
@@ -360,8 +364,8 @@ class AsyncEngineClient(_Base):
 
     async def register(self, instance: str, role: str, geometry: RankGeometry | dict[str, Any],
                        regions: Sequence[dict[str, Any]], rendezvous: str | None = None,
-                       dp: tuple[int, int] | None = None) -> str:
-        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp)
+                       dp: tuple[int, int] | None = None, integrity: str | None = None) -> str:
+        msg = self._register_msg(instance, role, geometry, regions, rendezvous, dp, integrity)
         return (await self.call("register", **msg))["rank_id"]
 
     async def expect(self, rank_id: str, request_id: str, *, source_instance: str, pages: Iterable[int],

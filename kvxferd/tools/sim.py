@@ -47,6 +47,7 @@ def worker_main(argv: list[str]) -> int:
     ap.add_argument("--geometry", required=True, help="rank geometry JSON")
     ap.add_argument("--rendezvous", default=None, help="the instance's rendezvous daemon (host:port)")
     ap.add_argument("--dp", default=None, help="dp_rank,dp_size of a data-parallel rank")
+    ap.add_argument("--integrity", default=None, help="the integrity mode the instance asks for at register")
     args = ap.parse_args(argv)
     geometry = RankGeometry.from_dict(json.loads(args.geometry))
     args.dp = tuple(int(x) for x in args.dp.split(",")) if args.dp else None
@@ -71,7 +72,8 @@ def worker_main(argv: list[str]) -> int:
 
 def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, emit: Any) -> int:
     try:
-        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous, args.dp)
+        rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous, args.dp,
+                              args.integrity)
     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
         return 1
@@ -102,7 +104,7 @@ def _worker_serve(args: Any, client: Any, cache: Any, geometry: RankGeometry, em
                 if cmd["cmd"] == "register":  # again (a restarted daemon): the same memory, same descriptors
                     try:
                         rid = client.register(args.instance, args.role, geometry, cache.descriptors(), args.rendezvous,
-                                              args.dp)
+                                              args.dp, args.integrity)
                         emit({"event": "registered", "rank_id": rid, "shm": cache.path, "memfd": cache.name})
                     except Exception as exc:  # noqa: BLE001 - reported to the orchestrator
                         emit({"event": "register_failed", "error": str(exc), "code": getattr(exc, "code", "")})
@@ -423,7 +425,8 @@ class Worker:
     """A simulated engine rank process."""
 
     def __init__(self, daemon: DaemonProc, instance: str, role: str, geometry: RankGeometry,
-                 wait: bool = True, rendezvous: str | None = None, dp: tuple[int, int] | None = None) -> None:
+                 wait: bool = True, rendezvous: str | None = None, dp: tuple[int, int] | None = None,
+                 integrity: str | None = None) -> None:
         self.instance = instance
         self.role = role
         self.geometry = geometry
@@ -431,7 +434,8 @@ class Worker:
             [sys.executable, "-m", "kvxferd.tools.sim", "worker", "--socket", daemon.socket_path, "--instance", instance,
              "--role", role, "--geometry", json.dumps(geometry.to_dict())]
             + (["--rendezvous", rendezvous] if rendezvous else [])
-            + (["--dp", f"{dp[0]},{dp[1]}"] if dp else []),
+            + (["--dp", f"{dp[0]},{dp[1]}"] if dp else [])
+            + (["--integrity", integrity] if integrity else []),
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.events = read_events(self.proc)
         self.rank_id = ""
@@ -491,12 +495,13 @@ class Cluster:
     def instance(self, daemon: DaemonProc, name: str, role: str, spec: InstanceSpec, num_pages: int) -> list[Worker]:
         return self.instances((daemon, name, role, spec, num_pages))[0]
 
-    def instances(self, *wanted: tuple[DaemonProc, str, str, InstanceSpec, int]) -> list[list[Worker]]:
-        """The engine ranks of several (daemon, name, role, spec, num_pages) instances, registered.
-        Every engine process starts before any is waited for, so their imports overlap."""
+    def instances(self, *wanted: tuple[Any, ...], integrity: str | None = None) -> list[list[Worker]]:
+        """The engine ranks of several (daemon, name, role, spec, num_pages) instances, registered
+        (``integrity``: the mode each asks for). Every engine process starts before any is waited
+        for, so their imports overlap."""
         groups = []
         for daemon, name, role, spec, num_pages in wanted:
-            group = [Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False)
+            group = [Worker(daemon, name, role, RankGeometry(spec, tp, pp, num_pages), wait=False, integrity=integrity)
                      for pp in range(spec.pp_size) for tp in range(spec.tp_size)]
             self.workers.extend(group)
             groups.append(group)

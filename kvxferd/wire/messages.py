@@ -27,10 +27,11 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ProtocolError
+from ..model.sampling import MODES
 from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
                        MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob,
                        boolean, check_op, group_tables, int_list, integer, list_of, mapping, number, pair,
-                       plan_row, rank_at, region, text)
+                       plan_row, rank_at, region, sample, text)
 
 #: cut lengths the schemas allow for free text sent to a peer
 MAX_REASON = 500
@@ -107,6 +108,8 @@ class Register(Message):
     #: a data-parallel rank of the instance (DP attention), with dp_size: filed as <instance>@dp<dp_rank>
     dp_rank: int | None = wire(integer(0, MAX_DP - 1), None)
     dp_size: int | None = wire(integer(1, MAX_DP), None)
+    #: the integrity mode the instance asks for (off, sampled, full); this daemon's applies where stricter
+    integrity: str | None = wire(text(8, MODES), None)
 
 
 @dataclass(frozen=True)
@@ -267,9 +270,10 @@ class PeerExpect(Message):
     extra: dict[str, Any] = extras(EXPECT_TARGETS)  # dst_pages and regions for one-sided writes
     #: the writers the receiving daemon holds (left out: every writer)
     writers: list[list[int]] | None = wire(list_of(pair, MAX_INSTANCE_RANKS), None)
-    #: the decode side checks every chunk's digest (integrity.mode = "full" there): the source
-    #: sends them whatever its own mode (left out: not asked)
-    integrity: bool | None = wire(boolean, None)
+    #: the granules of the request the decode side checks against digests, [period, offset]
+    #: ([1, 0]: every chunk whole; kvxferd.model.sampling): the source sends digests covering them
+    #: whatever its own mode (left out: nothing asked)
+    integrity: list[int] | None = wire(sample, None)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ import msgpack
 
 from .. import PROTOCOL_VERSION
 from ..errors import ProtocolError, RequestError
+from ..model.sampling import MAX_PERIOD
 
 MAX_ID_LEN = 256
 MAX_NAME_LEN = 128
@@ -144,6 +145,17 @@ def pair(name: str, value: Any) -> tuple[int, int]:
         raise ProtocolError(f"{name} must be [tp_rank, pp_rank], got {value!r}"[:200], field=name,
                             fix="send two small non-negative integers")
     return (value[0], value[1])
+
+
+def sample(name: str, value: Any) -> list[int]:
+    """[period, offset] of an integrity sample (kvxferd.model.sampling): one granule in period."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+            or not 1 <= value[0] <= MAX_PERIOD or not 0 <= value[1] < value[0]):
+        raise ProtocolError(f"{name} must be [period, offset] with 1 <= period <= {MAX_PERIOD} and "
+                            f"0 <= offset < period, got {value!r}"[:200], field=name,
+                            fix="send the sample as two integers")
+    return [value[0], value[1]]
 
 
 def list_of(item: Checker, max_len: int) -> Checker:
@@ -341,7 +353,9 @@ DATA_HEADER = Schema(
               "group": text(24), "part": integer(0, 16),
               # integrity: XXH3-64 of the chunk's bytes in each of its regions, in wire order, as
               # the source's pages held them (kvxferd.datapath.digest)
-              "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS)},
+              "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS),
+              # ... over the granules of this sample only (left out: every slot of the chunk)
+              "sample": sample},
 )
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)

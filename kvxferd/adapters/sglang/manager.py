@@ -92,6 +92,10 @@ class KvxferdKVManager(BaseKVManager):
             raise RegistrationError(f"KVArgs.page_size {args.page_size} differs from the pool's {self.facts.page_size}",
                                     field="page_size", fix="build KVArgs from the registered pool")
         self.dp = self._dp_group(args)
+        # --disaggregation-enable-kv-checksum: kvxferd checks every chunk's bytes end to end
+        # (integrity "full" for this instance's ranks), across TP, PP and page-size changes, where
+        # SGLang's own digest is compared only between ranks of one layout
+        self.integrity = "full" if self._setting("disagg", "disaggregation_enable_kv_checksum") else None
         self.follow_bootstrap_room = self._follows_room()
         tensors = self._map_regions(args, ctx)
         self.aux_ptrs = [int(p) for p in args.aux_data_ptrs]
@@ -135,15 +139,16 @@ class KvxferdKVManager(BaseKVManager):
                 node_rank=self._parallel("node_rank", 0), dist_init_addr=self._parallel("dist_init_addr", None),
                 own_address=self.own_address)
             self.rank_id = self.client.register(self.instance, self.mode, self.geometry, describe_tensors(tensors),
-                                                rendezvous=self.rendezvous, dp=self.dp)
+                                                rendezvous=self.rendezvous, dp=self.dp, integrity=self.integrity)
         except BaseException:
             self.client.close()
             raise
         try:
             # what decode names as the source address: the rendezvous, where the instance's ranks are known
             self.daemon_address = self.rendezvous or self.own_address
-            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s rendezvous=%s dp=%s",
-                     self.instance, self.mode, self.rank_id, self.own_address, self.rendezvous, self.dp)
+            log.info("event=sglang_rank_registered instance=%s role=%s rank_id=%s daemon=%s rendezvous=%s dp=%s "
+                     "integrity=%s", self.instance, self.mode, self.rank_id, self.own_address, self.rendezvous,
+                     self.dp, self.integrity or "daemon")
             if self.mode == "prefill":
                 self.register_to_bootstrap()
         except BaseException:
@@ -182,11 +187,6 @@ class KvxferdKVManager(BaseKVManager):
             raise RegistrationError("--disaggregation-decode-allocation-policy prefill_complete is not supported by "
                                     "the kvxferd backend", field="disaggregation_decode_allocation_policy",
                                     fix="use the default allocation policy")
-        if self._setting("disagg", "disaggregation_enable_kv_checksum"):
-            raise RegistrationError("SGLang's KV checksum is not supported by the kvxferd backend (its digest covers "
-                                    "other bytes when prefill and decode TP differ); kvxferd checks every chunk's "
-                                    "token range and byte count itself", field="disaggregation_enable_kv_checksum",
-                                    fix="start SGLang without --disaggregation-enable-kv-checksum")
 
     def _rank_facts(self, args: KVArgs, ctx: PoolContext) -> RankFacts:
         from sglang.srt.distributed.utils import get_pp_indices

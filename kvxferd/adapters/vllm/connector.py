@@ -327,7 +327,8 @@ class _Worker:
         self.client = EngineClient(self.settings.socket_path, timeout=self.settings.call_timeout_s)
         for role in self.settings.roles:
             self.ranks[role] = self.client.register(self.settings.instance_for(role), role, geometry, regions,
-                                                    rendezvous=self.settings.rendezvous, dp=self.settings.dp)
+                                                    rendezvous=self.settings.rendezvous, dp=self.settings.dp,
+                                                    integrity=self.settings.integrity)
         log.info("event=vllm_registered instance=%s roles=%s tp=%d/%d pp=%d/%d layout=%s pages=%d page_size=%d "
                  "groups=%s", self.settings.instance, ",".join(self.settings.roles), geometry.tp_rank,
                  geometry.spec.tp_size, geometry.pp_rank, geometry.spec.pp_size, layout_name, geometry.num_pages,

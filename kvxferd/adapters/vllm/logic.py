@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
 from ...errors import ConfigError
+from ...model.sampling import MODES
 
 #: key under which kvxferd's part of ``kv_transfer_params`` travels (other connectors keep theirs)
 PARAMS_KEY = "kvxferd"
@@ -26,7 +27,7 @@ ROLES_BY_KV_ROLE: dict[str, tuple[str, ...]] = {
     "kv_consumer": ("decode",),
     "kv_both": ("prefill", "decode"),
 }
-EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s")
+EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s", "integrity")
 #: what names kvxferd's connector to vLLM (vLLM imports ``kv_connector`` from the module path)
 CONNECTOR = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.adapters.vllm"}
 
@@ -53,6 +54,9 @@ class ConnectorSettings:
     rendezvous: str | None = None
     #: (dp_rank, dp_size) of a data-parallel rank (see :func:`dp_of`)
     dp: tuple[int, int] | None = None
+    #: the integrity mode this instance asks its daemon for ("sampled", "full"; the daemon's own
+    #: ``integrity.mode`` applies where stricter): a failed check reaches vLLM as load errors
+    integrity: str | None = None
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any] | None, *, kv_role: str | None,
@@ -94,6 +98,10 @@ class ConnectorSettings:
                     raise ConfigError(f"kv_connector_extra_config.{key} must be a positive number, got {value!r}",
                                       field=f"kv_connector_extra_config.{key}", fix=f"set {key} in seconds")
                 timeouts[key] = float(value)
+        integrity = extra.get("integrity")
+        if integrity is not None and integrity not in MODES:
+            raise ConfigError(f"kv_connector_extra_config.integrity must be one of {list(MODES)}, got {integrity!r}",
+                              field="kv_connector_extra_config.integrity", fix="use off, sampled or full")
         roles = ROLES_BY_KV_ROLE[kv_role]
         if "prefill" in roles and address is None and rendezvous is None:
             raise ConfigError(f"kv_role {kv_role} produces KV, so decode engines must be told where this node's "
@@ -101,7 +109,7 @@ class ConnectorSettings:
                               field="kv_connector_extra_config.address",
                               fix="set address to host:control_port of this node's kvxferd daemon")
         return cls(instance=instance, roles=roles, socket_path=extra.get("socket_path"), address=address,
-                   rendezvous=rendezvous, dp=dp, **timeouts)
+                   rendezvous=rendezvous, dp=dp, integrity=integrity, **timeouts)
 
     @property
     def source_address(self) -> str:

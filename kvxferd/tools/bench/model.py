@@ -61,7 +61,9 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     # every daemon's CPU (both of a pair) over the requests a small-request row moved
     Target("daemon_cpu_us_per_request", 200.0, False, "us"),
     Target("plan_128k_ms", 5.0, False, "ms"),
-    # a throughput row with integrity.mode = "full" over the same row with it off
+    # a throughput row with integrity.mode = "sampled" (the default share) or "full" over the same
+    # row with it off
+    Target("integrity_sampled_vs_off", 0.95, True),
     Target("integrity_full_vs_off", 0.75, True),
     # one daemon among many peer daemons (kvxferd.tools.fleet)
     Target("fleet_idle_cpu_pct", 5.0, False, "% core"),
@@ -145,7 +147,7 @@ class Scenario:
     verify: int = 2
     order: int = 0
     client: str = "sync"  # sync: EngineClient, one call at a time; async: AsyncEngineClient
-    integrity: str = "off"  # the daemons' integrity.mode ("full": every chunk's digests checked)
+    integrity: str = "off"  # the daemons' integrity.mode ("sampled": a share of pages; "full": every chunk)
 
     @property
     def gate(self) -> bool:

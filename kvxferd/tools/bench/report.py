@@ -165,7 +165,8 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
                     None if cpu is None else round(cpu * 1e3), "the daemons' CPU was not read in this row")
     for r in rows:
         if r.group == "kvxferd" and r.extra.get("integrity"):
-            _target(out, "integrity_full_vs_off", f"integrity_full_vs_off ({r.transport} {r.mode} {r.workload})",
+            name = f"integrity_{r.extra['integrity']}_vs_off"
+            _target(out, name, f"{name} ({r.transport} {r.mode} {r.workload})",
                     r.extra.get("vs_integrity_off"), "needs this row and the same row with integrity off, both verified")
     for r in rows:
         if r.group == "planner" and r.ms is not None and r.extra.get("headline"):

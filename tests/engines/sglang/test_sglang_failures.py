@@ -251,8 +251,7 @@ def test_prefill_rank_without_its_bootstrap_server_is_refused_and_unregistered(c
         assert len(kv.status()["ranks"]) == ranks_before
 
 
-@pytest.mark.parametrize("option,value", [("disaggregation_enable_kv_checksum", True),
-                                          ("disaggregation_decode_allocation_policy", "prefill_complete")])
+@pytest.mark.parametrize("option,value", [("disaggregation_decode_allocation_policy", "prefill_complete")])
 def test_unsupported_sglang_options_refused_at_start(cluster, option, value):
     with pytest.raises(RegistrationError) as info:
         make_rank("decode", cluster.daemons["dd"], Model(), tp_rank=0, tp_size=1, page_size=4, num_pages=8,

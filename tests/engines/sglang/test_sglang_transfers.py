@@ -18,6 +18,8 @@ import pytest
 import torch
 
 from e2e_util import Node, module_cluster
+from kvxferd.sdk.client import EngineClient
+from nixl_util import metric
 from harness import (KVPoll, Model, Request, assert_bytes_equal, bootstrap_server, close_all, expected_decode,
                      free_port, make_rank, new_senders, run_decode_until_metadata, run_prefill, sglang_wait)
 from transport_util import ONLY_NIXL, Carried, daemons, transport  # noqa: F401 - fixtures
@@ -29,22 +31,31 @@ def nixl_cluster(request):
     yield from module_cluster(request, Node("pd", env=ONLY_NIXL), Node("dd", env=ONLY_NIXL))
 
 
+@pytest.fixture(scope="module")
+def checksum_cluster(request):
+    """Daemons in integrity.mode "off": whatever is checked, an instance asked for. On "dd-bad" one
+    landed byte of every chunk that carries digests is flipped before the check (fault injection)."""
+    yield from module_cluster(request, "pd", "dd", Node("dd-bad", '[integrity]\ncorrupt_landed_every = 1\n'))
+
+
 def kv_bytes(decode, req) -> int:
     """What a request moves into the decode pools: one row of every region per token past the prefix."""
     return sum((req.n_tokens - req.prefix) * buf[0].nbytes for d in decode for buf in d.buffers().values())
 
 
-def deployment(cluster, model, *, tp_p=1, tp_d=1, pp_p=1, pp_d=1, ps_p=4, ps_d=4, pages_p=32, pages_d=32, seed=1):
+def deployment(cluster, model, *, tp_p=1, tp_d=1, pp_p=1, pp_d=1, ps_p=4, ps_d=4, pages_p=32, pages_d=32, seed=1,
+               decode_daemon="dd", prefill_args=None, decode_args=None):
+    """``prefill_args``, ``decode_args``: SGLang server arguments of either side's ranks."""
     bport = free_port()
     server = bootstrap_server(bport)
     prefill = [make_rank("prefill", cluster.daemons["pd"], model, tp_rank=t, tp_size=tp_p, pp_rank=p, pp_size=pp_p,
                          page_size=ps_p, num_pages=pages_p, port=free_port(), bootstrap_port=bport,
-                         seed=seed * 100 + p * 10 + t)
+                         seed=seed * 100 + p * 10 + t, **(prefill_args or {}))
                for p in range(pp_p) for t in range(tp_p)]
     dport = free_port()
-    decode = [make_rank("decode", cluster.daemons["dd"], model, tp_rank=t, tp_size=tp_d, pp_rank=p, pp_size=pp_d,
-                        page_size=ps_d, num_pages=pages_d, port=dport, bootstrap_port=bport,
-                        seed=seed * 100 + 50 + p * 10 + t)
+    decode = [make_rank("decode", cluster.daemons[decode_daemon], model, tp_rank=t, tp_size=tp_d, pp_rank=p,
+                        pp_size=pp_d, page_size=ps_d, num_pages=pages_d, port=dport, bootstrap_port=bport,
+                        seed=seed * 100 + 50 + p * 10 + t, **(decode_args or {}))
               for p in range(pp_d) for t in range(tp_d)]
     return server, prefill, decode, f"127.0.0.1:{bport}"
 
@@ -143,6 +154,56 @@ def test_bare_last_chunk_carries_the_metadata_row(cluster, gloo):
     try:
         transfer_and_check(model, prefill, decode, addr, Request(room=4501, n_tokens=24), group=gloo,
                            tp_p=1, tp_d=1, chunk_ends=[24])
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+CHECKSUM = {"disaggregation_enable_kv_checksum": True}
+
+
+@pytest.mark.parametrize("sides", ["both", "decode"])
+def test_kv_checksum_flag_runs_with_kvxferd_checking_every_chunk(checksum_cluster, gloo, sides):
+    """--disaggregation-enable-kv-checksum on SGLang's ranks (on both sides, or on decode alone):
+    the kvxferd backend takes it, registers the ranks with integrity "full", and every chunk of a
+    TP-mismatched transfer is checked over the landed bytes, which are byte-exact."""
+    model = Model()
+    pd, dd = checksum_cluster.daemons["pd"], checksum_cluster.daemons["dd"]
+    server, prefill, decode, addr = deployment(checksum_cluster, model, tp_p=2, tp_d=1, seed=6,
+                                               prefill_args=CHECKSUM if sides == "both" else None,
+                                               decode_args=CHECKSUM)
+    try:
+        with EngineClient(dd.socket_path) as kv:
+            ranks = {r["rank_id"]: r for r in kv.status()["ranks"]}
+        assert ranks[decode[0].manager.rank_id].get("integrity") == "full"
+        checked = metric(dd, "kvxferd_integrity_checked_chunks_total")
+        transfer_and_check(model, prefill, decode, addr, Request(room=6001 + len(sides), n_tokens=29), group=gloo,
+                           tp_p=2, tp_d=1, chunk_ends=[10, 21])
+        # three chunks from each of the two prefill ranks
+        assert metric(dd, "kvxferd_integrity_checked_chunks_total") - checked == 6
+        assert metric(pd, "kvxferd_integrity_failures_total") == metric(dd, "kvxferd_integrity_failures_total") == 0
+    finally:
+        close_all(*prefill, *decode)
+        server.close()
+
+
+def test_kv_checksum_flag_fails_a_request_whose_landed_bytes_changed(checksum_cluster, gloo):
+    """The same flag towards a decode daemon that flips a landed byte: SGLang's decode receiver
+    polls Failed with kvxferd's integrity error, and so do the prefill senders; never Success."""
+    model = Model()
+    bad = checksum_cluster.daemons["dd-bad"]
+    server, prefill, decode, addr = deployment(checksum_cluster, model, tp_p=2, tp_d=1, seed=7, decode_daemon="dd-bad",
+                                               prefill_args=CHECKSUM, decode_args=CHECKSUM)
+    try:
+        failures = metric(bad, "kvxferd_integrity_failures_total")
+        req = Request(room=7001, n_tokens=29)
+        senders = new_senders(prefill, addr, req)
+        [(recv, _)] = run_decode_until_metadata(decode, addr, req, random.Random(7))
+        run_prefill(prefill, senders, req, random.Random(8))
+        assert sglang_wait([recv], gloo, decode_metadata=decode[0].metadata) == [KVPoll.Failed]
+        assert "integrity" in str(recv.failure), recv.failure
+        assert sglang_wait(senders, gloo) == [KVPoll.Failed] * len(senders), [s.failure for s in senders]
+        assert metric(bad, "kvxferd_integrity_failures_total") > failures
     finally:
         close_all(*prefill, *decode)
         server.close()

@@ -54,7 +54,9 @@ def test_settings_check_every_key():
     s = ConnectorSettings.from_config({"instance": "a", "address": "h:1"}, kv_role="kv_both", engine_id="e")
     assert s.roles == ("prefill", "decode") and s.instance_for("decode") == "a.decode"
     assert ConnectorSettings.from_config({}, kv_role="kv_consumer", engine_id="e").instance == "vllm-e"
-    for extra, role, field in [({"address": "nohost"}, "kv_both", "kv_connector_extra_config.address"),
+    assert ConnectorSettings.from_config({"integrity": "full"}, kv_role="kv_consumer", engine_id="e").integrity == "full"
+    for extra, role, field in [({"integrity": "strict"}, "kv_consumer", "kv_connector_extra_config.integrity"),
+                               ({"integrity": True}, "kv_consumer", "kv_connector_extra_config.integrity"),({"address": "nohost"}, "kv_both", "kv_connector_extra_config.address"),
                                ({}, "kv_producer", "kv_connector_extra_config.address"),
                                ({"call_timeout_s": 0}, "kv_consumer", "kv_connector_extra_config.call_timeout_s"),
                                ({"socket": "/x"}, "kv_consumer", "kv_connector_extra_config.socket"),

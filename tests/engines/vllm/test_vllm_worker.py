@@ -35,6 +35,7 @@ import vllm_util as vu
 from kvxferd.model.geometry import InstanceSpec
 from kvxferd.tools.sim import Cluster, free_port
 from e2e_util import finished, wait_in_flight
+from nixl_util import metric
 from ops_support import close_cluster, in_parallel
 from procs import JsonProc, close_ranks, daemon_status
 from transport_util import TRANSPORTS, Carried, daemon_env, require
@@ -72,9 +73,9 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     in_parallel(*[lambda d=d: d.start(daemon_env(transport)) for d in daemons.values()])
     procs: list[JsonProc] = []
 
-    def ranks(name: str, node: str, tp: int, block: int = vu.BLOCK) -> list[JsonProc]:
+    def ranks(name: str, node: str, tp: int, block: int = vu.BLOCK, **extra: Any) -> list[JsonProc]:
         d, port = daemons[node], free_port()
-        kv = vu.kv_transfer_config(instance=name, address=d.address, socket_path=d.socket_path)
+        kv = vu.kv_transfer_config(instance=name, address=d.address, socket_path=d.socket_path, **extra)
         out = [JsonProc("rank_worker.py", {"tp": tp, "rank": r, "dist_port": port, "model_dir": str(model),
                                             "num_blocks": NUM_BLOCKS, "block_size": block, "kv": kv},
                         root / f"{name}-{r}.log") for r in range(tp)]
@@ -82,7 +83,8 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
         return out
 
     inst = {"A": Instance("A", daemons["a"], ranks("A", "a", 2)),
-            "B": Instance("B", daemons["b"], ranks("B", "b", 1))}
+            # B asks for integrity "full" (kv_connector_extra_config); the daemons run with it off
+            "B": Instance("B", daemons["b"], ranks("B", "b", 1, integrity="full"))}
     dead = f"dead-{uuid.uuid4().hex[:8]}"
     try:
         c, w, v = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
@@ -174,9 +176,14 @@ def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[in
 
 
 def test_tp2_prefill_to_tp1_decode_in_chunks(rig):
+    """B registered with integrity "full" on a daemon in "off": every chunk it receives is checked."""
+    checked = metric(rig["B"].daemon, "kvxferd_integrity_checked_chunks_total")
     # 100 tokens: computed 50 sends [0, 32) (whole pages only), then 100 sends [32, 100)
     transfer(rig["A"], rig["B"], "t21", 100, [5, 2, 9, 14], [11, 3, 7, 0], computed_steps=[50, 100],
              transport=rig["transport"])
+    # two chunks from each of A's two ranks
+    assert metric(rig["B"].daemon, "kvxferd_integrity_checked_chunks_total") - checked == 4
+    assert metric(rig["B"].daemon, "kvxferd_integrity_failures_total") == 0
 
 
 def test_tp1_prefill_to_tp2_decode(rig):

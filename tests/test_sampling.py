@@ -1,0 +1,130 @@
+"""Which slots integrity checks (kvxferd.model.sampling), against brute-force oracles.
+
+- ``covers`` equals the subset relation of the granule sets two samples check.
+- What a source sends always covers what its destination asked, and is at least as strict as
+  the source's own wish.
+- Both sides of a chunk choose the same tokens whatever their page sizes and layouts (token
+  rows or whole packed pages), so their digests are over the same bytes.
+- ``period`` requests with the decode daemon's turning offset check every granule exactly once.
+- The digests of the chosen slots are the same on a source and a destination of different page
+  sizes, and a changed byte in a chosen slot changes them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvxferd.datapath.digest import region_digests
+from kvxferd.model.sampling import FULL, MODES, Policy, Sample, chosen, period_of, to_send
+
+samples = st.integers(1, 24).flatmap(lambda p: st.builds(Sample, st.just(p), st.integers(0, p - 1)))
+
+
+def checked(sample: Sample, n: int) -> set[int]:
+    """The oracle: granules in [0, n) a sample checks, by its definition."""
+    return {g for g in range(n) if (g + sample.offset) % sample.period == 0}
+
+
+@given(samples, samples)
+def test_covers_is_the_subset_relation_of_the_checked_granules(a, b):
+    n = 2 * math.lcm(a.period, b.period)
+    assert a.covers(b) == (checked(b, n) <= checked(a, n))
+
+
+@given(st.one_of(st.none(), samples), st.one_of(st.none(), samples))
+def test_a_source_sends_what_covers_the_ask_and_is_as_strict_as_its_own_wish(own, asked):
+    sent = to_send(own, asked)
+    if own is None and asked is None:
+        assert sent is None
+        return
+    assert sent is not None
+    if asked is not None:
+        assert sent.covers(asked), (own, asked, sent)
+    if own is not None:
+        assert sent.period <= own.period, (own, asked, sent)  # at least its own share
+
+
+def _tokens_of(chosen_slots: np.ndarray, all_slots: np.ndarray, slot_tokens: int, start: int, end: int) -> list[int]:
+    """The tokens the chosen slots hold (slots are distinct values, so their positions are known)."""
+    where = {int(s): i for i, s in enumerate(all_slots)}
+    out = []
+    for s in chosen_slots:
+        i = where[int(s)]
+        if slot_tokens == 1:
+            out.append(start + i)
+        else:
+            first = (start // slot_tokens + i) * slot_tokens
+            out += list(range(max(first, start), min(first + slot_tokens, end)))
+    return out
+
+
+@settings(max_examples=300)
+@given(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([1, 2, 4, 8, 16]), st.booleans(), st.booleans(),
+       st.integers(0, 40), st.integers(1, 90), samples)
+def test_both_sides_choose_the_same_tokens_whatever_their_pages(src_ps, dst_ps, src_packed, dst_packed, start_pages,
+                                                                length, sample):
+    g = math.lcm(src_ps, dst_ps)
+    unit = math.lcm(src_ps if src_packed else 1, dst_ps if dst_packed else 1)
+    start = start_pages * unit  # packed sides start chunks on their page boundaries
+    end = start + length
+    picked = []
+    for ps, packed in ((src_ps, src_packed), (dst_ps, dst_packed)):
+        st_ = ps if packed else 1
+        n = (end - 1) // st_ - start // st_ + 1 if packed else length
+        slots = np.arange(1000, 1000 + n)
+        picked.append(_tokens_of(chosen(slots, st_, start, g, sample), slots, st_, start, end))
+    assert picked[0] == picked[1]
+    assert picked[0] == [t for t in range(start, end) if (t // g + sample.offset) % sample.period == 0]
+
+
+@given(st.integers(1, 30), st.integers(1, 200))
+def test_period_requests_in_a_row_check_every_granule_once(period, granules):
+    policy = Policy("sampled", period)
+    counts = [0] * granules
+    for _ in range(period):
+        s = policy.sample()
+        for g in range(granules):
+            counts[g] += (g + s.offset) % s.period == 0
+    assert counts == [1] * granules
+
+
+def test_the_policy_follows_the_stricter_of_the_daemon_and_the_instance():
+    assert Policy("off").sample() is None
+    assert Policy("off").sample("full") == FULL
+    assert Policy("full").sample("sampled") == FULL
+    assert Policy("off", period=4).sample("sampled").period == 4
+    assert Policy("sampled", period=1).sample() == FULL
+    assert [m for m in MODES] == ["off", "sampled", "full"]
+    assert period_of(0.05) == 20 and period_of(1.0) == 1 and period_of(0.3) == 3
+
+
+@pytest.mark.parametrize("src_ps,dst_ps", [(4, 16), (16, 4), (8, 8)])
+def test_digests_of_the_chosen_slots_agree_across_page_sizes_and_find_a_changed_byte(src_ps, dst_ps):
+    rng = np.random.default_rng(src_ps * 31 + dst_ps)
+    row, tokens, start = 64, 100, 8
+    # one source and one destination region of token rows; page tables shuffled on each side
+    def side(ps):
+        pages = rng.permutation(64)[: (start + tokens + ps - 1) // ps + 1]
+        slots = np.array([pages[t // ps] * ps + t % ps for t in range(start, start + tokens)])
+        return torch.zeros(64 * ps * row, dtype=torch.uint8), slots
+    (src, s_slots), (dst, d_slots) = side(src_ps), side(dst_ps)
+    payload = torch.from_numpy(rng.integers(0, 256, (tokens, row), dtype=np.uint8))
+    for buf, slots in ((src, s_slots), (dst, d_slots)):
+        buf.view(-1, row)[torch.from_numpy(slots)] = payload
+    g = math.lcm(src_ps, dst_ps)
+    sample = Sample(3, 1)
+    a = region_digests([src], chosen(s_slots, 1, start, g, sample), row, 0, row)
+    b = region_digests([dst], chosen(d_slots, 1, start, g, sample), row, 0, row)
+    assert a == b
+    picked = chosen(d_slots, 1, start, g, sample)
+    skipped = np.setdiff1d(d_slots, picked)
+    dst.view(-1, row)[int(skipped[0])][0] ^= 0xFF  # a slot outside the sample: not seen
+    assert region_digests([dst], picked, row, 0, row) == b
+    dst.view(-1, row)[int(picked[-1])][5] ^= 0x01  # one inside it: seen
+    assert region_digests([dst], picked, row, 0, row) != b
