@@ -125,7 +125,7 @@ def test_the_stricter_side_wins_a_source_in_full_sends_digests_to_a_decode_daemo
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
-def test_sampled_mode_checks_a_share_of_each_request_and_fails_a_changed_byte_in_it(request, transport):
+def test_sampled_mode_checks_each_request_and_fails_a_changed_byte_in_its_sample(request, transport):
     env = NIXL_ENV if transport == "nixl" else {}
     rng = random.Random(10)
     with cluster_run(request) as c:

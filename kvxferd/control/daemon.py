@@ -238,7 +238,7 @@ class Daemon:
             "copy_path": runcopy.copy_path(),  # native, or torch and why
             # "full" or "sampled": chunks carry digests checked over the landed bytes (all, or a share)
             "integrity": cfg.integrity.mode,
-            **({"integrity_sample_share": self.life.integrity.describe()["share"]}
+            **({"integrity_sample_share": self.life.integrity.share}
                if cfg.integrity.mode == "sampled" else {}),
             "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
             **({"hops": TRACE.snapshot()} if TRACE.keep else {}),  # daemon.hop_trace: per-request hop times

@@ -5,8 +5,9 @@ know: the token positions of the chunk, a granule both sides' pages divide (the 
 multiple of their page sizes, so a packed page is never split), and the :class:`Sample` the
 destination asked for in its expect. Granule ``g`` of a request is checked when
 ``(g + offset) % period == 0``: one in ``period``. A decode daemon turns ``offset`` by one with
-every request it receives, so ``period`` requests in a row check every token position once, and
-over a long-lived cache every page an engine's allocator hands out is checked in its turn.
+every request it receives, so ``period`` requests in a row check every token position once; a
+physical page is checked when a request places it at a chosen position (a rotation over
+positions, not a ledger per page).
 
 ``full`` is the sample with period 1. A source that is stricter than its destination's ask sends
 a sample that covers the ask (every granule the destination checks carries a digest), so the
@@ -114,8 +115,7 @@ class Policy:
         self.turn = (self.turn + 1) % self.period
         return Sample(self.period, self.turn)
 
-    def describe(self) -> dict[str, object]:
-        out: dict[str, object] = {"mode": self.mode}
-        if self.mode == "sampled":
-            out["share"] = round(1 / self.period, 6)
-        return out
+    @property
+    def share(self) -> float:
+        """The share of each request's granules a sampled request checks."""
+        return round(1 / self.period, 6)

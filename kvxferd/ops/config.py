@@ -207,8 +207,8 @@ class IntegritySection:
     #: share of each request's pages (sample_share); "off": none asked for (a peer or an
     #: instance that asks still gets them: the stricter side wins)
     mode: str = "off"
-    #: sampled: the share of each request's pages checked (0.05: one page in 20, a different one
-    #: with every request, so every page of a long-lived cache is checked in its turn)
+    #: sampled: the share of each request's pages checked (0.05: one page in 20, other positions
+    #: with every request, so 20 requests in a row check every token position once)
     sample_share: float = 0.05
     #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
     #: before it is checked (0: never). Logged loudly at start; never set it in production.
