@@ -385,7 +385,9 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
     byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list, or a
     sample that covers less than every slot (or is ill-formed) must never: the chunk is refused
     (``ok: false``) and the request fails, with code ``integrity`` wherever the header itself was
-    well formed."""
+    well formed. Each writer sends its digests in the header or, at random, in a frame after the
+    payload (``trailer``, as a kvxferd source does when every slot is checked); a trailer frame
+    with another op, or a header with trailer that also carries a sample, is refused too."""
     fake = FakePrefillDaemon(spec(tp_size=2))
     rng = random.Random(5)
     try:
@@ -410,6 +412,11 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                         ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
                          "digest_type", "sample_narrow", "sample_type"))
                     bad_writer = rng.randrange(2)
+                    trailing = [rng.random() < 0.5 for _ in range(2)]
+                    if kind == "digest_missing" and trailing[bad_writer] and rng.random() < 0.5:
+                        kind = "trailer_op"  # the digests frame comes under another op
+                    trail_refused = trailing[bad_writer] and kind in ("digest_missing", "digest_type", "trailer_op",
+                                                                      "sample_narrow")
                     replies = []
                     for w in range(2):
                         h = fuzzer.header(0, N_TOKENS, src=writers[w], last=True)
@@ -428,36 +435,53 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                             elif kind == "digest_type":
                                 digests = rng.choice(([-1] + digests[1:], ["1"] + digests[1:], "x", [None],
                                                       [0.5] + digests[1:], [True] + digests[1:]))
-                        if not (w == bad_writer and kind == "digest_missing"):
+                        tail = b""
+                        if trailing[w]:
+                            h["trailer"] = True
+                            body = {"op": "digests", "digests": digests}
+                            if w == bad_writer and kind == "digest_missing":
+                                del body["digests"]
+                            elif w == bad_writer and kind == "trailer_op":
+                                body["op"] = "data"
+                            tail = frame(body)
+                        elif not (w == bad_writer and kind == "digest_missing"):
                             h["digests"] = digests
                         if w == bad_writer and kind == "sample_narrow":  # well formed, but not the full ask
                             period = rng.randrange(2, 64)
                             h["sample"] = [period, rng.randrange(period)]
                         elif w == bad_writer and kind == "sample_type":
                             h["sample"] = rng.choice(([0, 0], [3, 3], [2], [2, -1], "2", [1 << 17, 0], [2.0, 0]))
-                        replies.append(exchange(dd.data_port, frame(h), bytes(payload)))
-                    if kind in ("digest_type", "sample_type"):  # refused at the header: the request waits; end it
+                        replies.append(exchange(dd.data_port, frame(h), bytes(payload) + tail))
+                    if kind in ("digest_type", "sample_type") or trail_refused:
+                        # refused at the header or at the digests frame: the request waits; end it
                         assert replies[bad_writer]["ok"] is False, replies
-                        assert str(replies[bad_writer]["error"]["field"]).startswith(kind.split("_")[0]), replies
+                        field = {"trailer_op": "op", "sample_narrow": "trailer"}.get(kind, kind.split("_")[0])
+                        assert str(replies[bad_writer]["error"]["field"]).startswith(field), (kind, replies)
                         decode[0].command(cmd="abort", request_id=rid)
                     ev = finished(decode[0], rid)
                     outcomes[f"{kind}:{ev.get('state')}:{ev.get('code')}"] += 1
+                    outcomes[f"trailer:{trailing[bad_writer]}:{ev.get('state')}:{ev.get('code')}"] += 1
                     if kind == "clean":
                         assert replies == [{"op": "ack", "ok": True}] * 2, replies
                         assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
                         continue
                     assert ev["state"] == "failed", (kind, ev)  # never done
-                    if kind not in ("digest_type", "sample_type"):
+                    if kind not in ("digest_type", "sample_type") and not trail_refused:
                         assert ev["code"] == "integrity" and rid in ev["reason"], (kind, ev)
                         assert replies[bad_writer]["ok"] is False, (kind, replies)
                         assert replies[bad_writer]["error"]["code"] == "integrity", (kind, replies)
                     assert wait_idle(client, 30) == {}
             assert dd.proc.poll() is None and "Traceback" not in dd.log()
             assert outcomes["clean:done:None"] == DIGEST_REQUESTS // 4, outcomes
-            assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")) >= DIGEST_REQUESTS // 2, outcomes
+            assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")
+                       and not k.startswith("trailer:")) >= DIGEST_REQUESTS // 3, outcomes
+            for trailed in (True, False):  # both ways of sending digests landed clean, and failed closed
+                assert outcomes[f"trailer:{trailed}:done:None"] > 0, outcomes
+                assert outcomes[f"trailer:{trailed}:failed:integrity"] > 0, outcomes
             failures = sum(v for k, v in rr.scrape(dd.metrics_url).items()
                            if k.startswith("kvxferd_integrity_failures_total{") and 'transport="tcp"' in k)
-            assert failures == sum(v for k, v in outcomes.items() if k.endswith(":integrity")), (failures, outcomes)
+            assert failures == sum(v for k, v in outcomes.items()
+                                   if k.endswith(":integrity") and not k.startswith("trailer:")), (failures, outcomes)
             decode[0].close()
     finally:
         fake.close()

@@ -98,6 +98,48 @@ def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transpo
         _clean(c, src, clean, "after", "sliced", rng, transport)
 
 
+# pages of 32 KiB per region (16 tokens of 8 heads x 128 x 2 bytes): a request of BIG_TOKENS is
+# one chunk of about 9 MiB, which a tcp source in full hashes as it leaves (the digests after the
+# payload) and a decode daemon hashes as it lands in place, several blocks per region
+BIG = {"matched": (spec(total_kv_heads=8, head_dim=128, page_size=16),) * 2,
+       "sliced": (spec(total_kv_heads=8, head_dim=128, page_size=16, tp_size=2),
+                  spec(total_kv_heads=8, head_dim=128, page_size=16))}
+BIG_TOKENS = 600
+
+
+def _big(c, pd, dd, tag, shape, rng):
+    pspec, dspec = BIG[shape]
+    prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES),
+                                  (dd, f"{tag}-d", "decode", dspec, NUM_PAGES))
+    return transfer(prefill, decode, f"{tag}-r", BIG_TOKENS, source_address=pd.address,
+                    src_pages=pages_for(rng, NUM_PAGES, BIG_TOKENS, pspec.page_size),
+                    dst_pages=pages_for(rng, NUM_PAGES, BIG_TOKENS, dspec.page_size))
+
+
+def test_large_tcp_chunks_are_hashed_as_they_move_and_a_changed_byte_fails(request):
+    """Where every slot is checked, a large tcp chunk is hashed block by block as it leaves and
+    as it lands (direct), or as it is gathered (staged): clean requests land byte-exact and
+    checked, a byte flipped in the landed pages fails the request ``integrity``."""
+    rng = random.Random(11)
+    with cluster_run(request) as c:
+        src, clean, bad, src_staged = start_nodes(c, Node("src", FULL), Node("clean", FULL), Node("bad", CORRUPT),
+                                                  Node("src-staged", FULL, STAGED))
+        for shape in BIG:
+            for source in (src, src_staged):
+                tag = f"{shape}-{source.name}"
+                checked = metric(clean, "kvxferd_integrity_checked_chunks_total", transport="tcp")
+                assert_verified(*_big(c, source, clean, f"ok-{tag}", shape, rng))
+                assert metric(clean, "kvxferd_integrity_checked_chunks_total", transport="tcp") > checked
+                failures = metric(bad, "kvxferd_integrity_failures_total", transport="tcp")
+                dec, pre = _big(c, source, bad, f"bad-{tag}", shape, rng)
+                for ev in dec + pre:
+                    if ev["event"] == "error":  # a rank whose send came after the request failed
+                        assert ev["cmd"] == "send" and "(integrity:" in ev["error"], ev
+                        continue
+                    assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
+                assert metric(bad, "kvxferd_integrity_failures_total", transport="tcp") > failures
+
+
 def test_local_copies_are_checked_and_a_changed_byte_fails(request):
     rng = random.Random(8)
     with cluster_run(request) as c:

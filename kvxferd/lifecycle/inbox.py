@@ -13,11 +13,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..errors import IntegrityError, RequestError
+from ..errors import IntegrityError, ProtocolError, RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
 from ..model.sampling import FULL, Sample
@@ -148,8 +148,13 @@ class Sink:
     dst_slots: np.ndarray
     head_offset: int
     aux: bytes | None
-    digests: list[int] | None = None  # the source's, one per region (integrity); None: not sent
+    digests: list[int] | None = None  # the source's, one per region (integrity); None: not sent (yet)
     sample: Sample | None = None  # which granules those digests cover (FULL: every slot); None: not sent
+    #: the source's digests follow the payload (tcp): the transport reads them into ``digests``
+    trailer: bool = False
+    #: digests of the landed bytes, taken as they landed (:meth:`Inbox.running_digests`); None: the
+    #: check hashes the landed pages in a pass of its own
+    landed: list[int] | None = None
 
     def regions(self) -> list[Any]:
         return list(self._regions)  # a fresh list each time: callers may keep or change theirs
@@ -163,11 +168,22 @@ class Sink:
         return tuple(region(layer, kind) for layer in range(*self.writer.layers) for kind in kinds)
 
 
+class Check(Protocol):
+    """What the inbox asks of a landed chunk (:class:`~kvxferd.datapath.integrity.LandedCheck`)."""
+
+    def __call__(self, sink: Sink, transport: str) -> str | None:
+        """None when the chunk's bytes are as its source read them, else why not."""
+
+    def running(self, sink: Sink) -> Any:
+        """Digests to feed the chunk's bytes as they land, in wire order (``add(region, view)``,
+        ``digests()``), for a transport that lands them in place."""
+
+
 class Inbox:
     """Thread-safe table of destinations; data threads call begin/finish."""
 
     def __init__(self, on_change: Callable[[DestEntry], None], *,
-                 check: Callable[[Sink, str], str | None] | None = None,
+                 check: Check | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None) -> None:
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str], DestEntry] = {}
@@ -222,6 +238,7 @@ class Inbox:
         threads cannot both admit overlapping ranges of one writer.
         """
         TRACE.mark(header["request_id"], "chunk_in")
+        sample = _sample_of(header)
         src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
@@ -246,7 +263,15 @@ class Inbox:
             self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"),
-                    _sample_of(header))
+                    sample, bool(header.get("trailer")))
+
+    def running_digests(self, sink: Sink) -> Any:
+        """Where a transport that lands a chunk's bytes in place, in wire order, feeds them as they
+        land: a chunk whose digests trail its payload is then checked without a pass of its own
+        over its pages. None: nothing to feed (the check, if any, hashes the landed pages)."""
+        if not sink.trailer or self._check is None:
+            return None
+        return self._check.running(sink)
 
     def _writer_of(self, header: dict[str, Any], dest_rank: str, src: tuple) -> tuple[DestEntry, Writer]:
         """The open entry a chunk is for and the plan's writer it claims to be (lock held)."""
@@ -333,7 +358,14 @@ class Inbox:
 
 
 def _sample_of(header: dict[str, Any]) -> Sample | None:
-    """Which granules a data header's digests cover: what its ``sample`` says, every one without it."""
+    """Which granules a data header's digests cover: what its ``sample`` says, every one without it
+    (digests that trail the payload cover every slot)."""
+    if header.get("trailer"):
+        if "digests" in header or "sample" in header:
+            raise ProtocolError("a data header with trailer also carries digests or a sample: trailing digests "
+                                "cover every slot and come after the payload", field="trailer",
+                                fix="send either digests (and a sample) in the header, or trailer alone")
+        return FULL
     if header.get("digests") is None:
         return None
     return Sample.from_wire(header["sample"]) if "sample" in header else FULL

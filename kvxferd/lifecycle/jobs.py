@@ -67,7 +67,14 @@ class ChunkJob:
         """Source regions in wire order: layers ascending, then kinds."""
         return iter(self._regions)
 
-    def header(self) -> dict[str, Any]:
+    @property
+    def can_trail(self) -> bool:
+        """Its digests cover every slot, so a sender may hash the bytes as they leave and send the
+        digests after them (``header(trailer=True)``); a sample's are taken before."""
+        return self.digests is not None and self.digests.full
+
+    def header(self, trailer: bool = False) -> dict[str, Any]:
+        """The data header; ``trailer``: the digests follow the payload (:attr:`can_trail` only)."""
         head: dict[str, Any] = {
             "op": "data", "request_id": self.request_id, "decode_instance": self.decode_instance,
             "dst": list(self.dst), "src": list(self.writer.src), "start": self.start,
@@ -80,7 +87,10 @@ class ChunkJob:
             head["group"] = self.group
         if self.writer.part:
             head["part"] = self.writer.part
-        if self.digests is not None:
+        if trailer:
+            assert self.can_trail, "only digests of every slot may trail the payload"
+            head["trailer"] = True
+        elif self.digests is not None:
             head["digests"] = self.region_digests
             if not self.digests.full:
                 head["sample"] = self.digests.to_wire()

@@ -1,7 +1,8 @@
 """The built-in network transport: plain TCP data connections between daemons.
 
-One frame per chunk: a length-prefixed msgpack header, the payload in wire order, then a
-length-prefixed reply from the receiver once every byte is in place. Small chunks to one
+One frame per chunk: a length-prefixed msgpack header, the payload in wire order (then, where
+integrity checks every slot, a frame with the source's digests, taken as the bytes left), then
+a length-prefixed reply from the receiver once every byte is in place and checked. Small chunks to one
 peer go back to back on one connection before their replies are read (:meth:`TcpTransport.
 send_many`): the receiver handles frames in order either way, so a connection carries one
 round trip per batch instead of one per chunk. A receiver refuses a small chunk on its own
@@ -24,6 +25,7 @@ from typing import Any, Callable, Hashable
 import torch
 
 from ..datapath.copier import scatter, settle
+from ..datapath.digest import RunningDigests, batches
 from ..datapath.pipeline import receive_blocks, send_blocks
 from ..datapath.staging import Piece, StagingPool, block_bytes, pack
 from ..errors import IntegrityError, KvxferError, PeerHungUp, ProtocolError, RequestError, TransferError
@@ -159,10 +161,14 @@ class TcpDataServer:
                                             fix="send data frames only on data connections")
                     header = protocol.DATA_HEADER.check(header)
                     sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
+                    if sink.trailer:  # the digests are still to come, whatever the payload's size
+                        timeouts.set(self.timeout_s)
                 except KvxferError as exc:
                     self._refuse(replies, exc)
                     if isinstance(header.get("nbytes"), int) and 0 <= header["nbytes"] <= SMALL_CHUNK:
                         reader.skip(header["nbytes"])  # chunks behind it on this connection go on
+                        if header.get("trailer") is True:
+                            reader.frame(self.max_header_bytes)  # its digests, unread
                         continue
                     return  # a large payload is not worth reading: drop the connection
                 ok = False
@@ -170,7 +176,8 @@ class TcpDataServer:
                     self._receiving[conn] = (sink.entry, sink.nbytes)
                 try:
                     moved = self._receive(reader, sink)
-                    ok = True
+                    bad_trailer = self._trailer(reader, sink)
+                    ok = bad_trailer is None
                 finally:
                     with self._lock:
                         self._receiving.pop(conn, None)
@@ -180,6 +187,9 @@ class TcpDataServer:
                 # the connection may now wait idle for minutes: nothing of this chunk may stay referenced, or
                 # its sink (the destination rank's regions) keeps a departed engine's KV cache mapped
                 del sink, moved
+                if bad_trailer is not None:  # the payload came, its digests frame is malformed: say so, hang up
+                    self._refuse(replies, bad_trailer)
+                    return
                 if failed is not None:  # the bytes came, and differ from the source's: its sender hears why
                     replies.add(protocol.frame({"op": "ack", "ok": False, "error": failed.to_wire()}))
                     continue
@@ -203,6 +213,21 @@ class TcpDataServer:
             self.on_invalid(exc.code)
         replies.add(protocol.frame({"op": "ack", "ok": False, "error": exc.to_wire()}))
 
+    def _trailer(self, reader: FrameReader, sink: Sink) -> ProtocolError | None:
+        """The digests frame after a trailer chunk's payload, into ``sink.digests``; or why not."""
+        if not sink.trailer:
+            return None
+        try:
+            tail = reader.frame(self.max_header_bytes)
+            if tail.get("op") != "digests":
+                raise ProtocolError(f"chunk's payload was followed by op {str(tail.get('op'))[:32]!r}, its header "
+                                    "said its digests would follow", field="op",
+                                    fix="send the digests frame right after the payload of a chunk with trailer")
+            sink.digests = protocol.DIGESTS_TRAILER.check(tail)["digests"]
+        except ProtocolError as exc:
+            return exc
+        return None
+
     def _receive(self, reader: FrameReader, sink: Sink) -> Moved:
         w = sink.writer
         regions = sink.regions()
@@ -210,8 +235,16 @@ class TcpDataServer:
         cpu = all(r.is_cpu for r in regions)
         if not use_staging(runs, cpu, len(regions)):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
-            reader.read_into_many([region.view[off:off + n] for region in regions
-                                   for off, n in zip(offsets, lengths)])
+            running = self.inbox.running_digests(sink)
+            if running is None:
+                reader.read_into_many([region.view[off:off + n] for region in regions
+                                       for off, n in zip(offsets, lengths)])
+            else:  # each block hashed where it landed, while it is still in cache
+                for batch in batches([region.view for region in regions], offsets, lengths):
+                    reader.read_into_many([view for _, view in batch])
+                    for i, view in batch:
+                        running.add(i, view)
+                sink.landed = running.digests()
             return Moved(sink.nbytes, len(runs) * len(regions), "direct")
         n_tokens = sink.dst_slots.size
         n = sink.nbytes
@@ -323,8 +356,14 @@ class TcpTransport:
         assert job.data_address is not None
         sock = self.borrow(job.data_address)
         try:
-            sock.sendall(protocol.frame(job.header()))
-            moved = self._send_payload(sock, job)
+            if job.can_trail:  # every slot checked: hashed block by block as it leaves, the digests after it
+                running = RunningDigests(len(list(job.regions())))
+                sock.sendall(protocol.frame(job.header(trailer=True)))
+                moved = self._send_payload(sock, job, running)
+                sock.sendall(protocol.frame({"op": "digests", "digests": running.digests()}))
+            else:
+                sock.sendall(protocol.frame(job.header()))
+                moved = self._send_payload(sock, job)
             reply = read_frame(sock, self.max_reply_bytes)
         except (OSError, ConnectionError) as exc:
             refusal = self._refusal(sock)
@@ -378,22 +417,33 @@ class TcpTransport:
             return None
         return None if reply.get("ok") else self.refused(reply)
 
-    def _send_payload(self, sock: socket.socket, job: ChunkJob) -> Moved:
+    def _send_payload(self, sock: socket.socket, job: ChunkJob, running: RunningDigests | None = None) -> Moved:
+        """The chunk's payload; ``running``: fed every byte as it leaves (the trailer's digests)."""
         w = job.writer
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
         if job.mode != "staged" and not use_staging(runs, cpu, len(regions)):
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
-            # every region's runs in one gathered send: a region per call cost a system call per
-            # layer and kind, which for one page of a 32-layer model was most of its send
-            sendmsg_all(sock, [region.view[o:o + n] for region in regions for o, n in zip(offsets, lengths)])
+            if running is None:
+                # every region's runs in one gathered send: a region per call cost a system call per
+                # layer and kind, which for one page of a 32-layer model was most of its send
+                sendmsg_all(sock, [region.view[o:o + n] for region in regions for o, n in zip(offsets, lengths)])
+            else:  # each block hashed right before the socket copies it: read from memory once, not twice
+                for batch in batches([region.view for region in regions], offsets, lengths):
+                    for i, view in batch:
+                        running.add(i, view)
+                    sendmsg_all(sock, [view for _, view in batch])
             return Moved(job.nbytes, len(runs) * len(regions), "direct")
         n_tokens = job.src_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
         def fill(block: list[Piece], slot: torch.Tensor) -> None:
             gather_block(job, regions, block, slot)
+            if running is not None:  # hashed while the gathered block is in cache (fills run in order)
+                view = memoryview(slot.numpy())
+                for piece in block:
+                    running.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
 
         def send(block: list[Piece], slot: torch.Tensor) -> None:
             sock.sendall(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])

@@ -355,8 +355,14 @@ DATA_HEADER = Schema(
               # the source's pages held them (kvxferd.datapath.digest)
               "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS),
               # ... over the granules of this sample only (left out: every slot of the chunk)
-              "sample": sample},
+              "sample": sample,
+              # tcp: the digests (of every slot) follow the payload in a DIGESTS_TRAILER frame, the
+              # source having hashed the bytes as they left (kvxferd.datapath.digest.RunningDigests)
+              "trailer": boolean},
 )
+
+#: the frame after a data payload whose header said ``trailer``: the source's digests
+DIGESTS_TRAILER = Schema(required={"digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS)}, optional={})
 
 #: a decode daemon hands a landing slot back to the prefill daemon that wrote it (NIXL notification)
 NIXL_FREE = Schema(required={"ring": integer(0, 2**62), "slot": integer(0, 1 << 20)}, optional={})
