@@ -13,7 +13,9 @@ Two prefill sources whose bytes nobody checks are kvxferd's simulated engines (r
 processes registering the same packed layout), which start in a second instead of vLLM's
 twenty: C on daemon c (killed by one test) and W with 64-token pages (the page size B
 does not have), on daemon a; and a simulated decode rank V with 64-token pages on daemon b,
-which A's prefill pages are refused to.
+which A's prefill pages are refused to. D: TP 1 on daemon d, which flips a landed byte of
+every chunk that carries digests (its test-only fault injection), fed by the simulated
+source S on daemon a.
 
 The rig runs twice: its daemons on tcp, then on NIXL alone (``transport_util``); every
 byte-exact transfer checks that its transport carried exactly its KV bytes, sent and
@@ -42,6 +44,8 @@ from transport_util import TRANSPORTS, Carried, daemon_env, require
 
 NUM_BLOCKS = 16
 PAGE_BYTES = vu.BLOCK * vu.MODEL["num_key_value_heads"] * 2 * vu.HEAD * 4   # one layer's page, all heads, float32
+#: daemon d: integrity off, but one landed byte of every chunk with digests flipped before its check
+CORRUPTING = '[integrity]\nmode = "off"\ncorrupt_landed_every = 1\n'
 WAIT = 180.0  # bounds a stuck request, not a slow machine: outcomes come much sooner when all is well
 
 
@@ -70,6 +74,7 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     model = vu.make_tiny_llama(root / "model")
     cluster = Cluster()
     daemons = {n: cluster.daemon(f"node-{n}", start=False) for n in "abc"}
+    daemons["d"] = cluster.daemon("node-d", start=False, extra_toml=CORRUPTING)
     in_parallel(*[lambda d=d: d.start(daemon_env(transport)) for d in daemons.values()])
     procs: list[JsonProc] = []
 
@@ -84,15 +89,18 @@ def rig(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 
     inst = {"A": Instance("A", daemons["a"], ranks("A", "a", 2)),
             # B asks for integrity "full" (kv_connector_extra_config); the daemons run with it off
-            "B": Instance("B", daemons["b"], ranks("B", "b", 1, integrity="full"))}
+            "B": Instance("B", daemons["b"], ranks("B", "b", 1, integrity="full")),
+            "D": Instance("D", daemons["d"], ranks("D", "d", 1, integrity="full"))}
     dead = f"dead-{uuid.uuid4().hex[:8]}"
     try:
-        c, w, v = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
-                                    (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS),
-                                    (daemons["b"], "V", "decode", sim_spec(64), NUM_BLOCKS))
+        c, w, v, s = cluster.instances((daemons["c"], dead, "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS),
+                                       (daemons["a"], "W", "prefill", sim_spec(64), NUM_BLOCKS),
+                                       (daemons["b"], "V", "decode", sim_spec(64), NUM_BLOCKS),
+                                       (daemons["a"], "S", "prefill", sim_spec(vu.BLOCK), NUM_BLOCKS))
         inst["C"] = Instance("C", daemons["c"], c, prefill_name=dead)
         inst["W"] = Instance("W", daemons["a"], w, block=64, prefill_name="W")
         inst["V"] = Instance("V", daemons["b"], v, block=64)
+        inst["S"] = Instance("S", daemons["a"], s, prefill_name="S")
         for p in procs:
             ev = p.next(300)
             assert ev["event"] == "registered", ev
@@ -254,6 +262,25 @@ def test_a_dead_prefill_daemon_fails_the_load_with_its_code(rig):
     assert set(got[0]["errors"]) == {12, 13, 14}
     failures = [f for f in daemon_status(dst.daemon)["recent_failures"] if f["request_id"] == "tdead"]
     assert failures and failures[-1]["code"] == "peer_dead", failures
+
+
+def test_a_chunk_that_fails_its_integrity_check_is_a_load_error_of_every_block(rig):
+    """D asked for integrity "full"; its daemon changes a landed byte: the request fails with
+    code ``integrity`` and vLLM hears it as load errors of every block of the request (its
+    policy recomputes them), never as a finished load."""
+    src, dst = rig["S"], rig["D"]
+    failures = metric(dst.daemon, "kvxferd_integrity_failures_total")
+    step_all(dst, load("d-tint", src, "tint", 80, [4, 9, 2]))
+    (sim,) = src.ranks
+    sim.command(cmd="send", request_id="tint", pages=[1, 2, 3], n=80)
+    got = steps_until(dst, "recving", "d-tint")
+    assert set(got[0]["errors"]) == {4, 9, 2}, got
+    ends = [f for f in daemon_status(dst.daemon)["recent_failures"] if f["request_id"] == "tint"]
+    assert ends and ends[-1]["code"] == "integrity" and "layer" in ends[-1]["reason"], ends
+    assert metric(dst.daemon, "kvxferd_integrity_failures_total") > failures
+    sent = finished(sim, "tint")
+    # NIXL's writes are one-sided: its source may have heard done (its bytes left) before the check ran
+    assert sent["code"] == "integrity" or (rig["transport"] == "nixl" and sent["state"] == "done"), sent
 
 
 def test_page_sizes_that_differ_are_refused_at_the_handshake_naming_both(rig):
