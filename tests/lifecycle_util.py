@@ -217,7 +217,7 @@ class Cluster:
             route = Route(kind, ("127.0.0.1", 9), node.identity, node.address, token)
             try:
                 plan = source.handle(events.HandshakeAsked(node.identity, prefill, decode, prefill_spec, hello.spec,
-                                                           "direct", True, route))
+                                                           "direct", True, route, hello.integrity))
             except PlanRefusal as refusal:
                 source.handle(events.HandshakeRefusedHere(node.identity, prefill, decode))
                 answer = messages.HandshakeRefused(refusal.to_wire())
@@ -225,7 +225,7 @@ class Cluster:
                 ranks = [[tp, pp, self.node(name).address] for (tp, pp), name in sorted(holders.items())] or None
                 rows = plan_to_wire(plan) if self.tamper_plan is None else self.tamper_plan(plan_to_wire(plan))
                 answer = messages.HandshakeOk(prefill_spec.to_dict(), plan.mode, rows, source.incarnation,
-                                              {"transport": kind}, ranks)
+                                              {"transport": kind}, ranks, None, source.life.standing(prefill))
         node.handle(events.HandshakeAnswered(source.address, prefill, decode, answer, token, kind))
 
     def run_job(self, node: Node, job: effects.StartJob, ok: bool = True) -> None:

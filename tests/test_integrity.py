@@ -160,10 +160,16 @@ def test_the_stricter_side_wins_a_source_in_full_sends_digests_to_a_decode_daemo
         dec, pre = _request(c, dst, plain, "neither", "matched", rng)
         assert_verified(dec, pre)
         assert metric(plain, "kvxferd_integrity_checked_chunks_total") == before
-        # engines hear the mode in status
+        # engines hear the mode in status, and both sides each pair's, as its handshake agreed it
         from kvxferd.sdk.client import EngineClient
         with EngineClient(src.socket_path, timeout=30) as client:
-            assert client.status()["integrity"] == "full"
+            status = client.status()
+        assert status["integrity"] == "full"
+        assert [(x["side"], x["prefill"], x["decode"], x["integrity"]) for x in status["integrity_pairs"]] == [
+            ("prefill", "strict-p", "strict-d", "full")]
+        with EngineClient(dst.socket_path, timeout=30) as client:
+            pairs = {(x["side"], x["prefill"], x["decode"]): x["integrity"] for x in client.status()["integrity_pairs"]}
+        assert pairs == {("decode", "strict-p", "strict-d"): "full", ("prefill", "neither-p", "neither-d"): "off"}
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)

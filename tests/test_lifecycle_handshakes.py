@@ -169,3 +169,34 @@ def test_a_source_instance_on_the_decode_daemon_is_planned_once_it_registers():
     n.send(p, "r", pages(4, 8), 0, 16, True)
     c.run()
     assert n.outcome("r", d).state == "done"
+
+
+def test_a_pair_agrees_the_stricter_sides_integrity_and_each_request_is_checked_at_least_at_it():
+    """Each side of a pair names its standing integrity period in the handshake (its daemon's
+    mode, or its instance's ask at register where stricter); the pair agrees the shorter, both
+    sides show it in ``status``, and every request of the pair asks at least that, whatever
+    the decode daemon's own mode."""
+    from kvxferd.model.sampling import FULL, Policy
+
+    for p_mode, d_mode, d_ask, agreed in (("full", "off", None, 1), ("sampled", "off", None, 20),
+                                          ("sampled", "off", "full", 1), ("off", "sampled", None, 20),
+                                          ("off", "off", None, None)):
+        c, pn, dn, p, d = _pair()
+        pn.life.integrity, dn.life.integrity = Policy(p_mode), Policy(d_mode)
+        d.integrity = d_ask
+        for rid in ("a", "b"):
+            dn.expect(d, rid, pages(4, 4 * "ab".index(rid)), "p", num_tokens=16, source_node=pn)
+        c.run()
+        hs = dn.life.handshakes.get((pn.address, "p", "d"))
+        assert hs.integrity == agreed and pn.life.routes.integrity("p", "d") == agreed, (p_mode, d_mode, d_ask)
+        shown = {"off": "off", 1: "full", 20: "sampled 1/20"}[agreed or "off"]
+        assert [x["integrity"] for x in dn.life.handshakes.integrity_pairs()] == [shown]
+        assert [x["integrity"] for x in pn.life.routes.integrity_pairs()] == [shown]
+        entries = [dn.inbox.get(rid, d.id) for rid in "ab"]
+        if agreed is None:
+            assert [e.integrity for e in entries] == [None, None]
+        elif agreed == 1:
+            assert [e.integrity for e in entries] == [FULL, FULL]
+        else:  # one granule in 20, the offset turning per request
+            assert [e.integrity.period for e in entries] == [20, 20]
+            assert entries[0].integrity.offset != entries[1].integrity.offset

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvxferd.datapath.digest import region_digests
-from kvxferd.model.sampling import FULL, MODES, Policy, Sample, chosen, period_of, to_send
+from kvxferd.model.sampling import FULL, MODES, Policy, Sample, chosen, period_of, to_send, stricter
 
 samples = st.integers(1, 24).flatmap(lambda p: st.builds(Sample, st.just(p), st.integers(0, p - 1)))
 
@@ -128,3 +128,23 @@ def test_digests_of_the_chosen_slots_agree_across_page_sizes_and_find_a_changed_
     assert region_digests([dst], picked, row, 0, row) == b
     dst.view(-1, row)[int(picked[-1])][5] ^= 0x01  # one inside it: seen
     assert region_digests([dst], picked, row, 0, row) != b
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(MODES), st.sampled_from((None, *MODES)), st.integers(1, 64),
+       st.one_of(st.none(), st.integers(1, 64)), st.one_of(st.none(), st.integers(1, 64)))
+def test_a_pair_agrees_the_shorter_standing_period_and_no_request_of_it_asks_less(mode, asked, period, a, b):
+    policy = Policy(mode, period)
+    standing = policy.standing(asked)
+    strictest = max(mode, asked or "off", key=MODES.index)
+    assert standing == {"off": None, "sampled": period, "full": 1}[strictest]
+    agreed = stricter(a, b)
+    assert agreed == (None if a is None and b is None else min(x for x in (a, b) if x is not None))
+    own = policy.sample(asked)
+    floor = policy.at_least(own, agreed)
+    if agreed is None:
+        assert floor == own
+    else:  # what a request of the pair checks is at least one granule in ``agreed``
+        assert floor is not None and floor.period <= agreed
+        assert floor == own or floor.period == agreed
+        assert 0 <= floor.offset < floor.period

@@ -116,7 +116,7 @@ FULL: list[Message] = [
     messages.Status(),
     messages.Ping(),
     messages.Handshake(PROTOCOL_VERSION, "h:1", "h:2", "p", "d", {"x": 1}, "staged", ["nixl", "tcp"], b"t" * 16,
-                       "inc", True, extra={"nixl_agent": "agent-d", "nixl_md": [b"md"], "nixl_regions": [NIXL_REGION],
+                       "inc", True, 20, extra={"nixl_agent": "agent-d", "nixl_md": [b"md"], "nixl_regions": [NIXL_REGION],
                                            "nixl_landing": [3, 4096, 4096, 4, -1],
                                            "nixl_unusable": "rank d/tp0/pp0 could not be registered"}),
     messages.PeerExpect("r1", "p", "d", (1, 0), 64, 16,
@@ -133,7 +133,7 @@ FULL: list[Message] = [
     messages.HandshakeOk({"x": 1}, "direct", [[0, "", 0, 0, 0, 0, 8, 0, 32, 0, 0, 512], [1, "swa", 1, 1, 0, 8, 16, 0, 32, 0, 0, 512]],
                          "inc",
                          {"transport": "nixl", "transport_reason": "asked first", "nixl_agent": "agent-p",
-                          "nixl_md": [b"md"]}, [[0, 0, "h:1"], [1, 0, "h:3"]], 8),
+                          "nixl_md": [b"md"]}, [[0, 0, "h:1"], [1, 0, "h:3"]], 8, 1),
     messages.HandshakeRefused({"code": "plan_refused", "message": "no"}),
     messages.HandshakeRetry("the source is busy"),
 ]

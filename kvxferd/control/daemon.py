@@ -240,6 +240,8 @@ class Daemon:
             "integrity": cfg.integrity.mode,
             **({"integrity_sample_share": self.life.integrity.share}
                if cfg.integrity.mode == "sampled" else {}),
+            # each instance pair's integrity, as agreed at its handshake (the stricter side's; a request may ask more)
+            "integrity_pairs": self.life.handshakes.integrity_pairs() + self.life.routes.integrity_pairs(),
             "rendezvous": self.rendezvous.status(),  # instances over several daemons: who holds which rank
             **({"hops": TRACE.snapshot()} if TRACE.keep else {}),  # daemon.hop_trace: per-request hop times
         }

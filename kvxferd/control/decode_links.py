@@ -273,7 +273,7 @@ class DecodeLinks:
         hello = messages.Handshake(
             PROTOCOL_VERSION, self.me.address, self.me.data_address, effect.prefill, effect.decode,
             effect.spec.to_dict(), self.cfg.peer.mode, self.transports.offered(), link.token, self.me.incarnation,
-            extra=self.transports.handshake_fields(link.address, effect.prefill, effect.decode))
+            integrity=effect.integrity, extra=self.transports.handshake_fields(link.address, effect.prefill, effect.decode))
         link.ask(hello, (effect.prefill, effect.decode))
 
     def answered(self, link: PeerLink, pair: tuple[str, str], msg: dict[str, Any], asked: float | None) -> None:

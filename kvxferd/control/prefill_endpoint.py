@@ -191,13 +191,14 @@ class PrefillEndpoint:
         host, port = protocol.split_address(msg.data_address)
         route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
         plan = self.dispatch(events.HandshakeAsked(identity, prefill, msg.decode_instance, spec, decode_spec, mode,
-                                                   msg.decode_tensors is not False, route))
+                                                   msg.decode_tensors is not False, route, msg.integrity))
         self.dispatch(events.DecodeHeard(identity, msg.daemon, msg.incarnation))  # a link of that daemon now
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
         return messages.HandshakeOk(spec.to_dict(), plan.mode, plan_to_wire(plan), self.me.incarnation,
-                                    self.transports.answer(choice), ranks, self.max_parts)
+                                    self.transports.answer(choice), ranks, self.max_parts,
+                                    self.life.standing(prefill))
 
     def expect(self, identity: bytes, msg: messages.PeerExpect) -> messages.Message | None:
         TRACE.mark(msg.request_id, "peer_expect_in")

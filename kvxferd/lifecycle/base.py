@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
 from ..errors import RequestError
-from ..model.sampling import Policy
+from ..model.sampling import MODES, Policy
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from . import effects, events, states
@@ -115,6 +115,12 @@ class LifecycleBase:
         return bool(self.peer is not None and self.peer.require_same_page_size)
 
     # -- checks, counts and records --------------------------------------------------------------
+    def standing(self, instance: str) -> int | None:
+        """The standing integrity period of an instance on this daemon at its handshakes: this
+        daemon's mode, or the strictest its ranks asked for at register where stricter."""
+        asks = [rank.integrity or "off" for rank in self.registry if rank.instance == instance]
+        return self.integrity.standing(max(asks, key=MODES.index) if asks else None)
+
     def refuse_finished(self, request_id: str, rank_id: str) -> None:
         record = self.finished.get((request_id, rank_id))
         if record is not None:

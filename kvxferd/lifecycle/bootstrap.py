@@ -22,6 +22,7 @@ from ..errors import KvxferError, PlanRefusal
 from ..model.geometry import InstanceSpec, rank_id
 from ..model.plan_wire import plan_from_wire
 from ..model.planner import make_plan
+from ..model.sampling import stricter
 from ..ops.logutil import q
 from ..wire import protocol
 from ..wire.messages import HandshakeOk, HandshakeRefused, HandshakeRetry
@@ -58,7 +59,8 @@ class BootstrapSide(LifecycleBase):
         key: Key = (address, entry.source_instance, entry.rank.instance)
         hs, fresh = self.handshakes.need(key, entry.rank.geometry.spec, entry, self.now)
         if fresh:
-            self.emit(effects.SendHandshake(address, entry.source_instance, entry.rank.instance, hs.spec))
+            hs.ask = self.integrity.standing(entry.rank.integrity)
+            self.emit(effects.SendHandshake(address, entry.source_instance, entry.rank.instance, hs.spec, hs.ask))
         if hs.state != AGREED:
             entry.waiting_for = self._waiting_text(entry, hs)
         return hs
@@ -106,6 +108,7 @@ class BootstrapSide(LifecycleBase):
             return
         plan = primary.plan
         assert plan is not None
+        entry.integrity = self.integrity.at_least(entry.integrity, primary.integrity)  # the pair's agreed floor
         if not primary.rank_map:
             self._plan_found(events.PlanFound(entry, plan, primary.token, primary.kind))
             return
@@ -142,6 +145,7 @@ class BootstrapSide(LifecycleBase):
         prefill, decode = entry.source_instance, entry.rank.instance
         cached = self.routes.local(prefill, decode)
         if cached is not None:
+            entry.integrity = self.integrity.at_least(entry.integrity, self.routes.integrity(prefill, decode))
             self._plan_found(events.PlanFound(entry, cached[0]))
             return
         elsewhere = self.remote_ranks(prefill)
@@ -162,7 +166,9 @@ class BootstrapSide(LifecycleBase):
         except PlanRefusal as refusal:
             self._refuse(entry, refusal)
             return
-        self.routes.set_pair(prefill, decode, plan, Route("local", daemon=self.address))
+        agreed = stricter(self.integrity.standing(entry.rank.integrity), self.standing(prefill))
+        self.routes.set_pair(prefill, decode, plan, Route("local", daemon=self.address), agreed)
+        entry.integrity = self.integrity.at_least(entry.integrity, agreed)
         self.metrics.handshakes.labels("ok").inc()
         entry.waiting_for = ""
         self._plan_found(events.PlanFound(entry, plan))
@@ -200,6 +206,7 @@ class BootstrapSide(LifecycleBase):
                                                    field=exc.field or "geometry"))
             return
         hs.rank_map = {(tp, pp): address for tp, pp, address in answer.ranks or ()}
+        hs.integrity = stricter(hs.ask, answer.integrity)
         hs.token, hs.kind, hs.said = ev.token, ev.kind, ""
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_ok peer=%s prefill=%s decode=%s mode=%s transport=%s", hs.address, ev.prefill,
@@ -242,7 +249,7 @@ class BootstrapSide(LifecycleBase):
             if happened == "abandoned":
                 self.metrics.handshakes.labels("timeout").inc()
             if self.handshakes.move(hs, happened, self.now) == ASKING:
-                self.emit(effects.SendHandshake(*hs.key, hs.spec))
+                self.emit(effects.SendHandshake(*hs.key, hs.spec, hs.ask))
         waiting, self.local_waiting = self.local_waiting, []
         for entry in waiting:
             if entry.failure is None:
@@ -255,7 +262,7 @@ class BootstrapSide(LifecycleBase):
         happened = {"peer_restarted": "restarted", "peer_dead": "forgotten"}.get(code, "auth_failed")
         for hs in self.handshakes.at(address):
             if self.handshakes.move(hs, happened, self.now) == ASKING and happened == "restarted":
-                self.emit(effects.SendHandshake(*hs.key, hs.spec))
+                self.emit(effects.SendHandshake(*hs.key, hs.spec, hs.ask))
         # a rendezvous's rank map that names the lost daemon is stale: its ranks register again
         # elsewhere, and the rendezvous's directory will say where; the next destination asks it anew
         for hs in list(self.handshakes.book.values()):

@@ -57,6 +57,7 @@ class SendHandshake:
     prefill: str
     decode: str
     spec: InstanceSpec  # the decode instance's
+    integrity: int | None = None  # the decode instance's standing integrity period (None: off)
 
 
 @dataclass(frozen=True)

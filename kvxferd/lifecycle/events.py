@@ -162,6 +162,7 @@ class HandshakeAsked:
     mode: str  # direct or staged, as the transport allows
     decode_tensors: bool
     route: Route
+    integrity: int | None = None  # the decode instance's standing integrity period (None: off)
 
 
 @dataclass(frozen=True)

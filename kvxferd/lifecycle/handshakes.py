@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 from ..model.geometry import InstanceSpec
 from ..model.plan import Plan
+from ..model.sampling import describe_period
 from .inbox import DestEntry
 
 ASKING = "asking"  # a hello is out and unanswered
@@ -65,6 +66,10 @@ class Handshake:
     token: bytes | None = None  # the link's data token (data headers of its writers carry it)
     kind: str = "tcp"  # the transport its data arrives over
     waiting: list[DestEntry] = field(default_factory=list)  # destinations that wait for it
+    #: integrity: the standing period this side asks for the pair in its hello, and the one agreed
+    #: (the shorter of both sides'; None: off) that every request of the pair is checked at least at
+    ask: int | None = None
+    integrity: int | None = None
 
     @property
     def address(self) -> str:
@@ -150,6 +155,12 @@ class Handshakes:
             elif now >= hs.due:
                 out.append((hs, "silent" if hs.state == ASKING else "due"))
         return out
+
+    def integrity_pairs(self) -> list[dict[str, Any]]:
+        """For ``status``: each agreed pair this daemon is the destination of, and its agreed mode."""
+        return [{"side": "decode", "prefill": hs.key[1], "decode": hs.key[2], "peer": hs.address,
+                 "integrity": describe_period(hs.integrity)}
+                for hs in self.book.values() if hs.state == AGREED]
 
     def describe(self) -> list[dict[str, Any]]:
         """For ``status``: every handshake not agreed, and what it waits for."""

@@ -16,7 +16,7 @@ from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
 from ..model.plan import Plan, group_key
 from ..model.planner import make_plan
-from ..model.sampling import Sample, granule, to_send
+from ..model.sampling import Sample, granule, stricter, to_send
 from ..model.segments import clip_slots
 from ..ops.logutil import q
 from ..wire.messages import Event, Fenced, PeerAbort
@@ -37,7 +37,7 @@ class PrefillSide(LifecycleBase):
         plan = make_plan(ev.spec, ev.decode_spec, mode=ev.mode, decode_tensors=ev.decode_tensors,
                          require_same_page_size=self.require_same_page_size)
         self.routes.check_pair(ev.prefill, ev.decode, plan, ev.route.daemon)
-        self.routes.set_pair(ev.prefill, ev.decode, plan, ev.route)
+        self.routes.set_pair(ev.prefill, ev.decode, plan, ev.route, stricter(ev.integrity, self.standing(ev.prefill)))
         return plan
 
     def sources_of(self, request_id: str) -> list[SrcEntry]:
@@ -128,7 +128,7 @@ class PrefillSide(LifecycleBase):
             # one-sided writes address a group's chunk by the group's own destination table
             dst_pages = (ev.dst_groups or {}).get(w.group) if w.group else ev.dst_pages
             target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start,
-                            digests=self._digests(rank_id, ev.integrity), granule=granule(ev.plan, w.group))
+                            digests=self._digests(rank_id, ev), granule=granule(ev.plan, w.group))
             entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
         # ranks that write nothing of this request learn the plan too, so they can finish
@@ -138,11 +138,13 @@ class PrefillSide(LifecycleBase):
                 self._pump(entry)
             self._check_src(entry)
 
-    def _digests(self, rank_id: str, asked: Sample | None) -> Sample | None:
-        """What a target's chunk digests cover: its expect's ask, or this daemon's or the source
-        instance's mode where stricter (a rank that registers later is held to this daemon's)."""
+    def _digests(self, rank_id: str, ev: events.PeerExpected) -> Sample | None:
+        """What a target's chunk digests cover: its expect's ask, or this daemon's, the source
+        instance's or the pair's agreed mode where stricter (a rank that registers later is held
+        to this daemon's)."""
         rank = self.registry.get(rank_id)
-        return to_send(self.integrity.sample(rank.integrity if rank is not None else None), asked)
+        own = self.integrity.sample(rank.integrity if rank is not None else None)
+        return to_send(self.integrity.at_least(own, self.routes.integrity(ev.prefill, ev.decode)), ev.integrity)
 
     def _binding_for(self, ev: events.PeerExpected) -> Binding:
         """The request's one binding: every decode rank's expect adds its route to it (the peer

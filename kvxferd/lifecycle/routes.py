@@ -22,6 +22,7 @@ from typing import Any
 from ..directory.holders import spec_difference
 from ..errors import PlanRefusal
 from ..model.plan import Plan
+from ..model.sampling import describe_period
 from .outbox import Binding, Route
 
 
@@ -42,6 +43,8 @@ class PairRoutes:
 
     plan: Plan
     routes: dict[str, Route] = field(default_factory=dict)
+    #: the integrity period agreed at the pair's handshake (the shorter of both sides'; None: off)
+    integrity: int | None = None
 
 
 class RouteBook:
@@ -99,13 +102,26 @@ class RouteBook:
                           f"daemon {others[0]} in mode {found.plan.mode!r}", field="mode",
                           prefill=found.plan.mode, decode=plan.mode, fix=fix)
 
-    def set_pair(self, prefill: str, decode: str, plan: Plan, route: Route) -> None:
-        """Record a handshake (call :meth:`check_pair` first): a new plan replaces the pair's."""
+    def set_pair(self, prefill: str, decode: str, plan: Plan, route: Route, integrity: int | None = None) -> None:
+        """Record a handshake (call :meth:`check_pair` first): a new plan replaces the pair's, and
+        its last handshake's agreed integrity period the one before."""
         found = self._pairs.get((prefill, decode))
         if found is None or found.plan != plan:
             keep = {d: r for d, r in found.routes.items() if d != route.daemon} if found is not None else {}
             found = self._pairs[(prefill, decode)] = PairRoutes(plan, keep)
         found.routes[route.daemon] = route
+        found.integrity = integrity
+
+    def integrity(self, prefill: str, decode: str) -> int | None:
+        """The pair's agreed integrity period (None: off, or no handshake)."""
+        found = self._pairs.get((prefill, decode))
+        return found.integrity if found is not None else None
+
+    def integrity_pairs(self) -> list[dict[str, Any]]:
+        """For ``status``: each pair and decode daemon this daemon is the source for, and the agreed mode."""
+        return [{"side": "prefill", "prefill": prefill, "decode": decode, "peer": daemon,
+                 "integrity": describe_period(found.integrity)}
+                for (prefill, decode), found in self._pairs.items() for daemon in found.routes]
 
     def refused(self, prefill: str, decode: str, identity: bytes) -> None:
         """This daemon refused the pair's handshake over that link."""

@@ -9,6 +9,11 @@ every request it receives, so ``period`` requests in a row check every token pos
 physical page is checked when a request places it at a chosen position (a rotation over
 positions, not a ledger per page).
 
+A pair of instances agrees a standing period at its handshake (:func:`stricter`, each side's
+:meth:`Policy.standing`): every request of the pair is checked at least at that period
+(:meth:`Policy.at_least` on the destination, :func:`to_send` on the source), so a side that
+asked for checks at the handshake is never answered with fewer.
+
 ``full`` is the sample with period 1. A source that is stricter than its destination's ask sends
 a sample that covers the ask (every granule the destination checks carries a digest), so the
 stricter side of a pair always wins and the destination can always check what it asked for.
@@ -92,6 +97,16 @@ def chosen(slots: np.ndarray, slot_tokens: int, start: int, granule_tokens: int,
     return slots[(first // granule_tokens + sample.offset) % sample.period == 0]
 
 
+def stricter(a: int | None, b: int | None) -> int | None:
+    """The pair's period from both sides' standing ones: the shorter (None: off)."""
+    return b if a is None else a if b is None else min(a, b)
+
+
+def describe_period(period: int | None) -> str:
+    """A standing period as ``status`` shows it."""
+    return "off" if period is None else "full" if period == 1 else f"sampled 1/{period}"
+
+
 def period_of(share: float) -> int:
     """The period that checks about ``share`` of a request's granules."""
     return max(1, min(MAX_PERIOD, round(1 / share)))
@@ -107,13 +122,29 @@ class Policy:
 
     def sample(self, asked: str | None = None) -> Sample | None:
         """What one request's digests must cover at a rank of this daemon (``asked``: its instance's mode)."""
+        period = self.standing(asked)
+        if period is None:
+            return None
+        return self._turned(period)
+
+    def standing(self, asked: str | None = None) -> int | None:
+        """The period a side of a pair asks at its handshake for every request (None: off)."""
         mode = max(self.mode, asked or "off", key=MODES.index)
         if mode == "off":
             return None
-        if mode == "full" or self.period == 1:
+        return 1 if mode == "full" else self.period
+
+    def at_least(self, sample: Sample | None, period: int | None) -> Sample | None:
+        """``sample``, or one of the pair's agreed ``period`` where that checks more."""
+        if period is None or (sample is not None and sample.period <= period):
+            return sample
+        return self._turned(period)
+
+    def _turned(self, period: int) -> Sample:
+        if period == 1:
             return FULL
-        self.turn = (self.turn + 1) % self.period
-        return Sample(self.period, self.turn)
+        self.turn += 1
+        return Sample(period, self.turn % period)
 
     @property
     def share(self) -> float:

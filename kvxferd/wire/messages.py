@@ -27,7 +27,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ProtocolError
-from ..model.sampling import MODES
+from ..model.sampling import MAX_PERIOD, MODES
 from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
                        MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob,
                        boolean, check_op, group_tables, int_list, integer, list_of, mapping, number, pair,
@@ -226,6 +226,9 @@ class Handshake(Message):
     data_token: bytes | None = wire(blob(64), None)
     incarnation: str | None = wire(INCARNATION, None)
     decode_tensors: bool | None = wire(boolean, None)
+    #: the decode instance's standing integrity period for every request of the pair (1: full;
+    #: left out: off); the pair agrees the shorter of both sides' (kvxferd.model.sampling)
+    integrity: int | None = wire(integer(1, MAX_PERIOD), None)
     extra: dict[str, Any] = extras(NIXL_OFFER)  # the transports' offer (NIXL agent, regions)
 
 
@@ -242,6 +245,8 @@ class HandshakeOk(Message):
     ranks: list[list[Any]] | None = wire(list_of(rank_at, MAX_INSTANCE_RANKS), None)
     #: peer control messages this daemon reads from one multipart message (left out: one per message)
     batch: int | None = wire(BATCH_PARTS, None)
+    #: the prefill instance's standing integrity period (as the hello's ``integrity``)
+    integrity: int | None = wire(integer(1, MAX_PERIOD), None)
 
 
 @dataclass(frozen=True)
