@@ -105,8 +105,7 @@ class RunningDigests:
     write and the check would be."""
 
     def __init__(self, n_regions: int, flip_first: bool = False) -> None:
-        import xxhash
-        self._hashers = [xxhash.xxh3_64() for _ in range(n_regions)]
+        self._hashers = [_hasher() for _ in range(n_regions)]
         self._flip = flip_first
 
     def add(self, region: int, view: memoryview) -> None:
