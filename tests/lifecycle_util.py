@@ -27,6 +27,7 @@ from kvxferd.lifecycle.registry import Rank, Registry
 from kvxferd.model.geometry import InstanceSpec, RankGeometry, rank_id
 from kvxferd.model.plan_wire import plan_to_wire
 from kvxferd.model.segments import as_pages, unit_slots
+from kvxferd.model.sampling import Sample
 from kvxferd.ops.config import Config
 from kvxferd.ops.metrics import Metrics
 from kvxferd.wire import messages
@@ -173,7 +174,9 @@ class Cluster:
         plan = source.life.routes.plan(entry.source_instance, entry.rank.instance)
         route = source.life.routes.route_of(entry.source_instance, entry.rank.instance, node.identity)
         self.later(source, events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
-                                               entry.rank.coords, plan, route, start=entry.start, writers=writers))
+                                               entry.rank.coords, plan, route, start=entry.start, writers=writers,
+                                               integrity=Sample.from_wire(entry.integrity.to_wire())
+                                               if entry.integrity is not None else None))  # as the wire carries it
 
     def _to_source(self, decode: Node, source: Node, message: messages.Message) -> None:
         self.sent_upstream.append(message)

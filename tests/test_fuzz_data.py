@@ -35,6 +35,7 @@ import zmq
 from e2e_util import carried_plan, cluster_run, finished, spec
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
+from kvxferd.wire.protocol import MAX_PICK_BYTES
 from test_fuzz_engine import canary, junk, wait_idle
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
@@ -410,13 +411,14 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     fuzzer = DataFuzzer(rng, rid, "dg", writers, per_token, fake.tokens["dg"])
                     kind = "clean" if i % 4 == 0 else rng.choice(
                         ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
-                         "digest_type", "sample_narrow", "sample_type"))
+                         "digest_type", "sample_narrow", "sample_type", "picks_narrow", "picks_type", "picks_alone"))
                     bad_writer = rng.randrange(2)
                     trailing = [rng.random() < 0.5 for _ in range(2)]
                     if kind == "digest_missing" and trailing[bad_writer] and rng.random() < 0.5:
                         kind = "trailer_op"  # the digests frame comes under another op
                     trail_refused = trailing[bad_writer] and kind in ("digest_missing", "digest_type", "trailer_op",
-                                                                      "sample_narrow")
+                                                                      "sample_narrow", "picks_narrow")
+                    refused = ("digest_type", "sample_type", "picks_type", "picks_alone")  # at the header
                     replies = []
                     for w in range(2):
                         h = fuzzer.header(0, N_TOKENS, src=writers[w], last=True)
@@ -451,11 +453,20 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                             h["sample"] = [period, rng.randrange(period)]
                         elif w == bad_writer and kind == "sample_type":
                             h["sample"] = rng.choice(([0, 0], [3, 3], [2], [2, -1], "2", [1 << 17, 0], [2.0, 0]))
+                        elif w == bad_writer and kind == "picks_narrow":  # well formed, picking no granule
+                            h["sample"], h["picks"] = [2, 0], [0, bytes(rng.randrange(3))]
+                        elif w == bad_writer and kind == "picks_type":
+                            h["sample"] = [2, 0]
+                            h["picks"] = rng.choice(([0], [-1, b"\x01"], [0, "x"], "p", [True, b""], [0, b"\x01", 1],
+                                                     [0, bytes(MAX_PICK_BYTES + 1)]))
+                        elif w == bad_writer and kind == "picks_alone":  # picks, and no sample they belong to
+                            h["picks"] = [0, b"\xff"]
                         replies.append(exchange(dd.data_port, frame(h), bytes(payload) + tail))
-                    if kind in ("digest_type", "sample_type") or trail_refused:
+                    if kind in refused or trail_refused:
                         # refused at the header or at the digests frame: the request waits; end it
                         assert replies[bad_writer]["ok"] is False, replies
-                        field = {"trailer_op": "op", "sample_narrow": "trailer"}.get(kind, kind.split("_")[0])
+                        field = {"trailer_op": "op", "sample_narrow": "trailer", "picks_narrow": "trailer"}.get(
+                            kind, kind.split("_")[0])
                         assert str(replies[bad_writer]["error"]["field"]).startswith(field), (kind, replies)
                         decode[0].command(cmd="abort", request_id=rid)
                     ev = finished(decode[0], rid)
@@ -466,7 +477,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                         assert ev["state"] == "done" and ev["mismatched_bytes"] == 0, ev
                         continue
                     assert ev["state"] == "failed", (kind, ev)  # never done
-                    if kind not in ("digest_type", "sample_type") and not trail_refused:
+                    if kind not in refused and not trail_refused:
                         assert ev["code"] == "integrity" and rid in ev["reason"], (kind, ev)
                         assert replies[bad_writer]["ok"] is False, (kind, replies)
                         assert replies[bad_writer]["error"]["code"] == "integrity", (kind, replies)
@@ -474,7 +485,11 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
             assert dd.proc.poll() is None and "Traceback" not in dd.log()
             assert outcomes["clean:done:None"] == DIGEST_REQUESTS // 4, outcomes
             assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")
-                       and not k.startswith("trailer:")) >= DIGEST_REQUESTS // 3, outcomes
+                       and not k.startswith("trailer:")) >= DIGEST_REQUESTS // 4, outcomes
+            for kind in ("payload_byte", "digest_bit", "digest_short", "digest_long", "picks_narrow"):
+                assert outcomes[f"{kind}:failed:integrity"] > 0, (kind, outcomes)
+            for kind in ("sample_type", "picks_type", "picks_alone"):
+                assert outcomes[f"{kind}:failed:aborted"] > 0, (kind, outcomes)  # refused at the header
             for trailed in (True, False):  # both ways of sending digests landed clean, and failed closed
                 assert outcomes[f"trailer:{trailed}:done:None"] > 0, outcomes
                 assert outcomes[f"trailer:{trailed}:failed:integrity"] > 0, outcomes

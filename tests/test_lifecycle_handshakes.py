@@ -8,6 +8,8 @@ once it registers."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvxferd.lifecycle import events
 from lifecycle_util import Cluster, pages, spec
 
@@ -197,6 +199,28 @@ def test_a_pair_agrees_the_stricter_sides_integrity_and_each_request_is_checked_
             assert [e.integrity for e in entries] == [None, None]
         elif agreed == 1:
             assert [e.integrity for e in entries] == [FULL, FULL]
-        else:  # one granule in 20, the offset turning per request
+        else:  # one granule in 20, chosen page by page (a fresh cache: pages 19, 39, ... first)
             assert [e.integrity.period for e in entries] == [20, 20]
-            assert entries[0].integrity.offset != entries[1].integrity.offset
+            assert [set(e.integrity.picks) for e in entries] == [{""}, {""}]
+
+
+def test_a_sampled_destination_checks_each_page_within_period_writes_and_its_source_digests_those():
+    """The decode side's page ledger picks the granules of each request; ``period`` requests that
+    write the same four pages check each page once, and the source sends digests of exactly what
+    was picked."""
+    from kvxferd.model.sampling import Policy
+
+    c, pn, dn, p, d = _pair()
+    dn.life.integrity = Policy("sampled", period=5)
+    checks = {page: 0 for page in range(8, 12)}
+    for i in range(5):
+        rid = f"r{i}"
+        dn.expect(d, rid, pages(4, 8), "p", num_tokens=16, source_node=pn)
+        c.run()
+        asked = dn.inbox.get(rid, d.id).integrity
+        (source,) = pn.life.sources_of(rid)
+        assert [t.digests for t in source.targets.values()] == [asked]  # the source covers the ask, no more
+        picks = asked.picks[""]
+        for g in range(4):  # granule g is page g of the table: page 8 + g
+            checks[8 + g] += bool(picks.mask(np.array([g]))[0])
+    assert checks == {8: 1, 9: 1, 10: 1, 11: 1}

@@ -13,6 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvxferd import PROTOCOL_VERSION
+from kvxferd.errors import ProtocolError
 from kvxferd.wire import messages, protocol
 from kvxferd.wire.messages import Message
 
@@ -121,7 +122,8 @@ FULL: list[Message] = [
                                            "nixl_unusable": "rank d/tp0/pp0 could not be registered"}),
     messages.PeerExpect("r1", "p", "d", (1, 0), 64, 16,
                         {"dst_pages": [3, 4], "dst_groups": {"kv": [3]}, "nixl_md": [b"md"],
-                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)], [20, 3]),
+                         "nixl_regions": [NIXL_REGION]}, [(0, 0), (1, 0)],
+                        [20, 3, {"": [0, b"\x05\x80"], "swa": [4, b"\x01"]}]),  # granules picked page by page
     messages.PeerAbort("r1", "the engine aborted", "aborted"),
     messages.PeerEnded("r1", "p", "d", "timeout", "bootstrap took too long"),
     messages.Fence("r1"),
@@ -180,3 +182,15 @@ def test_messages_with_fields_left_out_come_back_equal(data):
     wire = smaller.to_wire()
     assert not unset & set(wire)
     assert over_the_wire(smaller) == smaller
+
+
+@pytest.mark.parametrize("integrity", [
+    [20, 3, []], [20, 3, {"": [0]}], [20, 3, {"": [-1, b"\x01"]}], [20, 3, {"": [0, "x"]}],
+    [20, 3, {"": [True, b""]}], [20, 3, {"": [0, bytes(protocol.MAX_PICK_BYTES + 1)]}], [20, 3, {7: [0, b""]}],
+    [20, 3, {f"g{i}": [0, b""] for i in range(40)}], [20, 3, {}, 1], [20, 30, {"": [0, b""]}],
+])
+def test_an_expect_whose_integrity_picks_are_malformed_is_refused_naming_the_field(integrity):
+    wire = dict(messages.PeerExpect("r1", "p", "d", (0, 0), 64).to_wire(), integrity=integrity)
+    with pytest.raises(ProtocolError) as err:
+        parser_of(messages.PeerExpect("r1", "p", "d", (0, 0), 64))(wire)
+    assert err.value.field.startswith("integrity"), err.value

@@ -13,9 +13,11 @@ import itertools
 import logging
 from typing import Any
 
+import numpy as np
+
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
-from ..model.sampling import chosen, granule
+from ..model.sampling import chosen, granule, granules_of
 from .digest import RunningDigests, region_digests
 
 log = logging.getLogger("kvxferd.integrity")
@@ -46,7 +48,9 @@ class LandedCheck:
             self.metrics.integrity_failures.labels(peer, transport).inc()
             return self._say(sink, transport, peer, f"came without digests, which this daemon asks for "
                              f"({asked.describe()})", "run a kvxferd that sends them on the source side")
-        if asked is not None and not sent.covers(asked):
+        grain = granule(entry.plan, w.group)
+        span = np.arange(*granules_of(sink.start, sink.end, grain)) if grain else None
+        if asked is not None and grain and not sent.covers(asked, w.group, span):
             self.metrics.integrity_failures.labels(peer, transport).inc()
             return self._say(sink, transport, peer, f"carries digests of {sent.describe()}, which do not cover "
                              f"what this daemon asked for ({asked.describe()})",
@@ -60,7 +64,7 @@ class LandedCheck:
             landed = sink.landed
         else:
             slots = chosen(sink.dst_slots, entry.rank.geometry.spec.group_spec(w.group).slot_tokens, sink.start,
-                           granule(entry.plan, w.group), sent)
+                           grain, sent, w.group)
             if slots.size and self._fault_due():
                 self._corrupt(sink, regions[0], int(slots[0]))
             landed = region_digests([r.flat for r in regions], slots, w.dst_row_bytes, sink.head_offset,

@@ -13,7 +13,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
 from ..errors import RequestError
-from ..model.sampling import MODES, Policy
+from ..model.sampling import MODES, PageLedger, Policy
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
 from . import effects, events, states
@@ -61,6 +61,8 @@ class LifecycleBase:
         #: digests, and its prefill ranks send them for (a peer or an instance that asks for more
         #: gets more: the stricter side wins)
         self.integrity = integrity or Policy()
+        #: decode side: the writes into each page of each rank since it was last checked (sampled)
+        self.ledger = PageLedger()
         #: decode side: handshakes with source daemons (an unanswered hello goes again after a
         #: heartbeat interval, at least a second), and destinations waiting for a local source
         self.handshakes = Handshakes(max(1.0, peer.heartbeat_interval_s if peer is not None else 1.0),

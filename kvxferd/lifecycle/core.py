@@ -96,6 +96,7 @@ class Lifecycle(DecodeSide, PrefillSide):
                            fix="abort a request this rank expected or sent")
 
     def _rank_gone(self, ev: events.RankGone) -> None:
+        self.ledger.forget(ev.rank.id)
         for dest in self.inbox.all():
             if dest.rank is ev.rank:
                 self._fail(dest, "rank_gone", ev.reason)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 
+from ..model.group_requests import group_origin
+from ..model.sampling import Sample, granule
 from ..ops.logutil import q
 from ..wire.messages import Event, Fence, PeerAbort, PeerEnded
 from . import effects, events, states
@@ -40,6 +42,7 @@ class DecodeSide(BootstrapSide):
         if entry.source_address:
             entry.transport = ev.transport
         entry.bind(ev.plan)
+        self._choose_pages(entry)
         self.metrics.phase_latency.labels("bootstrap").observe(self.now - entry.phase_since)
         states.advance(entry, states.DEST, "bound", self.now)
         if ev.rank_daemons:
@@ -54,6 +57,27 @@ class DecodeSide(BootstrapSide):
         self._on_expect(events.PeerExpected(entry.request_id, entry.source_instance, entry.rank.instance,
                                             entry.rank.coords, pair[0], pair[1], start=entry.start,
                                             num_tokens=entry.num_tokens or 0, integrity=entry.integrity))
+
+    def _choose_pages(self, entry: DestEntry) -> None:
+        """A sampled request checks the granules that hold a page the ledger finds due; its
+        expect names them to every source (once: a request bound again keeps its picks)."""
+        ask = entry.integrity
+        if ask is None or ask.full or ask.picks:
+            return
+        spec = entry.rank.geometry.spec
+        picks = {}
+        for group in sorted({w.group for w in entry.writers.values()}):
+            grain = granule(entry.plan, group)
+            if not grain:
+                continue  # a state slot is checked whole
+            pages = entry.groups[group] if group else entry.pages
+            page_size = spec.group_spec(group).page_size
+            end = entry.num_tokens or int(pages.size) * page_size
+            start = group_origin(spec, group, entry.start, entry.num_tokens)
+            if end > start:
+                picks[group] = self.ledger.choose(entry.rank.id, group, pages, page_size, start, end, grain,
+                                                  ask.period)
+        entry.integrity = Sample(ask.period, ask.offset, picks)
 
     def _expect_each_daemon(self, entry: DestEntry, ev: events.PlanFound) -> None:
         """A source instance over several daemons: every daemon of it hears the expect, naming the

@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import IntegrityError, ProtocolError, RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
-from ..model.sampling import FULL, Sample
+from ..model.sampling import FULL, Picks, Sample
 from ..model.segments import check_whole_pages, chunk_bytes, head_offset_bytes, slot_count, unit_slots
 from ..ops.hops import TRACE
 from . import states
@@ -358,8 +358,12 @@ class Inbox:
 
 
 def _sample_of(header: dict[str, Any]) -> Sample | None:
-    """Which granules a data header's digests cover: what its ``sample`` says, every one without it
-    (digests that trail the payload cover every slot)."""
+    """Which granules a data header's digests cover: what its ``sample`` (and ``picks``, the
+    chunk's chosen granules) says, every one without it (digests that trail the payload cover
+    every slot)."""
+    if "picks" in header and "sample" not in header:
+        raise ProtocolError("a data header carries picks without a sample", field="picks",
+                            fix="send picks only beside the sample they choose granules for")
     if header.get("trailer"):
         if "digests" in header or "sample" in header:
             raise ProtocolError("a data header with trailer also carries digests or a sample: trailing digests "
@@ -368,4 +372,9 @@ def _sample_of(header: dict[str, Any]) -> Sample | None:
         return FULL
     if header.get("digests") is None:
         return None
-    return Sample.from_wire(header["sample"]) if "sample" in header else FULL
+    if "sample" not in header:
+        return FULL
+    sample = Sample.from_wire(header["sample"])
+    if "picks" in header:
+        sample = Sample(sample.period, sample.offset, {header.get("group") or "": Picks.from_wire(header["picks"])})
+    return sample

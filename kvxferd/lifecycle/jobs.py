@@ -13,7 +13,7 @@ import numpy as np
 from ..datapath.digest import region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
-from ..model.sampling import Sample, chosen
+from ..model.sampling import Sample, chosen, granules_of
 from ..model.segments import chunk_bytes, head_offset_bytes, slot_count
 from .registry import Rank
 
@@ -92,18 +92,28 @@ class ChunkJob:
             head["trailer"] = True
         elif self.digests is not None:
             head["digests"] = self.region_digests
-            if not self.digests.full:
-                head["sample"] = self.digests.to_wire()
+            sample = self.sample
+            if not sample.full:
+                head["sample"] = [sample.period, sample.offset]
+                if sample.picks:
+                    head["picks"] = sample.picks[self.group].to_wire()
         return head
+
+    @cached_property
+    def sample(self) -> Sample:
+        """The granules of this chunk its digests cover (picks: this chunk's own only)."""
+        assert self.digests is not None, "a sample is read only for a job that carries digests"
+        if self.granule == 0:
+            return self.digests
+        return self.digests.for_chunk(self.group, *granules_of(self.start, self.end, self.granule))
 
     @cached_property
     def region_digests(self) -> list[int]:
         """The chunk's bytes in each source region as they are now (read once: a job's header may
         be built more than once, and the pages do not change while the request moves)."""
-        w, sample = self.writer, self.digests
-        assert sample is not None, "digests are read only for a job that carries them"
+        w = self.writer
         slots = chosen(self.src_slots, self.rank.geometry.spec.group_spec(self.group).slot_tokens, self.start,
-                       self.granule, sample)
+                       self.granule, self.sample, self.group)
         return region_digests([r.flat for r in self._regions], slots, w.src_row_bytes, self.head_offset,
                               w.slice_bytes)
 

@@ -203,12 +203,13 @@ DIRECTORY_BACKENDS = ("embedded", "etcd")
 @dataclass
 class IntegritySection:
     #: "full": every chunk carries digests of its bytes, which the destination checks over the
-    #: bytes that landed before the request can be done; "sampled": the same over a rotating
-    #: share of each request's pages (sample_share); "off": none asked for (a peer or an
+    #: bytes that landed before the request can be done; "sampled": the same over a share of
+    #: each request's pages (sample_share), chosen page by page so that every page is checked on
+    #: at least one of every 1 / share writes into it; "off": none asked for (a peer or an
     #: instance that asks still gets them: the stricter side wins)
     mode: str = "off"
-    #: sampled: the share of each request's pages checked (0.05: one page in 20, other positions
-    #: with every request, so 20 requests in a row check every token position once)
+    #: sampled: the share of each request's pages checked (0.05: one page in 20; every page
+    #: is checked on at least one of every 20 writes into it)
     sample_share: float = 0.05
     #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
     #: before it is checked (0: never). Logged loudly at start; never set it in production.

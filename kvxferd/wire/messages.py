@@ -29,9 +29,9 @@ from typing import Any, ClassVar, Mapping
 from ..errors import ProtocolError
 from ..model.sampling import MAX_PERIOD, MODES
 from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
-                       MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, blob,
-                       boolean, check_op, group_tables, int_list, integer, list_of, mapping, number, pair,
-                       plan_row, rank_at, region, sample, text)
+                       MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, asked_sample,
+                       blob, boolean, check_op, group_tables, int_list, integer, list_of, mapping, number, pair,
+                       plan_row, rank_at, region, text)
 
 #: cut lengths the schemas allow for free text sent to a peer
 MAX_REASON = 500
@@ -275,10 +275,11 @@ class PeerExpect(Message):
     extra: dict[str, Any] = extras(EXPECT_TARGETS)  # dst_pages and regions for one-sided writes
     #: the writers the receiving daemon holds (left out: every writer)
     writers: list[list[int]] | None = wire(list_of(pair, MAX_INSTANCE_RANKS), None)
-    #: the granules of the request the decode side checks against digests, [period, offset]
-    #: ([1, 0]: every chunk whole; kvxferd.model.sampling): the source sends digests covering them
-    #: whatever its own mode (left out: nothing asked)
-    integrity: list[int] | None = wire(sample, None)
+    #: the granules of the request the decode side checks against digests, [period, offset] and
+    #: its picks by cache group where it chose them page by page ([1, 0]: every chunk whole;
+    #: kvxferd.model.sampling): the source sends digests covering them whatever its own mode
+    #: (left out: nothing asked)
+    integrity: list[Any] | None = wire(asked_sample, None)
 
 
 @dataclass(frozen=True)

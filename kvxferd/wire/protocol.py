@@ -23,6 +23,7 @@ import msgpack
 
 from .. import PROTOCOL_VERSION
 from ..errors import ProtocolError, RequestError
+from ..model.groups import MAX_GROUPS
 from ..model.sampling import MAX_PERIOD
 
 MAX_ID_LEN = 256
@@ -156,6 +157,41 @@ def sample(name: str, value: Any) -> list[int]:
                             f"0 <= offset < period, got {value!r}"[:200], field=name,
                             fix="send the sample as two integers")
     return [value[0], value[1]]
+
+
+#: bytes of one cache group's picks (one bit per granule): bounds an expect's and a header's
+MAX_PICK_BYTES = 1 << 17
+
+
+def picks(name: str, value: Any) -> list[Any]:
+    """[first granule, bits] of the granules a sample chooses one by one (kvxferd.model.sampling.Picks)."""
+    if (not isinstance(value, (list, tuple)) or len(value) != 2 or isinstance(value[0], bool)
+            or not isinstance(value[0], int) or not 0 <= value[0] < 1 << 40
+            or not isinstance(value[1], (bytes, bytearray)) or len(value[1]) > MAX_PICK_BYTES):
+        raise ProtocolError(f"{name} must be [first granule, bits] with at most {MAX_PICK_BYTES} bytes of bits, "
+                            f"got {value!r}"[:200], field=name,
+                            fix="send the first granule's index and one bit per granule")
+    return [value[0], bytes(value[1])]
+
+
+def asked_sample(name: str, value: Any) -> list[Any]:
+    """An expect's integrity ask: [period, offset], and where the decode side chose granules page
+    by page, a third item mapping each cache group ("" the default) to its picks."""
+    if not isinstance(value, (list, tuple)) or len(value) not in (2, 3):
+        raise ProtocolError(f"{name} must be [period, offset] or [period, offset, picks by group], got "
+                            f"{value!r}"[:200], field=name, fix="send the sample as a list")
+    out: list[Any] = sample(name, list(value[:2]))
+    if len(value) == 3:
+        groups = value[2]
+        if not isinstance(groups, dict) or len(groups) > MAX_GROUPS + 1:
+            raise ProtocolError(f"{name}'s picks must be a map of at most {MAX_GROUPS + 1} cache groups, got "
+                                f"{type(groups).__name__}", field=name, fix="send picks as a map by group name")
+        for g in groups:
+            if not isinstance(g, str) or len(g) > MAX_NAME_LEN:
+                raise ProtocolError(f"{name}'s picks are keyed by cache group names, got {g!r}"[:200], field=name,
+                                    fix='key picks by group name ("" for the default group)')
+        out.append({g: picks(f"{name} picks of {g!r}", p) for g, p in groups.items()})
+    return out
 
 
 def list_of(item: Checker, max_len: int) -> Checker:
@@ -356,6 +392,8 @@ DATA_HEADER = Schema(
               "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS),
               # ... over the granules of this sample only (left out: every slot of the chunk)
               "sample": sample,
+              # ... and of a sample chosen page by page, the chunk's granules it checks
+              "picks": picks,
               # tcp: the digests (of every slot) follow the payload in a DIGESTS_TRAILER frame, the
               # source having hashed the bytes as they left (kvxferd.datapath.digest.RunningDigests)
               "trailer": boolean},
