@@ -19,10 +19,11 @@ RUN pip install --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY kvxferd ./kvxferd
-# the package build compiles the native run copy, then the compiler goes
-RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+# the package build compiles the native run copy (hashing with the xxhash header), then the
+# compiler goes: the hashing is compiled in, nothing of libxxhash is needed at run time
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev libxxhash-dev \
  && pip install . \
- && apt-get purge -y gcc libc6-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
+ && apt-get purge -y gcc libc6-dev libxxhash-dev && apt-get autoremove -y && rm -rf /var/lib/apt/lists/* \
  && rm -rf /src
 
 # example daemon configs (kvxferd.toml: every setting) and instance geometries for `kvxferd plan`

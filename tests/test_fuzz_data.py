@@ -384,11 +384,11 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
     """The test plays both prefill writers towards a decode daemon in integrity.mode = "full",
     request after request: the oracle's bytes with the oracle's digests must land ``done`` and
     byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list, or a
-    sample that covers less than every slot (or is ill-formed) must never: the chunk is refused
-    (``ok: false``) and the request fails, with code ``integrity`` wherever the header itself was
-    well formed. Each writer sends its digests in the header or, at random, in a frame after the
-    payload (``trailer``, as a kvxferd source does when every slot is checked); a trailer frame
-    with another op, or a header with trailer that also carries a sample, is refused too."""
+    sample or picks that cover less than every slot (or are ill-formed, or picks without a
+    sample) must never: the chunk is refused (``ok: false``) and the request fails, with code
+    ``integrity`` wherever the header itself was well formed. Each writer sends its digests in
+    the header or, at random, in a frame after the payload (``trailer``, as a kvxferd source
+    does when every slot is checked); a trailer frame with another op is refused too."""
     fake = FakePrefillDaemon(spec(tp_size=2))
     rng = random.Random(5)
     try:
@@ -416,8 +416,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     trailing = [rng.random() < 0.5 for _ in range(2)]
                     if kind == "digest_missing" and trailing[bad_writer] and rng.random() < 0.5:
                         kind = "trailer_op"  # the digests frame comes under another op
-                    trail_refused = trailing[bad_writer] and kind in ("digest_missing", "digest_type", "trailer_op",
-                                                                      "sample_narrow", "picks_narrow")
+                    trail_refused = trailing[bad_writer] and kind in ("digest_missing", "digest_type", "trailer_op")
                     refused = ("digest_type", "sample_type", "picks_type", "picks_alone")  # at the header
                     replies = []
                     for w in range(2):
@@ -465,8 +464,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     if kind in refused or trail_refused:
                         # refused at the header or at the digests frame: the request waits; end it
                         assert replies[bad_writer]["ok"] is False, replies
-                        field = {"trailer_op": "op", "sample_narrow": "trailer", "picks_narrow": "trailer"}.get(
-                            kind, kind.split("_")[0])
+                        field = {"trailer_op": "op"}.get(kind, kind.split("_")[0])
                         assert str(replies[bad_writer]["error"]["field"]).startswith(field), (kind, replies)
                         decode[0].command(cmd="abort", request_id=rid)
                     ev = finished(decode[0], rid)

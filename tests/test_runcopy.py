@@ -1,4 +1,5 @@
-"""The native run copy and the torch path give the same bytes as a per-run reference.
+"""The native run copy and the torch path give the same bytes as a per-run reference, and the
+native hashing the digests of the xxhash package.
 
 The library is compiled here from ``kvxferd/datapath/runcopy.c`` with the system C compiler, so the
 test exercises the source in the tree (not a stale build). Every case runs three ways: the
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from kvxferd.datapath import copier, runcopy
 from kvxferd.errors import TransferError
 from kvxferd.model.plan import Writer
+from kvxferd.model import segments
 from kvxferd.model.segments import head_offset_bytes
 
 CC = next((c for c in ("cc", "gcc", "clang") if shutil.which(c)), None)
@@ -137,6 +139,74 @@ def test_copy_runs_matches_reference(lib: runcopy.RunCopy, monkeypatch: pytest.M
             assert np.array_equal(d.numpy(), ref)
 
 
+needs_hash = pytest.mark.skipif(not Path("/usr/include/xxhash.h").exists(),
+                                reason="no xxhash header (libxxhash-dev): the build hashes with the xxhash package")
+
+
+@needs_hash
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(pieces=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 3000)), max_size=30),
+       regions=st.integers(1, 3), seed=st.integers(0, 2**32 - 1))
+def test_native_hashing_gives_the_xxhash_packages_digests(lib: runcopy.RunCopy, pieces, regions, seed) -> None:
+    import xxhash
+    rng = np.random.default_rng(seed)
+    flats = [random_bytes(rng, 8000) for _ in range(regions)]
+    offsets = np.array([o for o, _ in pieces], dtype=np.int64)
+    lengths = np.array([n for _, n in pieces], dtype=np.int64)
+    assert lib.hashes
+    want = [xxhash.xxh3_64(b"".join(f.numpy()[o:o + n].tobytes() for o, n in pieces)).intdigest() for f in flats]
+    assert lib.hash_pieces(flats, offsets, lengths) == want
+
+
+@needs_hash
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=row_cases(), block=st.sampled_from((1, 100, 4096, 1 << 20)), flip=st.booleans(), data=st.data())
+def test_a_copy_that_hashes_moves_the_bytes_and_digests_the_checked_slots_of_both_sides(
+        lib: runcopy.RunCopy, monkeypatch: pytest.MonkeyPatch, case: dict, block: int, flip: bool, data) -> None:
+    """Bytes against the per-slot reference copy; each side's digests against the xxhash package
+    over the checked slots' slices, in slot order; ``flip`` changes the destination's digest of
+    the first region, and only there, by inverting the first checked byte it landed."""
+    import xxhash
+    monkeypatch.setattr(runcopy, "_loaded", [lib])
+    rng = np.random.default_rng(case["seed"])
+    n, whole, sb = case["n"], case["whole"], case["slice_bytes"]
+    src_row, dst_row = (sb,) * 2 if whole else (case["src_row"], case["dst_row"])
+    src_head, dst_head = (0, 0) if whole else (case["src_head"], case["dst_head"])
+    pages = -(-n // 3) + 2
+    slots_src = (rng.permutation(pages)[:, None] * 3 + np.arange(3)).ravel()[:n].astype(np.int64)
+    slots_dst = (rng.permutation(pages)[:, None] * 3 + np.arange(3)).ravel()[:n].astype(np.int64)
+    checked = np.array(data.draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=bool)
+    w = Writer(0, 0, (0, case["heads"]), (0, 1), src_head // case["per_head"], dst_head // case["per_head"],
+               sb, src_row, dst_row)
+    srcs = [random_bytes(rng, pages * 3 * src_row) for _ in range(case["regions"])]
+    dsts = [random_bytes(rng, pages * 3 * dst_row) for _ in range(case["regions"])]
+    want = [d.numpy().copy() for d in dsts]
+    for s, ref in zip(srcs, want):
+        for a, b in zip(slots_src.tolist(), slots_dst.tolist()):
+            at = a * src_row + src_head
+            ref[b * dst_row + dst_head:b * dst_row + dst_head + sb] = s.numpy()[at:at + sb]
+    if flip and checked.any():  # the first checked slot's first byte, as landed in region 0
+        at = int(slots_dst[np.flatnonzero(checked)[0]]) * dst_row + dst_head
+        want[0][at] ^= 0xFF
+
+    def digest_of(flat: np.ndarray, slots: np.ndarray, row: int, head: int) -> int:
+        return xxhash.xxh3_64(b"".join(flat[s * row + head:s * row + head + sb].tobytes()
+                                       for s in slots[checked].tolist())).intdigest()
+
+    got = copier.copy_hashed(srcs, dsts, slots_src, slots_dst, w, src_head, dst_head, checked, block,
+                             flip=flip and bool(checked.any()))
+    assert got is not None
+    src_digests, dst_digests, _ = got
+    for d, ref in zip(dsts, want):
+        assert np.array_equal(d.numpy(), ref)
+    assert src_digests == [digest_of(s.numpy(), slots_src, src_row, src_head) for s in srcs]
+    assert dst_digests == [digest_of(d, slots_dst, dst_row, dst_head) for d in want]
+    changed = [i for i, (a, b) in enumerate(zip(src_digests, dst_digests)) if a != b]
+    assert changed == ([0] if flip and checked.any() else [])
+    pieces = segments.hashed_pieces(slots_src, slots_dst, w, src_head, dst_head, checked, block)
+    assert all(k <= max(block, sb) for k in pieces[2][pieces[3]])  # each hashed piece fits the block
+
+
 def test_out_of_bounds_is_refused_and_nothing_written(lib: runcopy.RunCopy) -> None:
     region = torch.zeros(1024, dtype=torch.uint8)
     data = torch.ones(256, dtype=torch.uint8)
@@ -152,6 +222,12 @@ def test_out_of_bounds_is_refused_and_nothing_written(lib: runcopy.RunCopy) -> N
     with pytest.raises(TransferError):
         lib.copy_rows([region], [torch.zeros(512, dtype=torch.uint8)], np.array([1]), 128, 0,
                       np.array([4]), 128, 0, 128)
+    if lib.hashes:
+        with pytest.raises(TransferError):
+            lib.hash_pieces([region], np.array([1000]), np.array([100]))
+        with pytest.raises(TransferError):
+            lib.copy_hash([region], [torch.zeros(512, dtype=torch.uint8)], np.array([0]), np.array([500]),
+                          np.array([100]), np.array([1]))
     assert not region.any()
 
 

@@ -318,7 +318,7 @@ class Daemon:
         copy = runcopy.copy_path()
         self.metrics.copy_path.labels(copy["path"]).set(1)
         if copy["path"] == "native":
-            log.info("event=copy_path path=native library=%s", q(copy["library"]))
+            log.info("event=copy_path path=native library=%s hashing=%s", q(copy["library"]), copy["hashing"])
         else:  # several times slower CPU copies: said where an operator looks first
             log.warning("event=copy_path path=torch reason=%s", q(copy["reason"]))
         sdnotify.notify(f"READY=1\nSTATUS=serving peer={self.me.address}")

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from ..model.plan import Writer
-from ..model.segments import SMALL_SLOTS, paired_runs, paired_segments
+from ..model.segments import SMALL_SLOTS, hashed_pieces, paired_runs, paired_segments
 from .runcopy import native
 
 WORDS = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
@@ -138,3 +138,18 @@ def copy_regions(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src
             copy_slots(src, src_slots, writer.src_row_bytes, src_head, dst, dst_slots,
                        writer.dst_row_bytes, dst_head, writer.slice_bytes)
     return len(segs) * len(srcs)
+
+
+def copy_hashed(srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_slots: np.ndarray,
+                dst_slots: np.ndarray, writer: Writer, src_head: int, dst_head: int, checked: np.ndarray,
+                block: int, flip: bool = False) -> tuple[list[int], list[int], int] | None:
+    """:func:`copy_regions` that hashes the ``checked`` slots of both sides as it copies them,
+    piece by piece while each is in cache: each region's source and destination digests (those
+    :func:`~kvxferd.datapath.digest.region_digests` takes over the same slots) and the runs moved,
+    from one read of the bytes instead of three. None, having copied nothing: no native hashing
+    here (the caller copies, then hashes each side)."""
+    lib = native()
+    if lib is None or not lib.hashes or not all(t.is_cpu for t in (*srcs, *dsts)):
+        return None
+    pieces = hashed_pieces(src_slots, dst_slots, writer, src_head, dst_head, checked, block)
+    return (*lib.copy_hash(srcs, dsts, *pieces, flip=flip), len(pieces[0]) * len(srcs))

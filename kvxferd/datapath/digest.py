@@ -33,11 +33,16 @@ import torch
 
 from ..model.segments import side_runs
 from .copier import gather
+from .runcopy import native
 
 #: runs at least this long on average are hashed in place, shorter ones gathered first
 HASH_IN_PLACE = 16 * 1024
 #: one thread's scratch buffer for gathered runs (each data thread, and the loop, holds one)
 SCRATCH_BYTES = 4 * 1024 * 1024
+
+#: a local copy that hashes as it goes hashes pieces of at most this many bytes, each right after
+#: its copy, while the source and destination bytes are both in one core's cache
+COPY_HASH_BYTES = 256 * 1024
 
 #: bytes hashed and moved at a time when a chunk is hashed as it moves: small enough to stay in
 #: one core's cache between the hash and the copy (2-4 MiB here); 256 KiB and 4 MiB blocks both
@@ -64,6 +69,9 @@ def region_digests(flats: Sequence[torch.Tensor], slots: np.ndarray, row_bytes: 
     """XXH3-64 of each region's ``slice_bytes`` at ``head_offset`` of every slot, in slot order."""
     slots = np.ascontiguousarray(slots)
     runs = side_runs(slots, row_bytes, head_offset, slice_bytes)
+    lib = native()
+    if lib is not None and lib.hashes and all(f.device.type == "cpu" for f in flats):
+        return lib.hash_pieces(flats, runs.offsets, runs.lengths)  # in C, GIL-free, however short the runs
     long_runs = len(runs) > 0 and runs.nbytes // len(runs) >= HASH_IN_PLACE
     out = []
     for flat in flats:

@@ -63,8 +63,7 @@ class LandedCheck:
         if sink.landed is not None:  # hashed as the bytes landed (a byte flipped there, if due)
             landed = sink.landed
         else:
-            slots = chosen(sink.dst_slots, entry.rank.geometry.spec.group_spec(w.group).slot_tokens, sink.start,
-                           grain, sent, w.group)
+            slots = chosen(sink.dst_slots, sink.slot_tokens, sink.start, grain, sent, w.group)
             if slots.size and self._fault_due():
                 self._corrupt(sink, regions[0], int(slots[0]))
             landed = region_digests([r.flat for r in regions], slots, w.dst_row_bytes, sink.head_offset,
@@ -85,7 +84,11 @@ class LandedCheck:
     def running(self, sink: Any) -> RunningDigests:
         """Digests a transport feeds as a chunk's bytes land in the engine's pages (every slot,
         in wire order); the check then reads them instead of hashing the pages again."""
-        return RunningDigests(len(sink.regions()), flip_first=sink.nbytes > 0 and self._fault_due())
+        return RunningDigests(len(sink.regions()), flip_first=self.flip_due(sink))
+
+    def flip_due(self, sink: Any) -> bool:
+        """A landed byte of this chunk is to be flipped before it is hashed (fault injection)."""
+        return sink.nbytes > 0 and self._fault_due()
 
     def _fault_due(self) -> bool:
         return bool(self.corrupt_every) and next(self._seen) % self.corrupt_every == 0

@@ -137,3 +137,104 @@ void kvx_scatter_rows(uint8_t *base, int64_t n, const int64_t *slots, int64_t ro
     }
     fence(nt);
 }
+
+/* Integrity digests (kvxferd.datapath.digest): XXH3-64, the digests of the xxhash package,
+ * from the xxhash library's header (Debian's libxxhash-dev), compiled in here: no library to
+ * link or load at run time. Built without that header, the library has no kvx_hash_* and
+ * Python hashes with the xxhash package instead. */
+#if defined(__has_include)
+#if __has_include(<xxhash.h>)
+#define KVX_XXH3 1
+#endif
+#endif
+
+#ifdef KVX_XXH3
+/* On x86-64 the hashing functions are compiled for AVX2 (three times SSE2's speed here) and
+ * refuse to run (-2) on a CPU without it; Python then hashes with the xxhash package. */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__AVX2__)
+#pragma GCC target("avx2")
+#define XXH_VECTOR 2 /* XXH_AVX2 */
+#define KVX_NEEDS_AVX2 1
+#endif
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+static int kvx_can_hash(void)
+{
+#ifdef KVX_NEEDS_AVX2
+    return __builtin_cpu_supports("avx2");
+#else
+    return 1;
+#endif
+}
+
+/* For every region r: the XXH3-64 of its n pieces bases[r] + off[i] (len[i] bytes), in order,
+ * into out[r]. Returns 0, -1 when no hash state could be allocated, -2 on a CPU it was not
+ * built for. */
+int kvx_hash_pieces(int64_t n_regions, const uint64_t *bases, int64_t n, const int64_t *off,
+                    const int64_t *len, uint64_t *out)
+{
+    if (!kvx_can_hash())
+        return -2;
+    XXH3_state_t *st = XXH3_createState();
+    if (!st)
+        return -1;
+    for (int64_t r = 0; r < n_regions; r++) {
+        const uint8_t *base = (const uint8_t *)(uintptr_t)bases[r];
+        XXH3_64bits_reset(st);
+        for (int64_t i = 0; i < n; i++)
+            XXH3_64bits_update(st, base + off[i], (size_t)len[i]);
+        out[r] = XXH3_64bits_digest(st);
+    }
+    XXH3_freeState(st);
+    return 0;
+}
+
+/* kvx_copy_runs over n pieces, hashing the pieces with hashed[i] set on both sides as they are
+ * copied: the source piece and the destination piece right after the copy, while both are in
+ * cache (the caller keeps hashed pieces a cache's size or less), so checking the bytes costs no
+ * second read from memory. Pieces not hashed are copied as kvx_copy_runs would (nt).
+ * flip: the first hashed destination byte is inverted after its copy, before it is hashed
+ * (fault injection for tests: a landed byte changed between the write and the check).
+ * Returns 0, -1 when no hash state could be allocated, -2 on a CPU it was not built for
+ * (nothing was copied). */
+int kvx_copy_hash(int64_t n_regions, const uint64_t *src_bases, const uint64_t *dst_bases, int64_t n,
+                  const int64_t *src_off, const int64_t *dst_off, const int64_t *len, const uint8_t *hashed,
+                  int nt, int flip, uint64_t *src_out, uint64_t *dst_out)
+{
+    if (!kvx_can_hash())
+        return -2;
+    XXH3_state_t *s = XXH3_createState(), *d = XXH3_createState();
+    if (!s || !d) {
+        XXH3_freeState(s);
+        XXH3_freeState(d);
+        return -1;
+    }
+    for (int64_t r = 0; r < n_regions; r++) {
+        const uint8_t *src = (const uint8_t *)(uintptr_t)src_bases[r];
+        uint8_t *dst = (uint8_t *)(uintptr_t)dst_bases[r];
+        XXH3_64bits_reset(s);
+        XXH3_64bits_reset(d);
+        for (int64_t i = 0; i < n; i++) {
+            size_t k = (size_t)len[i];
+            if (!hashed[i]) {
+                COPY(nt, dst + dst_off[i], src + src_off[i], k);
+                continue;
+            }
+            memcpy(dst + dst_off[i], src + src_off[i], k);
+            if (flip && k) {
+                dst[dst_off[i]] ^= 0xFF;
+                flip = 0;
+            }
+            XXH3_64bits_update(s, src + src_off[i], k);
+            XXH3_64bits_update(d, dst + dst_off[i], k);
+        }
+        src_out[r] = XXH3_64bits_digest(s);
+        dst_out[r] = XXH3_64bits_digest(d);
+    }
+    fence(nt);
+    XXH3_freeState(s);
+    XXH3_freeState(d);
+    return 0;
+}
+#endif

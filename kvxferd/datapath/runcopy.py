@@ -140,6 +140,11 @@ def _check_buffer(buffer: torch.Tensor, n: int, slice_bytes: int) -> None:
                             field="staging", fix="size staging slots to whole blocks")
 
 
+def _hashed(rc: int) -> None:
+    if rc:
+        raise MemoryError("no memory for a hash state")
+
+
 class _Bound:
     """One C function of the library bound twice: through ``CDLL``, which releases the GIL for the
     call, and through ``PyDLL``, which keeps it (for copies up to :data:`HOLD_GIL_BYTES`)."""
@@ -176,6 +181,55 @@ class RunCopy:
         self._scatter = _Bound(free, held, "kvx_scatter_rows", [_ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
                                                                ctypes.c_int])
         self.path = path
+        #: XXH3-64 in C (integrity digests), where the build found the xxhash header and this CPU
+        #: runs it; else None (digests.py hashes with the xxhash package)
+        self._hash_pieces = self._copy_hash = None
+        if hasattr(free, "kvx_hash_pieces"):
+            self._hash_pieces = free.kvx_hash_pieces
+            self._hash_pieces.argtypes, self._hash_pieces.restype = [_i64, _ptr, _i64, _ptr, _ptr, _ptr], ctypes.c_int
+            self._copy_hash = free.kvx_copy_hash
+            self._copy_hash.argtypes = [_i64, _ptr, _ptr, _i64, _ptr, _ptr, _ptr, _ptr, ctypes.c_int, ctypes.c_int,
+                                        _ptr, _ptr]
+            self._copy_hash.restype = ctypes.c_int
+            if self._hash_pieces(0, None, 0, None, None, None) == -2:  # built for AVX2, run without it
+                self._hash_pieces = self._copy_hash = None
+
+    @property
+    def hashes(self) -> bool:
+        """This build hashes in C: digests GIL-free, and copies that hash as they go."""
+        return self._hash_pieces is not None
+
+    def hash_pieces(self, flats: Sequence[torch.Tensor], offsets: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """XXH3-64 of each region's pieces ``flat[offset:offset + length]``, in order (GIL-free)."""
+        assert self._hash_pieces is not None, "hash_pieces needs a build with the xxhash header"
+        offsets, lengths = _int64(offsets), _int64(lengths)
+        bases, size = _bases(flats)
+        _check_runs(offsets, lengths, size, "hashed")
+        out = np.zeros(len(flats), dtype=np.uint64)
+        _hashed(self._hash_pieces(len(flats), bases, offsets.size, offsets.ctypes.data, lengths.ctypes.data,
+                                  out.ctypes.data))
+        return [int(v) for v in out]
+
+    def copy_hash(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: np.ndarray,
+                  dst_off: np.ndarray, lengths: np.ndarray, hashed: np.ndarray,
+                  flip: bool = False) -> tuple[list[int], list[int]]:
+        """:meth:`copy_runs` that hashes the pieces marked ``hashed`` on both sides as it copies
+        them: each region's source and destination XXH3-64 over those pieces, in order.
+        ``flip``: the first hashed destination byte is inverted before it is hashed (tests)."""
+        assert self._copy_hash is not None, "copy_hash needs a build with the xxhash header"
+        src_off, dst_off, lengths = _int64(src_off), _int64(dst_off), _int64(lengths)
+        hashed = np.ascontiguousarray(hashed, dtype=np.uint8)
+        src_bases, src_size, dst_bases, dst_size = _run_pairs(srcs, dsts, src_off.size, dst_off.size, lengths.size)
+        if hashed.size != src_off.size:
+            raise TransferError(f"{hashed.size} hash marks for {src_off.size} runs", field="segments")
+        _check_runs(src_off, lengths, src_size, "source")
+        _check_runs(dst_off, lengths, dst_size, "destination")
+        src_out, dst_out = np.zeros(len(srcs), dtype=np.uint64), np.zeros(len(srcs), dtype=np.uint64)
+        _hashed(self._copy_hash(len(srcs), src_bases, dst_bases, src_off.size, src_off.ctypes.data,
+                                dst_off.ctypes.data, lengths.ctypes.data, hashed.ctypes.data,
+                                _streaming(int(lengths.sum()), len(srcs)), int(flip), src_out.ctypes.data,
+                                dst_out.ctypes.data))
+        return [int(v) for v in src_out], [int(v) for v in dst_out]
 
     def copy_runs(self, srcs: Sequence[torch.Tensor], dsts: Sequence[torch.Tensor], src_off: np.ndarray,
                   dst_off: np.ndarray, lengths: np.ndarray) -> None:
@@ -303,11 +357,13 @@ def native() -> RunCopy | None:
 
 
 def copy_path() -> dict[str, str]:
-    """Which copy path this process runs: ``native`` (and the library) or ``torch`` (and why)."""
+    """Which copy path this process runs: ``native`` (and the library) or ``torch`` (and why); and
+    where integrity digests are hashed: in C (``native``, local copies hashing as they go) or
+    with the xxhash package (``python``)."""
     lib = native()
     if lib is not None:
-        return {"path": "native", "library": str(lib.path)}
-    return {"path": "torch", "reason": _why_not[0]}
+        return {"path": "native", "library": str(lib.path), "hashing": "native" if lib.hashes else "python"}
+    return {"path": "torch", "reason": _why_not[0], "hashing": "python"}
 
 
 if __name__ == "__main__":

@@ -150,7 +150,8 @@ class Sink:
     aux: bytes | None
     digests: list[int] | None = None  # the source's, one per region (integrity); None: not sent (yet)
     sample: Sample | None = None  # which granules those digests cover (FULL: every slot); None: not sent
-    #: the source's digests follow the payload (tcp): the transport reads them into ``digests``
+    #: the source's digests come after the payload: the transport puts them in ``digests`` (tcp: the
+    #: frame after it; a local copy: what it hashed as it copied)
     trailer: bool = False
     #: digests of the landed bytes, taken as they landed (:meth:`Inbox.running_digests`); None: the
     #: check hashes the landed pages in a pass of its own
@@ -158,6 +159,11 @@ class Sink:
 
     def regions(self) -> list[Any]:
         return list(self._regions)  # a fresh list each time: callers may keep or change theirs
+
+    @property
+    def slot_tokens(self) -> int:
+        """Tokens one of ``dst_slots`` holds (1: token rows; a page: packed)."""
+        return self.entry.rank.geometry.spec.group_spec(self.writer.group).slot_tokens
 
     @cached_property
     def _regions(self) -> tuple[Any, ...]:
@@ -177,6 +183,9 @@ class Check(Protocol):
     def running(self, sink: Sink) -> Any:
         """Digests to feed the chunk's bytes as they land, in wire order (``add(region, view)``,
         ``digests()``), for a transport that lands them in place."""
+
+    def flip_due(self, sink: Sink) -> bool:
+        """Fault injection: a transport hashing landed bytes itself flips one first."""
 
 
 class Inbox:
@@ -269,9 +278,14 @@ class Inbox:
         """Where a transport that lands a chunk's bytes in place, in wire order, feeds them as they
         land: a chunk whose digests trail its payload is then checked without a pass of its own
         over its pages. None: nothing to feed (the check, if any, hashes the landed pages)."""
-        if not sink.trailer or self._check is None:
-            return None
+        if not sink.trailer or self._check is None or sink.sample is None or not sink.sample.full:
+            return None  # a sample's slots are not the wire order's every byte: hashed where they landed
         return self._check.running(sink)
+
+    def flip_due(self, sink: Sink) -> bool:
+        """Fault injection (``integrity.corrupt_landed_every``): a transport that hashes a chunk's
+        landed bytes itself flips the first one it hashes before it does."""
+        return self._check is not None and self._check.flip_due(sink)
 
     def _writer_of(self, header: dict[str, Any], dest_rank: str, src: tuple) -> tuple[DestEntry, Writer]:
         """The open entry a chunk is for and the plan's writer it claims to be (lock held)."""
@@ -358,19 +372,17 @@ class Inbox:
 
 
 def _sample_of(header: dict[str, Any]) -> Sample | None:
-    """Which granules a data header's digests cover: what its ``sample`` (and ``picks``, the
-    chunk's chosen granules) says, every one without it (digests that trail the payload cover
-    every slot)."""
+    """Which granules a data header's digests (in it, or trailing the payload) cover: what its
+    ``sample`` (and ``picks``, the chunk's chosen granules) says, every one without it."""
     if "picks" in header and "sample" not in header:
         raise ProtocolError("a data header carries picks without a sample", field="picks",
                             fix="send picks only beside the sample they choose granules for")
     if header.get("trailer"):
-        if "digests" in header or "sample" in header:
-            raise ProtocolError("a data header with trailer also carries digests or a sample: trailing digests "
-                                "cover every slot and come after the payload", field="trailer",
-                                fix="send either digests (and a sample) in the header, or trailer alone")
-        return FULL
-    if header.get("digests") is None:
+        if "digests" in header:
+            raise ProtocolError("a data header with trailer also carries digests: trailing digests come after "
+                                "the payload", field="trailer",
+                                fix="send either digests in the header, or trailer (and the digests after the payload)")
+    elif header.get("digests") is None:
         return None
     if "sample" not in header:
         return FULL

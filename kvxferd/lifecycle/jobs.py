@@ -55,6 +55,11 @@ class ChunkJob:
         return chunk_bytes(self.writer, len(self.kinds), slot_count(spec, self.start, self.end))
 
     @cached_property
+    def slot_tokens(self) -> int:
+        """Tokens one of ``src_slots`` holds (1: token rows; a page: packed)."""
+        return self.rank.geometry.spec.group_spec(self.group).slot_tokens
+
+    @cached_property
     def head_offset(self) -> int:
         return head_offset_bytes(self.writer, "src")
 
@@ -69,12 +74,14 @@ class ChunkJob:
 
     @property
     def can_trail(self) -> bool:
-        """Its digests cover every slot, so a sender may hash the bytes as they leave and send the
-        digests after them (``header(trailer=True)``); a sample's are taken before."""
+        """Its digests cover every slot, so a socket sender may hash the bytes as they leave, in wire
+        order, and send the digests after them (``header(trailer=True)``); a sample's are taken
+        before."""
         return self.digests is not None and self.digests.full
 
     def header(self, trailer: bool = False) -> dict[str, Any]:
-        """The data header; ``trailer``: the digests follow the payload (:attr:`can_trail` only)."""
+        """The data header; ``trailer``: the digests come after the payload (a job with digests:
+        over tcp, one that :attr:`can_trail`; a local copy, any)."""
         head: dict[str, Any] = {
             "op": "data", "request_id": self.request_id, "decode_instance": self.decode_instance,
             "dst": list(self.dst), "src": list(self.writer.src), "start": self.start,
@@ -88,10 +95,11 @@ class ChunkJob:
         if self.writer.part:
             head["part"] = self.writer.part
         if trailer:
-            assert self.can_trail, "only digests of every slot may trail the payload"
+            assert self.digests is not None, "only a job that carries digests has them trail its payload"
             head["trailer"] = True
         elif self.digests is not None:
             head["digests"] = self.region_digests
+        if self.digests is not None:
             sample = self.sample
             if not sample.full:
                 head["sample"] = [sample.period, sample.offset]
@@ -112,8 +120,7 @@ class ChunkJob:
         """The chunk's bytes in each source region as they are now (read once: a job's header may
         be built more than once, and the pages do not change while the request moves)."""
         w = self.writer
-        slots = chosen(self.src_slots, self.rank.geometry.spec.group_spec(self.group).slot_tokens, self.start,
-                       self.granule, self.sample, self.group)
+        slots = chosen(self.src_slots, self.slot_tokens, self.start, self.granule, self.sample, self.group)
         return region_digests([r.flat for r in self._regions], slots, w.src_row_bytes, self.head_offset,
                               w.slice_bytes)
 

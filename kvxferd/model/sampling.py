@@ -173,9 +173,17 @@ def chosen(slots: np.ndarray, slot_tokens: int, start: int, granule_tokens: int,
     rows; a page: packed)."""
     if sample.full or granule_tokens == 0:
         return slots
-    index = np.arange(len(slots), dtype=np.int64)
+    return slots[checked_slots(len(slots), slot_tokens, start, granule_tokens, sample, group)]
+
+
+def checked_slots(n: int, slot_tokens: int, start: int, granule_tokens: int, sample: Sample,
+                  group: str = "") -> np.ndarray:
+    """Which of a chunk's ``n`` slots :func:`chosen` keeps, as a mask."""
+    if sample.full or granule_tokens == 0:
+        return np.ones(n, dtype=bool)
+    index = np.arange(n, dtype=np.int64)
     first = start + index if slot_tokens == 1 else (start // slot_tokens + index) * slot_tokens
-    return slots[sample.mask(group, first // granule_tokens)]
+    return sample.mask(group, first // granule_tokens)
 
 
 def granules_of(start: int, end: int, granule_tokens: int) -> tuple[int, int]:

@@ -235,6 +235,37 @@ def side_runs(slot_array: np.ndarray, row_bytes: int, head_offset_bytes: int,
                 np.full(slot_array.size, slice_bytes, dtype=INDEX_DTYPE))
 
 
+def hashed_pieces(src_slots: np.ndarray, dst_slots: np.ndarray, writer: Writer, src_head: int, dst_head: int,
+                  checked: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """A local copy cut into paired pieces (source offsets, destination offsets, lengths, and
+    which are hashed) for a copy that hashes as it goes: slot ``i`` of both sides is checked
+    where ``checked[i]``; the hashed pieces, in order, are every checked slot's slice in slot
+    order (what each side's digest covers), each at most ``block`` bytes (or one slice), so it is
+    still in cache when hashed. Whole rows coalesce where both sides run on; head slices go one
+    slot a piece."""
+    n = int(src_slots.size)
+    if n != dst_slots.size or n != checked.size:
+        raise RequestError(f"{n} source slots, {dst_slots.size} destination slots and {checked.size} checks",
+                           field="tokens", fix="send the same token range on both sides")
+    src_slots, dst_slots = np.asarray(src_slots, dtype=INDEX_DTYPE), np.asarray(dst_slots, dtype=INDEX_DTYPE)
+    checked = np.asarray(checked, dtype=bool)
+    size = writer.slice_bytes
+    if n == 0:
+        empty = np.zeros(0, dtype=INDEX_DTYPE)
+        return empty, empty, empty, np.zeros(0, dtype=bool)
+    if writer.whole_rows:
+        per_block = max(1, block // size)
+        index = np.arange(1, n)
+        cut = ((src_slots[1:] != src_slots[:-1] + 1) | (dst_slots[1:] != dst_slots[:-1] + 1)
+               | (checked[1:] != checked[:-1]) | (index % per_block == 0))
+        starts = np.concatenate(([0], index[cut])).astype(INDEX_DTYPE)
+    else:
+        starts = np.arange(n, dtype=INDEX_DTYPE)
+    lengths = np.diff(np.append(starts, n)) * size
+    return (src_slots[starts] * writer.src_row_bytes + src_head, dst_slots[starts] * writer.dst_row_bytes + dst_head,
+            lengths.astype(INDEX_DTYPE), checked[starts])
+
+
 @dataclass(frozen=True)
 class Segments:
     """Paired (src offset, dst offset, length) copy segments for one region pair."""

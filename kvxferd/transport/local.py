@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from typing import Any, Callable, Hashable
 
-from ..datapath.copier import copy_regions, settle
+from ..datapath.copier import copy_hashed, copy_regions, settle
+from ..datapath.digest import COPY_HASH_BYTES
 from ..errors import KvxferError, TransferError
 from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..model.geometry import rank_id
+from ..model.sampling import checked_slots
 from .base import SMALL_CHUNK
 
 
@@ -25,12 +27,19 @@ class LocalTransport:
         self.on_received = on_received
 
     def send(self, job: ChunkJob) -> Moved:
-        sink = self.inbox.begin(job.header(), rank_id(job.decode_instance, *job.dst))
+        # with digests, the source's follow the copy: both sides are hashed as the bytes move
+        sink = self.inbox.begin(job.header(trailer=job.digests is not None), rank_id(job.decode_instance, *job.dst))
         ok = False
         try:
-            fragments = copy_regions([r.flat for r in job.regions()], [r.flat for r in sink.regions()],
-                                     job.src_slots, sink.dst_slots, job.writer, job.head_offset,
-                                     sink.head_offset)
+            srcs, dsts = [r.flat for r in job.regions()], [r.flat for r in sink.regions()]
+            hashed = self._copy_hashed(job, sink, srcs, dsts) if job.digests is not None else None
+            if hashed is None:
+                fragments = copy_regions(srcs, dsts, job.src_slots, sink.dst_slots, job.writer, job.head_offset,
+                                         sink.head_offset)
+                if job.digests is not None:  # the check hashes the landed pages in a pass of its own
+                    sink.digests = job.region_digests
+            else:
+                sink.digests, sink.landed, fragments = hashed
             settle(r.flat for r in sink.regions())
             ok = True
         except KvxferError:
@@ -45,6 +54,17 @@ class LocalTransport:
         if self.on_received is not None:
             self.on_received(sink, moved)
         return moved
+
+    def _copy_hashed(self, job: ChunkJob, sink: Sink, srcs: list[Any],
+                     dsts: list[Any]) -> tuple[list[int], list[int], int] | None:
+        """The copy, hashing the checked slots of both sides piece by piece as they move (each
+        piece read from memory once, and hashed from cache); None, having copied nothing, where
+        the two sides' slots do not pair one to one or this build cannot hash in C."""
+        if job.src_slots.size != sink.dst_slots.size or job.slot_tokens != sink.slot_tokens:
+            return None
+        checked = checked_slots(job.src_slots.size, job.slot_tokens, job.start, job.granule, job.sample, job.group)
+        return copy_hashed(srcs, dsts, job.src_slots, sink.dst_slots, job.writer, job.head_offset, sink.head_offset,
+                           checked, COPY_HASH_BYTES, flip=bool(checked.any()) and self.inbox.flip_due(sink))
 
     @staticmethod
     def runs_inline(job: ChunkJob) -> bool:
