@@ -16,7 +16,7 @@ from ...ops.logutil import q
 from ...model.geometry import rank_id
 from ...datapath.staging import block_bytes
 from ...lifecycle.jobs import Moved
-from .staging import LandingRing
+from .staging import Assembly, LandingRing
 
 log = logging.getLogger("kvxferd.nixl")
 
@@ -24,6 +24,11 @@ log = logging.getLogger("kvxferd.nixl")
 #: open here (UCX over TCP also needs the receiver's progress for data to land), and idle
 POLL_BUSY_S, POLL_ACTIVE_S, POLL_IDLE_S = 5e-5, 2e-4, 1e-2
 POLL_BUSY_ROUNDS = 200  # short pauses after the last notification
+
+
+def _hashes(sink: Sink) -> bool:
+    """Its landed check hashes pages (digests came, or were asked for)."""
+    return sink.sample is not None or sink.entry.integrity is not None
 
 
 def _why(exc: BaseException) -> str:
@@ -97,9 +102,22 @@ class NixlReceiver:
         if sink is None:
             return
         moved = Moved(sink.nbytes, 0, "direct")
-        self.inbox.finish(sink, True, "nixl")  # a digest that differs fails the request in there
+        if _hashes(sink):  # the check reads the chunk's pages: not on this thread, which drives UCX
+            self._scatterers.submit(self._finish_checked, sink, moved)
+            return
+        self.inbox.finish(sink, True, "nixl")
         if self.on_received:
             self.on_received(sink, moved)
+
+    def _finish_checked(self, sink: Sink, moved: Moved) -> None:
+        """A landed direct chunk whose digests are checked, on a scatter thread: a digest that
+        differs fails the request in there."""
+        try:
+            self.inbox.finish(sink, True, "nixl")
+            if self.on_received:
+                self.on_received(sink, moved)
+        except Exception as exc:  # noqa: BLE001 - a scatter thread must survive any one chunk
+            log.error("event=check_crashed request=%s error=%s", q(sink.entry.request_id[:64]), q(_why(exc)))
 
     def _begin(self, sender: str, header: dict[str, Any], dest_rank: str) -> Sink | None:
         """The inbox checks of a data header, plus: only the request's own source agent may send it."""
@@ -156,9 +174,21 @@ class NixlReceiver:
             self._refuse(sender, header, dest_rank, "peer_refused", f"block {header['block']} of chunk "
                          f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return
+        moved = Moved(block_bytes(pieces, asm.sink.writer.slice_bytes), 1, "staged")
+        if _hashes(asm.sink):  # its last block's end checks the chunk's pages: not on this thread
+            self._scatterers.submit(self._end_placed, asm, moved)
+            return
         self.assemblies.end_block(asm, True)
         if self.on_received:
-            self.on_received(asm.sink, Moved(block_bytes(pieces, asm.sink.writer.slice_bytes), 1, "staged"))
+            self.on_received(asm.sink, moved)
+
+    def _end_placed(self, asm: Assembly, moved: Moved) -> None:
+        try:
+            self.assemblies.end_block(asm, True)  # the last block's end checks the chunk's digests
+            if self.on_received:
+                self.on_received(asm.sink, moved)
+        except Exception as exc:  # noqa: BLE001 - a scatter thread must survive any one block
+            log.error("event=check_crashed request=%s error=%s", q(asm.sink.entry.request_id[:64]), q(_why(exc)))
 
     def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
         try:

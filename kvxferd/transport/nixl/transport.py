@@ -287,9 +287,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if dst_slots is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         segs = paired_segments(job.src_slots, dst_slots, w)
-        notif = protocol.encode(job.header())
         if len(segs) == 0:
-            self._notify(peer.agent, notif)
+            self._notify(peer.agent, protocol.encode(job.header()))
             return Moved(job.nbytes, 0, "direct")
         if int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
             route = self._route(job, peer, dst_slots)
@@ -304,11 +303,16 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         local = _descs(src_bases, segs.src, segs.lengths, src_device)
         remote = _descs(dst_bases, segs.dst, segs.lengths, dst_device)
         deadline = time.monotonic() + self.timeout_s
+        # with digests, the WRITE goes first and the source's pages are hashed while it moves them;
+        # the header follows once every byte landed (a notification of its own), else with the WRITE
+        trailing = job.digests is not None
         with self._lock:
             self._sending += 1
         try:
-            handle = self._post(local, _mem(src_device), remote, _mem(dst_device), peer.agent, notif)
+            handle = self._post(local, _mem(src_device), remote, _mem(dst_device), peer.agent,
+                                b"" if trailing else protocol.encode(job.header()))
             try:
+                notif = protocol.encode(job.header()) if trailing else b""
                 self._wait(handle, peer, deadline)
             except BaseException:
                 self._release(handle, settle_s=RELEASE_SETTLE_S, agent=peer.agent)  # the fence counts on it
@@ -317,6 +321,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         finally:
             with self._lock:
                 self._sending -= 1
+        if trailing:
+            self._notify(peer.agent, notif)
         return Moved(job.nbytes, int(local.shape[0]), "direct")
 
     def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None,
