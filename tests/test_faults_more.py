@@ -20,7 +20,8 @@ import msgpack
 import pytest
 import zmq
 
-from e2e_util import Node, assert_verified, close, finished, module_cluster, pages_for, peer_socket, spec, transfer
+from e2e_util import (Node, assert_verified, close, cluster_run, finished, module_cluster, pages_for, peer_socket, spec,
+                      start_nodes, transfer)
 from kvxferd import PROTOCOL_VERSION
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.sim import HEARTBEAT_S, PEER_TIMEOUT_S  # what Cluster configures
@@ -420,3 +421,58 @@ def test_prefill_abort_before_the_decode_side_expects_reaches_the_decode_side(sh
     rr.record("faults", "prefill_abort_before_decode_expect", {
         "survived": True, "outcome": "late expect told the request was aborted (" + "; ".join(codes) + ")",
         "terminal_after_s": "n/a", "deadline_s": SHORT_TRANSFER_S, "seconds": time.monotonic() - started})
+
+
+# a failed source must not wait out its socket timeout on a receiver that stopped reading: with
+# transfer_s this long, only the cut of its connection can end the send within a test's wait
+STALL_TIMEOUTS = "[timeouts]\ntransfer_s = 900.0\nwaiting_for_input_s = 900.0\n"
+NO_HEARTBEAT_DEATH = {"KVXFERD_PEER_PEER_TIMEOUT_S": "900"}  # the pause is not noticed by heartbeats
+
+
+def test_a_failed_source_cuts_its_send_to_a_receiver_that_stopped_reading(request):
+    """The decode daemon freezes (SIGSTOP) while a 64 MiB chunk is on its way: the sender blocks
+    once the socket buffers are full. The prefill engine aborts; its failure reaches it at once
+    (the daemon cuts the chunk's connection), not after the 900 s socket timeout. Thawed, the
+    decode side hears the abort, and both daemons end idle."""
+    started = time.monotonic()
+    big = spec(num_layers=16, total_kv_heads=8, head_dim=128, page_size=16)  # 1 MiB a page
+    n, num_pages = 1024, 64
+    with cluster_run(request) as c:
+        a, b = start_nodes(c, Node("stall-a", STALL_TIMEOUTS, NO_HEARTBEAT_DEATH),
+                           Node("stall-b", STALL_TIMEOUTS, NO_HEARTBEAT_DEATH))
+        pa, db = c.instances((a, "sp", "prefill", big, num_pages), (b, "sd", "decode", big, num_pages))
+        verified_request(pa, db, "stall-warm", a.address, n=40)
+        rid = "stall-1"
+        db[0].command(cmd="expect", request_id=rid, pages=list(range(num_pages)), n=n, source_instance="sp",
+                      source_address=a.address)
+        wait_requests(a, {"prefill:waiting_for_input"})  # the expect reached the source
+        b.signal(signal.SIGSTOP)
+        try:
+            pa[0].command(cmd="send", request_id=rid, pages=list(range(num_pages)), n=n)
+            wait_requests(a, {"prefill:transferring"})
+            pa[0].command(cmd="abort", request_id=rid, reason="client went away")
+            pre = finished(pa[0], rid)
+            assert pre["event"] == "finished" and pre["state"] == "failed" and pre["code"] == "aborted", pre
+        finally:
+            b.signal(signal.SIGCONT)
+        dec = finished(db[0], rid)
+        assert dec["event"] == "finished" and dec["state"] == "failed" and dec["code"] == "aborted", dec
+        verified_request(pa, db, "stall-after", a.address, n=40)
+        for d in (a, b):
+            with EngineClient(d.socket_path, timeout=10) as client:
+                assert wait_idle(client, IDLE_WAIT_S) == {}
+    rr.record("faults", "abort_of_a_send_to_a_frozen_receiver", {
+        "survived": True, "outcome": "64 MiB chunk to a SIGSTOPped decode daemon, prefill abort: the prefill "
+                                     "engine heard 'aborted' with the 900 s socket timeout still running; "
+                                     "the thawed decode side failed 'aborted'",
+        "terminal_after_s": "n/a", "deadline_s": "n/a", "seconds": time.monotonic() - started})
+
+
+def wait_requests(d, states: set[str], timeout: float = STATE_WAIT_S) -> None:
+    """Until the daemon's request entries are exactly in ``states``."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if set(status(d)["requests"]) == states:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"requests never reached {states}: {status(d)['requests']}")

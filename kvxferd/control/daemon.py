@@ -164,6 +164,8 @@ class Daemon:
             self.decode_links.send_expect(effect.address, effect.entry, effect.writers)
         elif isinstance(effect, effects.SendHandshake):
             self.decode_links.hello(effect)
+        elif isinstance(effect, effects.StopSending):
+            self.transports.stop_sending(effect.request_id, effect.rank_id)
         elif isinstance(effect, effects.StopReceiving):
             self.transports.stop_receiving(effect.entry)
         elif isinstance(effect, effects.PeerGone):

@@ -72,6 +72,16 @@ class StartJob:
 
 
 @dataclass(frozen=True)
+class StopSending:
+    """End a failed source's chunk sends now (cut their data connections): a send blocked on a
+    receiver that hung up or stalled would otherwise hold the failure back until its socket
+    timeout."""
+
+    request_id: str
+    rank_id: str
+
+
+@dataclass(frozen=True)
 class StopReceiving:
     """End writes into a failed destination's pages now (cut connections, drop assemblies)."""
 
@@ -104,5 +114,5 @@ class LinkChanged:
     new_incarnation: str = ""
 
 
-Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, SendHandshake, StartJob, StopReceiving,
-               PeerGone, LinkChanged]
+Effect = Union[TellEngine, SendUpstream, SendDownstream, ExpectUpstream, SendHandshake, StartJob, StopSending,
+               StopReceiving, PeerGone, LinkChanged]

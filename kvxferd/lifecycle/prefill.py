@@ -368,6 +368,8 @@ class PrefillSide(LifecycleBase):
             return
         if propagate:
             self._propagate_downstream(entry.request_id, entry.routes(), code, message)
+        if entry.inflight:
+            self.emit(effects.StopSending(entry.request_id, entry.rank_id))  # end its sends now, then tell the engine
         self._check_src(entry)
 
     def _finalize_src(self, entry: SrcEntry, state: str) -> None:

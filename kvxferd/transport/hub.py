@@ -71,6 +71,11 @@ class Transports:
         return found
 
     # -- receiving side ------------------------------------------------------------------
+    def stop_sending(self, request_id: str, rank_id: str) -> None:
+        """End a failed source's tcp sends now (cut their connections). A local copy ends by itself;
+        a NIXL WRITE cannot be recalled (the decode side's fence waits for it)."""
+        self.tcp.stop_sending(request_id, rank_id)
+
     def stop_receiving(self, entry: DestEntry) -> None:
         """End writes into a failed destination's pages now (cut its data connections, drop
         staged chunks still assembling), so its failure can be told soon."""

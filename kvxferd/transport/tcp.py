@@ -20,6 +20,7 @@ import logging
 import select
 import socket
 import threading
+from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
 import torch
@@ -42,6 +43,7 @@ log = logging.getLogger("kvxferd.tcp")
 IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
 FIRST_HEADER_TIMEOUT_S = 10.0  # ... and a new one that has not sent a good chunk yet, after this
 MAX_HEADER_BYTES = protocol.MAX_AUX_BYTES + 64 * 1024  # aux bytes ride in the header
+MAX_STOPPED = 4096  # failed sources remembered so their queued chunks do not leave
 
 
 ACK_OK = protocol.frame({"op": "ack", "ok": True})
@@ -78,6 +80,11 @@ class _Timeouts:
         if seconds != self.now:
             self.conn.settimeout(seconds)
             self.now = seconds
+
+
+def _stopped_error(job: ChunkJob) -> TransferError:
+    return TransferError(f"request {job.request_id!r} failed at {job.rank.id} before this chunk left",
+                         field="request_id", fix="the request's own failure says why")
 
 
 def _alive(sock: socket.socket) -> bool:
@@ -325,6 +332,11 @@ class TcpTransport:
         self.staging = staging
         self.connections_per_peer = connections_per_peer
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        #: connections carrying a large chunk now -> its (request, source rank): what
+        #: :meth:`stop_sending` cuts
+        self._sending: dict[socket.socket, tuple[str, str]] = {}
+        #: sources stopped lately: a job of theirs that reaches a data thread only now ends at once
+        self._stopped: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
 
     def borrow(self, address: tuple[str, int]) -> socket.socket:
@@ -352,9 +364,47 @@ class TcpTransport:
                 return
         sock.close()
 
+    def stop_sending(self, request_id: str, rank_id: str) -> int:
+        """Break the connections sending a large chunk of this source (it failed): their jobs end at
+        once instead of at a stalled or departed receiver's socket timeout. Small chunks end by
+        themselves, and may share their connection with other requests' chunks."""
+        key = (request_id, rank_id)
+        with self._lock:
+            self._stopped[key] = None
+            while len(self._stopped) > MAX_STOPPED:
+                self._stopped.popitem(last=False)
+            conns = [c for c, owner in self._sending.items() if owner == key]
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return len(conns)
+
     def send(self, job: ChunkJob) -> Moved:
         assert job.data_address is not None
+        key = (job.request_id, job.rank.id)
+        if key in self._stopped:  # failed while this job waited for a data thread
+            raise _stopped_error(job)
         sock = self.borrow(job.data_address)
+        with self._lock:
+            stopped = key in self._stopped
+            if not stopped:
+                self._sending[sock] = key
+        if stopped:  # ... or while its connection was being made
+            self.give_back(job.data_address, sock)
+            raise _stopped_error(job)
+        try:
+            moved = self._send_on(sock, job)
+        finally:
+            with self._lock:
+                self._sending.pop(sock, None)
+        self.give_back(job.data_address, sock)  # no longer one stop_sending may cut
+        return moved
+
+    def _send_on(self, sock: socket.socket, job: ChunkJob) -> Moved:
+        """One chunk on ``sock``; closes it on any failure, leaves it open once acknowledged."""
+        assert job.data_address is not None
         try:
             if job.can_trail:  # every slot checked: hashed block by block as it leaves, the digests after it
                 running = RunningDigests(len(list(job.regions())))
@@ -377,7 +427,6 @@ class TcpTransport:
         if not reply.get("ok"):
             sock.close()
             raise self.refused(reply)
-        self.give_back(job.data_address, sock)
         return moved
 
     @staticmethod
