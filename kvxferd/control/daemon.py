@@ -165,7 +165,7 @@ class Daemon:
         elif isinstance(effect, effects.SendHandshake):
             self.decode_links.hello(effect)
         elif isinstance(effect, effects.StopSending):
-            self.transports.stop_sending(effect.request_id, effect.rank_id)
+            self.transports.stop_sending(effect.source)
         elif isinstance(effect, effects.StopReceiving):
             self.transports.stop_receiving(effect.entry)
         elif isinstance(effect, effects.PeerGone):

@@ -77,8 +77,7 @@ class StopSending:
     receiver that hung up or stalled would otherwise hold the failure back until its socket
     timeout."""
 
-    request_id: str
-    rank_id: str
+    source: int  # the entry's serial (:attr:`~.outbox.SrcEntry.serial`), which its chunk jobs carry
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class ChunkJob:
     #: None: no digests), each granule ``granule`` tokens (0: the chunk is one state slot)
     digests: Sample | None = None
     granule: int = 0
+    source: int = 0  # the sending entry's serial (:attr:`~.outbox.SrcEntry.serial`): what a stop names
 
     # derived once per job (a job's fields are never reassigned): transports ask for them
     # several times per chunk, and for a small chunk deriving them cost more than moving it

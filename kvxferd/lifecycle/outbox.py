@@ -9,6 +9,7 @@ confirmed by every destination, or, after a failure, when no copy reads them any
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,9 @@ class Target:
     granule: int = 0
 
 
+_serials = itertools.count(1)
+
+
 @dataclass
 class SrcEntry:
     """One request at one prefill rank."""
@@ -106,6 +110,9 @@ class SrcEntry:
     #: the decode daemon hung up on a chunk: until then its reason, if it sends one, replaces ``failure``
     reason_due: float | None = None
     bytes_sent: int = 0
+    #: this entry's own number among every source of the daemon's life: what its chunk jobs carry,
+    #: so that stopping its sends never reaches a later request that reuses its id at the rank
+    serial: int = field(default_factory=lambda: next(_serials))
 
     def add_chunk(self, chunk: Chunk) -> None:
         if self.last_end is not None:

@@ -292,7 +292,7 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
-                       digests=target.digests, granule=target.granule)
+                       digests=target.digests, granule=target.granule, source=entry.serial)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -316,7 +316,7 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
-                       digests=target.digests, granule=target.granule)
+                       digests=target.digests, granule=target.granule, source=entry.serial)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -369,7 +369,7 @@ class PrefillSide(LifecycleBase):
         if propagate:
             self._propagate_downstream(entry.request_id, entry.routes(), code, message)
         if entry.inflight:
-            self.emit(effects.StopSending(entry.request_id, entry.rank_id))  # end its sends now, then tell the engine
+            self.emit(effects.StopSending(entry.serial))  # end its sends now, then tell the engine
         self._check_src(entry)
 
     def _finalize_src(self, entry: SrcEntry, state: str) -> None:

@@ -71,10 +71,10 @@ class Transports:
         return found
 
     # -- receiving side ------------------------------------------------------------------
-    def stop_sending(self, request_id: str, rank_id: str) -> None:
+    def stop_sending(self, source: int) -> None:
         """End a failed source's tcp sends now (cut their connections). A local copy ends by itself;
         a NIXL WRITE cannot be recalled (the decode side's fence waits for it)."""
-        self.tcp.stop_sending(request_id, rank_id)
+        self.tcp.stop_sending(source)
 
     def stop_receiving(self, entry: DestEntry) -> None:
         """End writes into a failed destination's pages now (cut its data connections, drop

@@ -332,11 +332,11 @@ class TcpTransport:
         self.staging = staging
         self.connections_per_peer = connections_per_peer
         self._idle: dict[tuple[str, int], list[socket.socket]] = {}
-        #: connections carrying a large chunk now -> its (request, source rank): what
-        #: :meth:`stop_sending` cuts
-        self._sending: dict[socket.socket, tuple[str, str]] = {}
+        #: connections carrying a large chunk now -> its source entry's serial (``ChunkJob.source``):
+        #: what :meth:`stop_sending` cuts
+        self._sending: dict[socket.socket, int] = {}
         #: sources stopped lately: a job of theirs that reaches a data thread only now ends at once
-        self._stopped: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._stopped: OrderedDict[int, None] = OrderedDict()
         self._lock = threading.Lock()
 
     def borrow(self, address: tuple[str, int]) -> socket.socket:
@@ -364,16 +364,15 @@ class TcpTransport:
                 return
         sock.close()
 
-    def stop_sending(self, request_id: str, rank_id: str) -> int:
+    def stop_sending(self, source: int) -> int:
         """Break the connections sending a large chunk of this source (it failed): their jobs end at
         once instead of at a stalled or departed receiver's socket timeout. Small chunks end by
         themselves, and may share their connection with other requests' chunks."""
-        key = (request_id, rank_id)
         with self._lock:
-            self._stopped[key] = None
+            self._stopped[source] = None
             while len(self._stopped) > MAX_STOPPED:
                 self._stopped.popitem(last=False)
-            conns = [c for c, owner in self._sending.items() if owner == key]
+            conns = [c for c, owner in self._sending.items() if owner == source]
         for conn in conns:
             try:
                 conn.shutdown(socket.SHUT_RDWR)
@@ -383,7 +382,7 @@ class TcpTransport:
 
     def send(self, job: ChunkJob) -> Moved:
         assert job.data_address is not None
-        key = (job.request_id, job.rank.id)
+        key = job.source
         if key in self._stopped:  # failed while this job waited for a data thread
             raise _stopped_error(job)
         sock = self.borrow(job.data_address)
