@@ -70,7 +70,7 @@ class Transports:
         assert found is not None, f"no {kind} transport here (a route names it only once it started)"
         return found
 
-    # -- receiving side ------------------------------------------------------------------
+    # -- a failed request: its transfers end now ---------------------------------------
     def stop_sending(self, source: int) -> None:
         """End a failed source's tcp sends now (cut their connections). A local copy ends by itself;
         a NIXL WRITE cannot be recalled (the decode side's fence waits for it)."""
