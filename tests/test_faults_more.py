@@ -88,15 +88,20 @@ def status(d) -> dict[str, Any]:
         return client.status()
 
 
-def wait_first_chunk(d, request_id: str = "", timeout: float = STATE_WAIT_S) -> None:
-    """Until the daemon's destination entries are all transferring (the first chunk arrived)."""
+def wait_requests(d, states: set[str], what: str = "", timeout: float = STATE_WAIT_S) -> None:
+    """Until the daemon's request entries are all in ``states`` (and there are some)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         reqs = status(d)["requests"]
-        if reqs and set(reqs) == {"decode:transferring"}:
+        if reqs and set(reqs) == states:
             return
         time.sleep(0.05)
-    raise AssertionError(f"first chunk of {request_id} never arrived: {status(d)['requests']}")
+    raise AssertionError(f"{what or 'requests'} never reached {states}: {status(d)['requests']}")
+
+
+def wait_first_chunk(d, request_id: str = "", timeout: float = STATE_WAIT_S) -> None:
+    """Until the daemon's destination entries are all transferring (the first chunk arrived)."""
+    wait_requests(d, {"decode:transferring"}, f"the first chunk of {request_id}", timeout)
 
 
 def test_paused_prefill_daemon_fails_its_requests_then_serves_again(cluster):
@@ -466,13 +471,3 @@ def test_a_failed_source_cuts_its_send_to_a_receiver_that_stopped_reading(reques
                                      "engine heard 'aborted' with the 900 s socket timeout still running; "
                                      "the thawed decode side failed 'aborted'",
         "terminal_after_s": "n/a", "deadline_s": "n/a", "seconds": time.monotonic() - started})
-
-
-def wait_requests(d, states: set[str], timeout: float = STATE_WAIT_S) -> None:
-    """Until the daemon's request entries are exactly in ``states``."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if set(status(d)["requests"]) == states:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"requests never reached {states}: {status(d)['requests']}")

@@ -87,6 +87,17 @@ def _stopped_error(job: ChunkJob) -> TransferError:
                          field="request_id", fix="the request's own failure says why")
 
 
+def _shut_down(conns: list[socket.socket]) -> int:
+    """Shut connections down both ways: whatever thread blocks on one returns at once (the thread
+    that owns it still closes it)."""
+    for conn in conns:
+        try:
+            conn.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+    return len(conns)
+
+
 def _alive(sock: socket.socket) -> bool:
     """An idle pooled connection is usable only if nothing (EOF, stray bytes) is readable."""
     try:
@@ -284,12 +295,7 @@ class TcpDataServer:
             # a small chunk ends by itself at once; cutting its connection would also fail the
             # chunks of other requests queued behind it there
             conns = [c for c, (e, nbytes) in self._receiving.items() if e is entry and nbytes > SMALL_CHUNK]
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return len(conns)
+        return _shut_down(conns)
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -302,11 +308,7 @@ class TcpDataServer:
         self._sock.close()
         with self._lock:
             conns = list(self._conns)
-        for c in conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        _shut_down(conns)
 
 
 class TcpTransport:
@@ -373,12 +375,7 @@ class TcpTransport:
             while len(self._stopped) > MAX_STOPPED:
                 self._stopped.popitem(last=False)
             conns = [c for c, owner in self._sending.items() if owner == source]
-        for conn in conns:
-            try:
-                conn.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-        return len(conns)
+        return _shut_down(conns)
 
     def send(self, job: ChunkJob) -> Moved:
         assert job.data_address is not None
