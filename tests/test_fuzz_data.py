@@ -32,6 +32,7 @@ import msgpack
 import pytest
 import zmq
 
+import digest_oracles
 from e2e_util import carried_plan, cluster_run, finished, spec
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
@@ -370,13 +371,14 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
 DIGEST_REQUESTS = 120
 
 
-def oracle_digests(request_id: str, writer: int, start: int, end: int) -> list[int]:
-    """XXH3-64 of each region's part of :func:`oracle_payload`, computed here from the oracle's
-    logical cache (not with kvxferd's digest code): regions in wire order, layers then K and V."""
-    import xxhash
+def oracle_digests(request_id: str, writer: int, start: int, end: int, hash: str = "xxh3") -> list[int]:
+    """The digest ``hash`` of each region's part of :func:`oracle_payload`, computed here from the
+    oracle's logical cache with the oracles' digests (not kvxferd's): regions in wire order, layers
+    then K and V."""
     logical = logical_cache(request_id, N_TOKENS, spec(), (0, spec().num_layers))
     part = logical[:, :, start:end, 2 * writer:2 * writer + 2, :]
-    return [xxhash.xxh3_64(part[layer, kind].contiguous().numpy().tobytes()).intdigest()
+    of = digest_oracles.wsum if hash == "wsum" else digest_oracles.xxh3
+    return [of(part[layer, kind].contiguous().numpy().tobytes())
             for layer in range(part.shape[0]) for kind in range(part.shape[1])]
 
 
@@ -388,7 +390,9 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
     sample) must never: the chunk is refused (``ok: false``) and the request fails, with code
     ``integrity`` wherever the header itself was well formed. Each writer sends its digests in
     the header or, at random, in a frame after the payload (``trailer``, as a kvxferd source
-    does when every slot is checked); a trailer frame with another op is refused too."""
+    does when every slot is checked); a trailer frame with another op is refused too. Each writer's
+    digests are XXH3 (``hash`` left out or named) or the device's word sums (``hash = "wsum"``): a
+    digest no kvxferd knows is refused at the header, digests that are not the named one's fail."""
     fake = FakePrefillDaemon(spec(tp_size=2))
     rng = random.Random(5)
     try:
@@ -411,18 +415,23 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     fuzzer = DataFuzzer(rng, rid, "dg", writers, per_token, fake.tokens["dg"])
                     kind = "clean" if i % 4 == 0 else rng.choice(
                         ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
-                         "digest_type", "sample_narrow", "sample_type", "picks_narrow", "picks_type", "picks_alone"))
+                         "digest_type", "sample_narrow", "sample_type", "picks_narrow", "picks_type", "picks_alone",
+                         "hash_type", "hash_swap"))
                     bad_writer = rng.randrange(2)
                     trailing = [rng.random() < 0.5 for _ in range(2)]
                     if kind == "digest_missing" and trailing[bad_writer] and rng.random() < 0.5:
                         kind = "trailer_op"  # the digests frame comes under another op
                     trail_refused = trailing[bad_writer] and kind in ("digest_missing", "digest_type", "trailer_op")
-                    refused = ("digest_type", "sample_type", "picks_type", "picks_alone")  # at the header
+                    refused = ("digest_type", "sample_type", "picks_type", "picks_alone", "hash_type")  # at the header
+                    # each writer's digest: XXH3 unnamed or named, or the device's word sums
+                    hashes = [rng.choice((None, "xxh3", "wsum")) for _ in range(2)]
                     replies = []
                     for w in range(2):
                         h = fuzzer.header(0, N_TOKENS, src=writers[w], last=True)
                         payload = bytearray(oracle_payload(rid, w, 0, N_TOKENS))
-                        digests = oracle_digests(rid, w, 0, N_TOKENS)
+                        digests = oracle_digests(rid, w, 0, N_TOKENS, hashes[w] or "xxh3")
+                        if hashes[w]:
+                            h["hash"] = hashes[w]
                         if w == bad_writer and kind != "clean":
                             if kind == "payload_byte":
                                 payload[rng.randrange(len(payload))] ^= 1 << rng.randrange(8)
@@ -460,6 +469,10 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                                                      [0, bytes(MAX_PICK_BYTES + 1)]))
                         elif w == bad_writer and kind == "picks_alone":  # picks, and no sample they belong to
                             h["picks"] = [0, b"\xff"]
+                        elif w == bad_writer and kind == "hash_type":  # a digest no kvxferd knows
+                            h["hash"] = rng.choice(("crc32", "", "wsum2", 7, b"xxh3", ["wsum"]))
+                        elif w == bad_writer and kind == "hash_swap":  # the digests are not the named one's
+                            h["hash"] = "xxh3" if hashes[w] == "wsum" else "wsum"
                         replies.append(exchange(dd.data_port, frame(h), bytes(payload) + tail))
                     if kind in refused or trail_refused:
                         # refused at the header or at the digests frame: the request waits; end it
@@ -484,9 +497,9 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
             assert outcomes["clean:done:None"] == DIGEST_REQUESTS // 4, outcomes
             assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")
                        and not k.startswith("trailer:")) >= DIGEST_REQUESTS // 4, outcomes
-            for kind in ("payload_byte", "digest_bit", "digest_short", "digest_long", "picks_narrow"):
+            for kind in ("payload_byte", "digest_bit", "digest_short", "digest_long", "picks_narrow", "hash_swap"):
                 assert outcomes[f"{kind}:failed:integrity"] > 0, (kind, outcomes)
-            for kind in ("sample_type", "picks_type", "picks_alone"):
+            for kind in ("sample_type", "picks_type", "picks_alone", "hash_type"):
                 assert outcomes[f"{kind}:failed:aborted"] > 0, (kind, outcomes)  # refused at the header
             for trailed in (True, False):  # both ways of sending digests landed clean, and failed closed
                 assert outcomes[f"trailer:{trailed}:done:None"] > 0, outcomes

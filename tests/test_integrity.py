@@ -54,12 +54,12 @@ def _request(c, pd, dd, tag: str, shape: str, rng: random.Random, local: bool = 
                     source_address=None if local else pd.address, chunks=chunks)
 
 
-def _clean(c, pd, dd, tag, shape, rng, transport, local=False, asks=(None, None)):
-    checked = metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport)
+def _clean(c, pd, dd, tag, shape, rng, transport, local=False, asks=(None, None), digest="xxh3"):
+    checked = metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport, digest=digest)
     dec, pre = _request(c, pd, dd, tag, shape, rng, local, chunks=[[0, 12], [12, N_TOKENS]], asks=asks)
     assert_verified(dec, pre)
-    assert metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport) > checked, \
-        f"{tag}: no chunk was checked over {transport}"
+    assert metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport, digest=digest) > checked, \
+        f"{tag}: no chunk was checked with {digest} over {transport}"
 
 
 def _corrupted(c, pd, dd, tag, shape, rng, transport, local=False, asks=(None, None)):
@@ -96,6 +96,39 @@ def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transpo
                 _corrupted(c, src, broken, f"bad-{shape}-{mode}", shape, rng, transport)
         # the daemons keep serving after the failures
         _clean(c, src, clean, "after", "sliced", rng, transport)
+
+
+# a source whose pages are on a GPU checks them with the device digest; here host pages are made
+# to (integrity.device_digest_on_cpu), so its whole path runs without a GPU
+WSUM = FULL + 'device_digest_on_cpu = true\n'
+WSUM_SAMPLED = SAMPLED + 'device_digest_on_cpu = true\n'
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_the_device_digest_is_checked_on_every_route_and_a_changed_byte_fails(request, transport):
+    """A source checked with word sums sends them (``hash = "wsum"``) in its headers, never as a
+    trailer; the destination takes the same digest over its own landed pages: clean requests land
+    byte-exact and checked with ``wsum``, full and sampled, direct and staged, TP matched and
+    sliced; a flipped landed byte fails the request ``integrity``."""
+    env = NIXL_ENV if transport == "nixl" else {}
+    rng = random.Random(12)
+    with cluster_run(request) as c:
+        src, src_sampled, clean, bad, clean_staged, bad_staged, sampled_bad, local_bad = start_nodes(
+            c, Node("src", WSUM, env), Node("src-sampled", WSUM_SAMPLED, env), Node("clean", FULL, env),
+            Node("bad", CORRUPT, env), Node("clean-staged", FULL, {**env, **STAGED}),
+            Node("bad-staged", CORRUPT, {**env, **STAGED}), Node("sampled-bad", OFF_CORRUPT, env),
+            Node("local-bad", WSUM + "corrupt_landed_every = 1\n", env))
+        for shape in SHAPES:
+            for mode, (ok, broken) in (("direct", (clean, bad)), ("staged", (clean_staged, bad_staged))):
+                _clean(c, src, ok, f"wok-{shape}-{mode}", shape, rng, transport, digest="wsum")
+                _corrupted(c, src, broken, f"wbad-{shape}-{mode}", shape, rng, transport)
+            _clean(c, src_sampled, clean, f"wsok-{shape}", shape, rng, transport, digest="wsum")
+            _corrupted(c, src_sampled, sampled_bad, f"wsbad-{shape}", shape, rng, transport)
+        for shape in SHAPES:  # the local copy (a source and a destination on one daemon)
+            _clean(c, src, src, f"wlok-{shape}", shape, rng, "local", local=True, digest="wsum")
+            _corrupted(c, local_bad, local_bad, f"wlbad-{shape}", shape, rng, "local", local=True)
+        # a source checked with XXH3 towards the same daemons: both digests side by side
+        _clean(c, clean_staged, clean, "xok", "sliced", rng, transport)
 
 
 # pages of 32 KiB per region (16 tokens of 8 heads x 128 x 2 bytes): a request of BIG_TOKENS is

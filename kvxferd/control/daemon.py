@@ -69,7 +69,7 @@ class Daemon:
         self.auth_refusals = auth.RefusalBook()  # peers this daemon's ZAP handler refused
         self.auth_refused_by = auth.RefusalBook()  # peers that refused this daemon
         self.registry = Registry(cfg.limits.max_ranks)
-        self.mapper = MemoryMapper(cfg.engine.shm_dirs)
+        self.mapper = MemoryMapper(cfg.engine.shm_dirs, cfg.integrity.device_digest_on_cpu)
         self.started = time.time()
         self.me = Advertised(cfg.advertise_host, cfg.peer.control_port, cfg.peer.data_port)
         self.ready = False

@@ -20,7 +20,9 @@ pass of its own, each side read a 512 MiB chunk from memory once more (about 50 
 Long runs are hashed where they lie. Short runs (head slices, small pages) are first gathered
 into a scratch buffer of at most :data:`SCRATCH_BYTES` per thread: a hash call per 1 KiB
 slice would cost more than the slice. Device memory is gathered on its device and copied to
-the host a block at a time.
+the host a block at a time; pages on a GPU are better checked with the device's digest
+(:mod:`.word_sums`), which a region there names (:attr:`~.regions.MappedRegion.digest`) and a
+data header then carries as its ``hash``.
 """
 
 from __future__ import annotations
@@ -32,8 +34,12 @@ import numpy as np
 import torch
 
 from ..model.segments import side_runs
+from . import word_sums
 from .copier import gather
 from .runcopy import native
+
+#: this digest's name on the wire (a data header without ``hash`` means it)
+XXH3 = "xxh3"
 
 #: runs at least this long on average are hashed in place, shorter ones gathered first
 HASH_IN_PLACE = 16 * 1024
@@ -65,8 +71,12 @@ def _scratch() -> torch.Tensor:
 
 
 def region_digests(flats: Sequence[torch.Tensor], slots: np.ndarray, row_bytes: int, head_offset: int,
-                   slice_bytes: int) -> list[int]:
-    """XXH3-64 of each region's ``slice_bytes`` at ``head_offset`` of every slot, in slot order."""
+                   slice_bytes: int, hash: str = XXH3) -> list[int]:
+    """The digest ``hash`` (XXH3-64, or :data:`.word_sums.NAME`) of each region's ``slice_bytes``
+    at ``head_offset`` of every slot, in slot order."""
+    if hash != XXH3:
+        assert hash == word_sums.NAME, f"unknown digest {hash!r}: the data header's schema admits none other"
+        return word_sums.region_digests(flats, slots, row_bytes, head_offset, slice_bytes)
     slots = np.ascontiguousarray(slots)
     runs = side_runs(slots, row_bytes, head_offset, slice_bytes)
     lib = native()

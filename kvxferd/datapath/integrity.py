@@ -67,8 +67,8 @@ class LandedCheck:
             if slots.size and self._fault_due():
                 self._corrupt(sink, regions[0], int(slots[0]))
             landed = region_digests([r.flat for r in regions], slots, w.dst_row_bytes, sink.head_offset,
-                                    w.slice_bytes)
-        self.metrics.integrity_checked.labels(transport).inc()
+                                    w.slice_bytes, sink.hash)
+        self.metrics.integrity_checked.labels(transport, sink.hash).inc()
         bad = [i for i, (a, b) in enumerate(zip(landed, sink.digests)) if a != b]
         if not bad:
             return None

@@ -11,6 +11,7 @@ region's bounds against the file before it is used.
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 from dataclasses import dataclass
@@ -21,8 +22,13 @@ import torch
 
 from ..errors import RegistrationError
 from ..model.geometry import RankGeometry
+from ..ops.logutil import q
 from . import shmfile
 from .cuda_ipc import local_device
+from .digest import XXH3
+from .word_sums import NAME as WORD_SUMS
+
+log = logging.getLogger("kvxferd.regions")
 
 
 @dataclass
@@ -32,6 +38,13 @@ class MappedRegion:
     layer: int
     kind: str
     flat: torch.Tensor  # uint8, 1-D, exactly the region's bytes
+    #: the digest its bytes are checked with (:mod:`.digest`): XXH3 where a host core reads them,
+    #: word sums (:mod:`.word_sums`) where they live on a GPU, so they are summed where they lie
+    digest: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.digest:
+            self.digest = XXH3 if self.flat.device.type == "cpu" else WORD_SUMS
 
     @property
     def nbytes(self) -> int:
@@ -59,8 +72,15 @@ class MemoryMapper:
     it is mapped once, and the key cannot be reused while the mapping holds the file.
     """
 
-    def __init__(self, shm_dirs: Iterable[str]) -> None:
+    def __init__(self, shm_dirs: Iterable[str], device_digest_on_cpu: bool = False) -> None:
         self.shm_dirs = [os.path.realpath(d) for d in shm_dirs]
+        #: test setting (``integrity.device_digest_on_cpu``): CPU regions are checked with the GPU's
+        #: digest, so its whole path runs on a machine without one
+        self.device_digest_on_cpu = device_digest_on_cpu
+        if device_digest_on_cpu:
+            log.warning("event=integrity_device_digest_on_cpu note=%s",
+                        q("host pages are checked with the word sums meant for pages on a GPU: a test setting, "
+                          "never for production"))
         self._files: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
 
     def map_regions(self, geometry: RankGeometry, regions: list[dict[str, Any]],
@@ -88,7 +108,8 @@ class MemoryMapper:
                     + (f" every {part.page_stride} bytes" if part.page_stride else "") + ")",
                     field="regions.nbytes", fix="allocate regions from the same geometry you register")
             flat = self._map_one(r, pid, opened)
-            out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat)
+            out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat,
+                                                        WORD_SUMS if self.device_digest_on_cpu else "")
         return out
 
     def _map_one(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:

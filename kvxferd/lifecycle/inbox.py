@@ -17,6 +17,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from ..datapath.digest import XXH3
 from ..errors import IntegrityError, ProtocolError, RequestError
 from ..model.group_requests import group_origin
 from ..model.plan import Destination, Plan, Writer, group_key
@@ -156,6 +157,8 @@ class Sink:
     #: digests of the landed bytes, taken as they landed (:meth:`Inbox.running_digests`); None: the
     #: check hashes the landed pages in a pass of its own
     landed: list[int] | None = None
+    #: which digest ``digests`` are (the header's ``hash``): the check takes the same over the landed bytes
+    hash: str = XXH3
 
     def regions(self) -> list[Any]:
         return list(self._regions)  # a fresh list each time: callers may keep or change theirs
@@ -272,7 +275,7 @@ class Inbox:
             self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"),
-                    sample, bool(header.get("trailer")))
+                    sample, bool(header.get("trailer")), hash=header.get("hash", XXH3))
 
     def running_digests(self, sink: Sink) -> Any:
         """Where a transport that lands a chunk's bytes in place, in wire order, feeds them as they
@@ -280,6 +283,8 @@ class Inbox:
         over its pages. None: nothing to feed (the check, if any, hashes the landed pages)."""
         if not sink.trailer or self._check is None or sink.sample is None or not sink.sample.full:
             return None  # a sample's slots are not the wire order's every byte: hashed where they landed
+        if sink.hash != XXH3:
+            return None  # the device digest is taken over the landed pages, where they lie
         return self._check.running(sink)
 
     def flip_due(self, sink: Sink) -> bool:

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..datapath.digest import region_digests
+from ..datapath.digest import XXH3, region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
 from ..model.sampling import Sample, chosen, granules_of
@@ -73,12 +73,18 @@ class ChunkJob:
         """Source regions in wire order: layers ascending, then kinds."""
         return iter(self._regions)
 
+    @cached_property
+    def hash(self) -> str:
+        """The digest its bytes are checked with: the device's where any source region asks for it
+        (pages on a GPU, summed where they lie), else XXH3."""
+        return next((r.digest for r in self._regions if r.digest != XXH3), XXH3)
+
     @property
     def can_trail(self) -> bool:
-        """Its digests cover every slot, so a socket sender may hash the bytes as they leave, in wire
-        order, and send the digests after them (``header(trailer=True)``); a sample's are taken
-        before."""
-        return self.digests is not None and self.digests.full
+        """Its digests cover every slot of host pages, so a socket sender may hash the bytes with
+        XXH3 as they leave, in wire order, and send the digests after them
+        (``header(trailer=True)``); a sample's, and the device digest's, are taken before."""
+        return self.digests is not None and self.digests.full and self.hash == XXH3
 
     def header(self, trailer: bool = False) -> dict[str, Any]:
         """The data header; ``trailer``: the digests come after the payload (a job with digests:
@@ -101,6 +107,8 @@ class ChunkJob:
         elif self.digests is not None:
             head["digests"] = self.region_digests
         if self.digests is not None:
+            if self.hash != XXH3:
+                head["hash"] = self.hash
             sample = self.sample
             if not sample.full:
                 head["sample"] = [sample.period, sample.offset]
@@ -123,7 +131,7 @@ class ChunkJob:
         w = self.writer
         slots = chosen(self.src_slots, self.slot_tokens, self.start, self.granule, self.sample, self.group)
         return region_digests([r.flat for r in self._regions], slots, w.src_row_bytes, self.head_offset,
-                              w.slice_bytes)
+                              w.slice_bytes, self.hash)
 
 
 @dataclass

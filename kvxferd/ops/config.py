@@ -214,6 +214,10 @@ class IntegritySection:
     #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
     #: before it is checked (0: never). Logged loudly at start; never set it in production.
     corrupt_landed_every: int = 0
+    #: test setting: host pages are checked with the digest of pages on a GPU (word sums, taken
+    #: with torch where the pages lie), so its whole path runs on a machine without one. Slower
+    #: than XXH3 on a CPU; never set it in production.
+    device_digest_on_cpu: bool = False
 
 
 #: integrity.mode values

@@ -137,7 +137,8 @@ class Metrics:
             registry=r)
         self.integrity_checked = Counter(
             "kvxferd_integrity_checked_chunks", "Chunks whose landed bytes this daemon checked against their "
-            "source's digests (integrity), by transport.", ["transport"], registry=r)
+            "source's digests (integrity), by transport and digest (xxh3; wsum: the device's word sums).",
+            ["transport", "digest"], registry=r)
         self.integrity_failures = Counter(
             "kvxferd_integrity_failures", "Chunks whose landed bytes differ from their source's digests, or "
             "that came without the digests this daemon asked for; each fails its request with code "

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable, Hashable
 
 from ..datapath.copier import copy_hashed, copy_regions, settle
-from ..datapath.digest import COPY_HASH_BYTES
+from ..datapath.digest import COPY_HASH_BYTES, XXH3
 from ..errors import KvxferError, TransferError
 from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
@@ -59,8 +59,9 @@ class LocalTransport:
                      dsts: list[Any]) -> tuple[list[int], list[int], int] | None:
         """The copy, hashing the checked slots of both sides piece by piece as they move (each
         piece read from memory once, and hashed from cache); None, having copied nothing, where
-        the two sides' slots do not pair one to one or this build cannot hash in C."""
-        if job.src_slots.size != sink.dst_slots.size or job.slot_tokens != sink.slot_tokens:
+        the two sides' slots do not pair one to one, the digest is the device's (word sums, taken
+        where the pages lie) or this build cannot hash in C."""
+        if job.src_slots.size != sink.dst_slots.size or job.slot_tokens != sink.slot_tokens or job.hash != XXH3:
             return None
         checked = checked_slots(job.src_slots.size, job.slot_tokens, job.start, job.granule, job.sample, job.group)
         return copy_hashed(srcs, dsts, job.src_slots, sink.dst_slots, job.writer, job.head_offset, sink.head_offset,

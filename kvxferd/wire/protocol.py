@@ -387,8 +387,8 @@ DATA_HEADER = Schema(
               "pack": integer(1, 1 << 34),
               # a cache group's chunk (kvxferd.model.groups): its writer is (src, group) at the destination
               "group": text(24), "part": integer(0, 16),
-              # integrity: XXH3-64 of the chunk's bytes in each of its regions, in wire order, as
-              # the source's pages held them (kvxferd.datapath.digest)
+              # integrity: the digest (``hash``) of the chunk's bytes in each of its regions, in wire
+              # order, as the source's pages held them (kvxferd.datapath.digest)
               "digests": list_of(integer(0, 2**64 - 1), MAX_CHUNK_REGIONS),
               # ... over the granules of this sample only (left out: every slot of the chunk)
               "sample": sample,
@@ -396,7 +396,10 @@ DATA_HEADER = Schema(
               "picks": picks,
               # tcp: the digests (of every slot) follow the payload in a DIGESTS_TRAILER frame, the
               # source having hashed the bytes as they left (kvxferd.datapath.digest.RunningDigests)
-              "trailer": boolean},
+              "trailer": boolean,
+              # ... and which digest: left out or "xxh3", XXH3-64; "wsum", the device's word sums
+              # (kvxferd.datapath.word_sums), for pages on a GPU
+              "hash": text(8, ("xxh3", "wsum"))},
 )
 
 #: the frame after a data payload whose header said ``trailer``: the source's digests
