@@ -57,7 +57,8 @@ bench: venv
 # kvxferd's dependencies (and nixl-cu12 for the nixl cases), e.g.
 #   make gpu-check GPU_PYTHON=/opt/cuda-venv/bin/python
 # Without CUDA it prints why it skipped and exits 0. GPU_CHECK_ARGS="--device cpu" runs the same
-# cases on CPU shared memory (the dry run); --help lists the sizes and the case selection.
+# cases on CPU shared memory (the dry run); GPU_CHECK_ARGS="--integrity full" also checks every
+# chunk with the device digest (word sums on the GPU); --help lists the sizes and the case selection.
 GPU_PYTHON     ?= $(PY)
 GPU_CHECK_ARGS ?=
 .PHONY: gpu-check

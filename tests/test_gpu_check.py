@@ -199,12 +199,14 @@ def test_vllm_head_major_blocks_hold_the_oracles_page_units():
 
 # -- the dry run: the same cases with real daemons and engine processes ------------------------
 
-def test_dry_run_moves_every_case_byte_exact_and_leaves_nothing_behind(tmp_path: Path):
+def test_dry_run_moves_every_case_byte_exact_checked_and_leaves_nothing_behind(tmp_path: Path):
     report = tmp_path / "gpu-check.json"
+    # integrity full: each case must also have chunks checked (with XXH3 here; word sums on a GPU)
     out = run_tool("--device", "cpu", *SMALL, "--transports", TRANSPORTS, "--deadline", "180", "--json", str(report),
-                   timeout=300)
+                   "--integrity", "full", timeout=300)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
     lines = out.stdout.strip().splitlines()
+    assert any(line.startswith("  wsum ") and line.endswith("equal to the host's") for line in lines), lines
     cases = len(TRANSPORTS.split(",")) * 9
     assert lines[-1].startswith(f"gpu-check: {cases}/{cases} cases byte-exact on cpu")
     assert sum(1 for line in lines if line.startswith("  ok   ")) == cases

@@ -558,6 +558,33 @@ class Engine:
             torch.cuda.empty_cache()
         return {"gbps": cmd["nbytes"] / seconds / 1e9, "seconds": seconds}
 
+    def wsum(self, cmd: dict[str, Any]) -> dict[str, Any]:
+        """The device digest (word sums) of ``nbytes`` random bytes, gathered from scattered slots,
+        taken on this engine's device and on a host copy: both must agree to the bit. GB/s is the
+        device kernel's over whole blocks."""
+        from ..datapath import word_sums
+        gen = torch.Generator().manual_seed(cmd["seed"])
+        host = torch.randint(0, 256, (cmd["nbytes"],), dtype=torch.uint8, generator=gen)
+        flat = host.to(self.device)
+        row = 4096 + 6  # rows whose slices start off a block and a word boundary
+        slots = torch.randperm(cmd["nbytes"] // row, generator=gen).numpy()
+        args = (slots, row, 6, 4095)
+        on_device = word_sums.region_digests([flat], *args)
+        on_host = word_sums.region_digests([host], *args)
+        whole = flat[:cmd["nbytes"] // word_sums.BLOCK_BYTES * word_sums.BLOCK_BYTES]
+        word_sums.device_sums(whole)  # warm-up (the key table, the kernels)
+        synchronize(flat.device)
+        t0 = time.perf_counter()
+        sums = word_sums.device_sums(whole)
+        synchronize(flat.device)
+        seconds = time.perf_counter() - t0
+        same_sums = bool(torch.equal(sums.cpu(), word_sums.block_sums(whole.cpu())))
+        del flat, whole, sums
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return {"equal": on_device == on_host and same_sums, "gbps": cmd["nbytes"] / seconds / 1e9,
+                "digest": on_device[0]}
+
     def close_all(self) -> None:
         self.close({"names": list(self.ranks)})
 
@@ -573,7 +600,7 @@ def engine_main(argv: list[str]) -> int:
     handlers: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
         "open": engine.open, "fill": engine.fill, "expect": engine.expect, "send": engine.send,
         "wait": engine.wait, "check": engine.check, "untouched": engine.untouched, "corrupt": engine.corrupt,
-        "close": engine.close, "d2d": engine.d2d}
+        "close": engine.close, "d2d": engine.d2d, "wsum": engine.wsum}
 
     def reply(obj: dict[str, Any]) -> None:
         sys.stdout.write(json.dumps(obj) + "\n")
@@ -695,6 +722,12 @@ def sent_by_transport(daemon: Any) -> dict[str, float]:
                               "transport")
 
 
+def checked_by_digest(daemon: Any) -> dict[str, float]:
+    """The decode daemon's cumulative chunks checked against their digests, per digest."""
+    return procstats.by_label(procstats.scrape(daemon.metrics_url, missing_ok=True),
+                              "kvxferd_integrity_checked_chunks_total", "digest")
+
+
 def run_case(run: Run, index: int, case: Case) -> CaseResult:
     """Fresh prefill and decode instances move the case's requests; every byte checked; the ranks
     unregistered and freed whatever happened."""
@@ -714,7 +747,7 @@ def run_case(run: Run, index: int, case: Case) -> CaseResult:
         result.fill_s = run.prefill.call(run.timeout(), "fill", names=p_names, requests=src)["fill_s"]
         run.decode.call(run.timeout(), "expect", names=d_names, requests=dst, source_instance=p_inst,
                         source_address=None if pd is dd else pd.address)
-        before = sent_by_transport(pd)
+        before, checked_before = sent_by_transport(pd), checked_by_digest(dd)
         ids = [r.request_id for r in requests]
         run.decode.post("wait", names=d_names, request_ids=ids, timeout=run.timeout())
         t0 = run.prefill.call(run.timeout(), "send", names=p_names, requests=src)["t0"]
@@ -739,6 +772,10 @@ def run_case(run: Run, index: int, case: Case) -> CaseResult:
         problem = transport_problem(case, result.moved, result.nbytes)
         if problem:
             result.failures.append(problem)
+        if run.args.integrity != "off":  # GPU pages are checked with word sums, host pages with XXH3
+            digest = "wsum" if run.device.startswith("cuda") else "xxh3"
+            if not moved_delta(checked_before, checked_by_digest(dd)).get(digest):
+                result.failures.append(f"integrity {run.args.integrity}: no chunk was checked with {digest}")
     except CheckError as exc:
         result.failures.append(str(exc))
     finally:
@@ -783,7 +820,7 @@ def start_daemons(cluster: Any, transports: Sequence[str], device: str, args: ar
 
     def start(name: str, env: dict[str, str]) -> None:
         try:
-            daemons[name].start({"KVXFERD_PEER_MODE": args.mode, **env})
+            daemons[name].start({"KVXFERD_PEER_MODE": args.mode, "KVXFERD_INTEGRITY_MODE": args.integrity, **env})
         except BaseException as exc:  # noqa: BLE001 - re-raised below
             errors.append(exc)
 
@@ -844,6 +881,17 @@ def measure_d2d(run: Run, cases: Sequence[Case], out: Callable[[str], None]) -> 
     gbps = run.decode.call(run.timeout(), "d2d", nbytes=nbytes, repeat=5)["gbps"]
     out(f"  d2d  torch copy of {_mib(nbytes)} on {run.device}: {gbps:.1f} GB/s")
     return float(gbps)
+
+
+def check_word_sums(run: Run, out: Callable[[str], None]) -> None:
+    """The device digest taken on the device must equal the host's over the same bytes, or every
+    integrity check of GPU pages would fail (or, worse, agree with a wrong source)."""
+    nbytes = 64 << 20
+    got = run.decode.call(run.timeout(), "wsum", nbytes=nbytes, seed=run.args.seed)
+    out(f"  wsum word sums of {_mib(nbytes)} on {run.device}: {got['gbps']:.1f} GB/s, "
+        f"{'equal to' if got['equal'] else 'DIFFERENT from'} the host's")
+    if not got["equal"]:
+        raise CheckError(f"the word sums taken on {run.device} differ from the host's over the same bytes")
 
 
 def run_cases(run: Run, cases: Sequence[Case], results: list[CaseResult], d2d: float | None,
@@ -913,6 +961,7 @@ def run_check(args: argparse.Namespace, out: Callable[[str], None]) -> int:
                 out(f"  {device}: {ready[0]['device_name']} (torch {ready[0]['torch']}, CUDA {ready[0]['cuda']})")
                 run = Run(args, sizes, device, daemons, engines[0], engines[1], started + args.deadline)
                 d2d = measure_d2d(run, cases, out)
+                check_word_sums(run, out)
                 run_cases(run, cases, results, d2d, out)
         except DeadlineExceeded:
             stopped = f"the {args.deadline:.0f} s deadline passed"
@@ -997,6 +1046,9 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     ap.add_argument("--no-landing-ring", action="store_true",
                     help="NIXL daemons offer no landing ring: chunks gathered from GPU memory are written in place "
                          "into the decode pages (the place route), sliced decode rows go direct")
+    ap.add_argument("--integrity", default="off", choices=["off", "sampled", "full"],
+                    help="integrity.mode of the daemons; not off: each case must have chunks checked, with the "
+                         "device digest (word sums) on cuda, XXH3 on cpu")
     ap.add_argument("--corrupt-one-byte", action="store_true",
                     help="flip one destination byte of the first case before its check (the run must fail)")
     args = ap.parse_args(list(argv))
