@@ -51,7 +51,11 @@ def test_a_stream_fed_in_any_pieces_digests_as_the_oracle(n, cuts, seed):
     for cut in sorted(c for c in cuts if c <= n) + [n]:
         state.add(torch.frombuffer(bytearray(data[at:cut]) or bytearray(1), dtype=torch.uint8)[:cut - at])
         at = cut
-    assert word_sums.fold(state.close().numpy(), state.nbytes) == oracle(data)
+    sums, nbytes = state.take()
+    assert nbytes == n and word_sums.fold(sums.numpy(), nbytes) == oracle(data)
+    # the same buffer then digests another stream from its start
+    state.add(torch.frombuffer(bytearray(data[:7] or b"x"), dtype=torch.uint8))
+    assert word_sums.fold(state.take()[0].numpy(), min(n, 7) or 1) == oracle(data[:7] or b"x")
 
 
 @settings(max_examples=30, deadline=None)

@@ -92,17 +92,19 @@ def _host_keys() -> np.ndarray:
 
 
 class WordSums:
-    """One region's digest fed its stream piece by piece (any cut; pieces on one device): the
-    bytes short of a whole block wait in a buffer until the next piece or the end."""
+    """A stream's digest fed piece by piece (any cut; pieces on one device): the bytes short of a
+    whole block wait in a buffer until the next piece or the end. One buffer serves stream after
+    stream (:meth:`take` starts the next), so a chunk of many regions holds one."""
 
     def __init__(self, device: torch.device, piece_bytes: int = PIECE_BYTES) -> None:
         self.buf = torch.empty(piece_bytes + BLOCK_BYTES, dtype=torch.uint8, device=device)
         self.carry = 0  # bytes at the front of ``buf`` not yet summed
         self.nbytes = 0
-        self.sums: list[torch.Tensor] = []  # on the device until :meth:`digest` (one copy to the host)
+        self.sums: list[torch.Tensor] = []  # on the device, until the caller copies them to the host
 
     def room(self) -> torch.Tensor:
-        """Where the next piece goes: after the carried bytes, up to the buffer's end."""
+        """Where the next piece goes: after the carried bytes, up to the buffer's end (at least
+        ``piece_bytes``)."""
         return self.buf[self.carry:]
 
     def added(self, n: int) -> None:
@@ -128,15 +130,16 @@ class WordSums:
             self.added(n)
             at += n
 
-    def close(self) -> torch.Tensor:
-        """Every sum, the last block zero padded: int64 on the device."""
+    def take(self) -> tuple[torch.Tensor, int]:
+        """The stream's sums (the last block zero padded; int64 on the device) and its length in
+        bytes; the next byte fed starts a new stream."""
         if self.carry:
             self.buf[self.carry:BLOCK_BYTES].zero_()
             self.sums.append(block_sums(self.buf[:BLOCK_BYTES]))
-            self.carry = 0
-        if not self.sums:
-            return torch.zeros(0, dtype=torch.int64, device=self.buf.device)
-        return torch.cat(self.sums)
+        sums = torch.cat(self.sums) if self.sums else torch.zeros(0, dtype=torch.int64, device=self.buf.device)
+        out = (sums, self.nbytes)
+        self.carry, self.nbytes, self.sums = 0, 0, []
+        return out
 
 
 def fold(sums: np.ndarray, nbytes: int) -> int:
@@ -149,24 +152,32 @@ def fold(sums: np.ndarray, nbytes: int) -> int:
 def region_digests(flats: Sequence[torch.Tensor], slots: np.ndarray, row_bytes: int, head_offset: int,
                    slice_bytes: int, piece_bytes: int = PIECE_BYTES) -> list[int]:
     """The digest of each region's ``slice_bytes`` at ``head_offset`` of every slot, in slot
-    order (:func:`kvxferd.datapath.digest.region_digests`' stream), summed where the region lies;
-    every region's sums come to the host in one copy."""
+    order (:func:`kvxferd.datapath.digest.region_digests`' stream), summed where the region lies
+    through one gather buffer per device; every region's sums come to the host in one copy."""
     slots = np.ascontiguousarray(slots, dtype=INDEX_DTYPE)
     per = max(1, piece_bytes // max(1, slice_bytes))
-    streams = []
+    piece = max(1, min(per * slice_bytes, slots.size * slice_bytes))  # no larger than the stream
+    states: dict[torch.device, WordSums] = {}
+    streams: list[tuple[torch.Tensor, int]] = []
     for flat in flats:
-        state = WordSums(flat.device, max(piece_bytes, slice_bytes))
+        state = states.get(flat.device)
+        if state is None:
+            state = states[flat.device] = WordSums(flat.device, piece)
         for i in range(0, slots.size, per):
             part = slots[i:i + per]
             n = part.size * slice_bytes
             gather(flat, part, row_bytes, head_offset, slice_bytes, state.room()[:n])
             state.added(n)
-        streams.append(state)
-    closed = [s.close() for s in streams]
-    counts = [int(c.numel()) for c in closed]
-    on_host = torch.cat([c.cpu() for c in closed]).numpy() if closed else np.zeros(0, dtype=np.int64)
+        streams.append(state.take())
+    if not streams:
+        return []
+    devices = {sums.device for sums, _ in streams}
+    if len(devices) == 1:
+        on_host = torch.cat([sums for sums, _ in streams]).cpu().numpy()
+    else:
+        on_host = np.concatenate([sums.cpu().numpy() for sums, _ in streams])
     out, at = [], 0
-    for state, count in zip(streams, counts):
-        out.append(fold(on_host[at:at + count], state.nbytes))
-        at += count
+    for sums, nbytes in streams:
+        out.append(fold(on_host[at:at + sums.numel()], nbytes))
+        at += sums.numel()
     return out
