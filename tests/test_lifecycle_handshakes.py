@@ -204,6 +204,27 @@ def test_a_pair_agrees_the_stricter_sides_integrity_and_each_request_is_checked_
             assert [set(e.integrity.picks) for e in entries] == [{""}, {""}]
 
 
+def test_a_decode_instance_asks_at_its_handshakes_the_strictest_integrity_any_of_its_ranks_asked():
+    """The pair's hello carries the decode instance's standing period, as the source's answer
+    carries the prefill instance's: the strictest of its ranks' asks at register, whichever rank's
+    request opens the handshake (here rank 0, which asked nothing, while rank 1 asked full)."""
+    from kvxferd.model.sampling import FULL
+
+    c = Cluster("P", "D")
+    pn, dn = c.node("P"), c.node("D")
+    pn.rank("p", "prefill", spec())
+    d0, d1 = (dn.rank("d", "decode", spec(tp=2), tp=t) for t in (0, 1))
+    d1.integrity = "full"
+    c.hold_hellos = True
+    dn.expect(d0, "a", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    assert [h.integrity for h in dn.hellos] == [1]
+    c.hold_hellos = False
+    c.run()
+    assert dn.life.handshakes.get((pn.address, "p", "d")).integrity == 1
+    assert dn.inbox.get("a", d0.id).integrity == FULL
+
+
 def test_a_sampled_destination_checks_each_page_within_period_writes_and_its_source_digests_those():
     """The decode side's page ledger picks the granules of each request; ``period`` requests that
     write the same four pages check each page once, and the source sends digests of exactly what

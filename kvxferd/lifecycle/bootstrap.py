@@ -59,7 +59,7 @@ class BootstrapSide(LifecycleBase):
         key: Key = (address, entry.source_instance, entry.rank.instance)
         hs, fresh = self.handshakes.need(key, entry.rank.geometry.spec, entry, self.now)
         if fresh:
-            hs.ask = self.integrity.standing(entry.rank.integrity)
+            hs.ask = self.standing(entry.rank.instance)  # the instance's, whichever rank asks first
             self.emit(effects.SendHandshake(address, entry.source_instance, entry.rank.instance, hs.spec, hs.ask))
         if hs.state != AGREED:
             entry.waiting_for = self._waiting_text(entry, hs)
