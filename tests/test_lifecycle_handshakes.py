@@ -245,3 +245,23 @@ def test_a_sampled_destination_checks_each_page_within_period_writes_and_its_sou
         for g in range(4):  # granule g is page g of the table: page 8 + g
             checks[8 + g] += bool(picks.mask(np.array([g]))[0])
     assert checks == {8: 1, 9: 1, 10: 1, 11: 1}
+
+
+def test_a_sampled_request_that_fails_leaves_its_pages_due_for_the_next():
+    """A request aborted after its expect checked nothing an engine will read: the ledger forgets
+    its write, so the next request into the same pages checks the granules it would have."""
+    from kvxferd.model.sampling import Policy
+
+    c, pn, dn, p, d = _pair()
+    dn.life.integrity = Policy("sampled", period=5)
+    chosen = []
+    for rid in ("a", "b"):
+        dn.expect(d, rid, pages(4, 8), "p", num_tokens=16, source_node=pn)
+        c.run()
+        chosen.append(dn.inbox.get(rid, d.id).integrity.picks[""])
+        if rid == "a":
+            dn.handle(events.AbortCalled(d, "a", "the user went away"))
+            c.run()
+            assert dn.outcome("a", d).state == "failed"
+    assert chosen[0].mask(np.arange(4)).any() and chosen[1] == chosen[0]
+

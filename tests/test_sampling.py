@@ -93,22 +93,27 @@ def test_a_chunks_window_of_picks_and_their_wire_form_choose_what_the_request_ch
 
 @settings(max_examples=200, deadline=None)
 @given(st.integers(2, 12), st.sampled_from([(4, 4), (4, 8), (8, 4), (1, 1), (2, 16)]),
-       st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(0, 100)), min_size=1, max_size=80))
+       st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(0, 100), st.booleans()),
+                min_size=1, max_size=80))
 def test_the_ledger_checks_every_page_within_period_writes_into_it_and_no_more_than_its_share(
         period, page_sizes, requests):
     """Requests write runs of pages (from a pool of 64, wherever they fall) starting at any token;
-    each page's writes are replayed against what the picks chose for it."""
+    each page's writes are replayed against what the picks chose for it. A request that failed
+    wrote nothing an engine reads: the ledger undoes its write, and it is not replayed."""
     dst_ps, src_ps = page_sizes
     g = math.lcm(dst_ps, src_ps)
     per = g // dst_ps
     ledger = PageLedger()
     history: dict[int, list[bool]] = {}
     pool = np.random.default_rng(period).permutation(64)
-    for first_page, n_pages, seed in requests:
+    for first_page, n_pages, seed, failed in requests:
         start_page = seed % 3 * per  # a prefix of whole granules already on the decode side
         table = np.roll(pool, seed)[:start_page + n_pages]
         start, end = start_page * dst_ps, (start_page + n_pages) * dst_ps - seed % dst_ps
         picks = ledger.choose("d/0", "", table, dst_ps, start, end, g, period)
+        if failed:  # wrote nothing an engine reads: not a write that counts
+            ledger.undo("d/0", "", table, dst_ps, start, end, g, picks, period)
+            continue
         for k in range(start // dst_ps, (end - 1) // dst_ps + 1):
             history.setdefault(int(table[k]), []).append(k // per in picked(picks))
     for page, writes in history.items():

@@ -8,6 +8,7 @@ change of a destination's state happens here, on this core's clock.
 from __future__ import annotations
 
 import logging
+from typing import Any, Iterator
 
 from ..model.group_requests import group_origin
 from ..model.sampling import Sample, granule
@@ -64,8 +65,25 @@ class DecodeSide(BootstrapSide):
         ask = entry.integrity
         if ask is None or ask.full or ask.picks:
             return
+        picks = {group: self.ledger.choose(entry.rank.id, group, *span, ask.period)
+                 for group, span in self._ledger_spans(entry)}
+        entry.integrity = Sample(ask.period, ask.offset, picks)
+
+    def _undo_pages(self, entry: DestEntry) -> None:
+        """A sampled request that failed wrote nothing an engine will read and checked nothing:
+        the ledger forgets its write, so every page stays checked within ``period`` writes that
+        count."""
+        ask = entry.integrity
+        if ask is None or not ask.picks or entry.plan is None:
+            return
+        for group, span in self._ledger_spans(entry):
+            if group in ask.picks:
+                self.ledger.undo(entry.rank.id, group, *span, ask.picks[group], ask.period)
+
+    def _ledger_spans(self, entry: DestEntry) -> Iterator[tuple[str, tuple[Any, int, int, int, int]]]:
+        """Per cache group with granules, what the page ledger reads of a request: its page table,
+        page size, token range and granule."""
         spec = entry.rank.geometry.spec
-        picks = {}
         for group in sorted({w.group for w in entry.writers.values()}):
             grain = granule(entry.plan, group)
             if not grain:
@@ -75,9 +93,7 @@ class DecodeSide(BootstrapSide):
             end = entry.num_tokens or int(pages.size) * page_size
             start = group_origin(spec, group, entry.start, entry.num_tokens)
             if end > start:
-                picks[group] = self.ledger.choose(entry.rank.id, group, pages, page_size, start, end, grain,
-                                                  ask.period)
-        entry.integrity = Sample(ask.period, ask.offset, picks)
+                yield group, (pages, page_size, start, end, grain)
 
     def _expect_each_daemon(self, entry: DestEntry, ev: events.PlanFound) -> None:
         """A source instance over several daemons: every daemon of it hears the expect, naming the
@@ -160,6 +176,7 @@ class DecodeSide(BootstrapSide):
             code, message = entry.failure or ("unknown", "")
             record.update(code=code, reason=message)
             self.record_failure("decode", entry.request_id, entry.rank.id, code, message)
+            self._undo_pages(entry)
         self.remember(entry.request_id, entry.rank.id, record)
         self.emit(effects.TellEngine(entry.rank.identity, Event.of(entry.rank.id, entry.request_id, record)))
 

@@ -277,6 +277,21 @@ class PageLedger:
         counts[ids] = np.where(checked, 0, np.minimum(counts[ids].astype(np.int64) + 1, np.iinfo(np.uint16).max))
         return Picks.of(lo, due)
 
+    def undo(self, rank: str, group: str, pages: np.ndarray, page_size: int, start: int, end: int,
+             granule_tokens: int, picks: Picks, period: int) -> None:
+        """The write :meth:`choose` counted (same arguments, and the picks it returned) did not
+        happen after all: its request failed, and its pages hold nothing an engine will read.
+        Pages it was to check fall due at their next write; the others count one write less."""
+        first, last = start // page_size, (end - 1) // page_size
+        ids = np.asarray(pages[first:last + 1], dtype=np.int64)
+        if ids.size == 0:
+            return
+        per = granule_tokens // page_size
+        checked = picks.mask(np.arange(first, last + 1) // per)
+        counts = self._counts(rank, group, int(ids.max()) + 1, period)
+        before = counts[ids].astype(np.int64)
+        counts[ids] = np.where(checked, np.maximum(before, period - 1), np.maximum(before - 1, 0))
+
     def _counts(self, rank: str, group: str, size: int, period: int) -> np.ndarray:
         counts = self._unchecked.get((rank, group))
         if counts is None or counts.size < size:
