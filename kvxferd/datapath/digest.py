@@ -19,10 +19,10 @@ pass of its own, each side read a 512 MiB chunk from memory once more (about 50 
 
 Long runs are hashed where they lie. Short runs (head slices, small pages) are first gathered
 into a scratch buffer of at most :data:`SCRATCH_BYTES` per thread: a hash call per 1 KiB
-slice would cost more than the slice. Device memory is gathered on its device and copied to
-the host a block at a time; pages on a GPU are better checked with the device's digest
-(:mod:`.word_sums`), which a region there names (:attr:`~.regions.MappedRegion.digest`) and a
-data header then carries as its ``hash``.
+slice would cost more than the slice. Device memory (a destination on a GPU whose source sent
+XXH3) is gathered on its device and copied to the host a block at a time. A source on a GPU
+sends the device's digest instead (:mod:`.word_sums`, summed where its pages lie), which its
+regions name (:attr:`~.regions.MappedRegion.digest`) and its data headers carry as ``hash``.
 """
 
 from __future__ import annotations
