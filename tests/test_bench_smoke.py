@@ -97,7 +97,11 @@ def test_rows(report: dict) -> None:
             assert row["extra"]["checked_requests"] >= 1  # the oracle compared some requests' bytes
         if row["group"] == "kvxferd":
             assert _number(row["gbps"]) and _number(row["bytes"])
+        if row["group"] == "kvxferd" and row["extra"].get("integrity"):  # its plain rounds ran between
+            assert _number(row["extra"]["gbps_off"]) and len(row["extra"]["vs_off_rounds"]) >= 1, row
+            assert row["extra"]["integrity_checked_chunks"] >= row["requests"], row  # its checked rounds were
     assert {"limit", "kvxferd", "latency", "rate", "planner", "peer"} <= groups
+    assert any(r["extra"].get("integrity") == "full" for r in report["rows"] if r["group"] == "kvxferd")
     transports = {(r["transport"], r["mode"]) for r in report["rows"] if r["group"] == "kvxferd"}
     assert {("local", "direct"), ("tcp", "direct"), ("tcp", "staged")} <= transports
 

@@ -5,6 +5,7 @@ result says (throughput of the rounds, the byte check), shared by the sync and a
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -13,8 +14,10 @@ from .model import Workload, pct
 
 
 class Rank:
-    def __init__(self, role: str, geometry: Any, cache: Any) -> None:
+    def __init__(self, role: str, geometry: Any, cache: Any, checked: bool = False) -> None:
         self.role, self.geometry, self.cache = role, geometry, cache
+        #: a decode rank of the checked instance (an integrity row's second decode instance)
+        self.checked = checked
         self.client: Any = None
         self.rid = ""
 
@@ -24,6 +27,11 @@ class Layout:
 
     Every request of a scenario carries the same bytes (the prefill pages are filled once),
     so the oracle's key is the scenario's, not the request's.
+
+    An integrity row (``cfg["integrity"]``) has two decode instances on the same daemons with
+    integrity off: the plain one, and a checked one that asks the row's mode at register. Its
+    rounds alternate between them, so the cost of checking is read against the same daemons,
+    the same source pages and the same minute of the machine.
     """
 
     def __init__(self, cfg: dict[str, Any]) -> None:
@@ -46,6 +54,7 @@ class Layout:
         self.sets = [perm[i * d_need:(i + 1) * d_need].tolist() for i in range(self.sets_n)]
         self.spare = perm[self.sets_n * d_need:].tolist()
         self.pinst, self.dinst = f"{self.tag}-prefill", f"{self.tag}-decode"
+        self.integrity: str | None = cfg.get("integrity")
         self.source_address = cfg.get("source_address")
         checked = {0, self.total - 1, *(self.total * (j + 1) // (self.n_verify + 1) for j in range(self.n_verify))}
         self.fixed = {i: self.window + j for j, i in enumerate(sorted(checked)[:self.n_verify])}
@@ -60,12 +69,15 @@ class Layout:
         from ...model.geometry import RankGeometry
         from ...sdk.kv_cache import allocate_cpu
         ranks = []
-        for role, spec, num_pages in (("prefill", self.pspec, self.p_pages), ("decode", self.dspec, self.d_pages)):
+        sides = [("prefill", self.pspec, self.p_pages, False), ("decode", self.dspec, self.d_pages, False)]
+        if self.integrity:
+            sides.append(("decode", self.dspec, self.d_pages, True))
+        for role, spec, num_pages, checked in sides:
             for tp in range(spec.tp_size):
                 g = RankGeometry(spec, tp, 0, num_pages)
-                cache = allocate_cpu(g, name=f"bench-{self.tag}-{role[0]}{tp}",
+                cache = allocate_cpu(g, name=f"bench-{self.tag}-{role[0]}{'c' if checked else ''}{tp}",
                                      fill=CANARY if role == "decode" else None)
-                ranks.append(Rank(role, g, cache))
+                ranks.append(Rank(role, g, cache, checked))
         for r in ranks:
             if r.role == "prefill":
                 fill_rank(r.cache, r.geometry, self.key, self.src_pages, self.n)
@@ -91,7 +103,27 @@ class Layout:
         return self.cfg["prefill_socket" if rank.role == "prefill" else "decode_socket"]
 
     def instance_of(self, rank: Rank) -> str:
-        return self.pinst if rank.role == "prefill" else self.dinst
+        return self.pinst if rank.role == "prefill" else f"{self.dinst}-checked" if rank.checked else self.dinst
+
+    def integrity_of(self, rank: Rank) -> str | None:
+        """What a rank asks at register: the row's mode for the checked instance, else nothing."""
+        return self.integrity if rank.checked else None
+
+    def checked_plan(self, plan: list[tuple[str, int | None]]) -> list[tuple[str, int | None]]:
+        """The same requests for the checked instance (ids of their own)."""
+        return [(f"{req}-c", fixed) for req, fixed in plan]
+
+
+def interleaved(lay: Layout, plain: list[tuple[int, float]], checked: list[tuple[int, float]]) -> dict[str, Any]:
+    """An integrity row's plain rounds, run between its checked ones: the best of each and the
+    median of each checked round over the plain round before it."""
+    per = lay.wl.nbytes
+    ratios = sorted((n_c / s_c) / (n_p / s_p) for (n_p, s_p), (n_c, s_c) in zip(plain, checked) if s_p > 0 and s_c > 0)
+    rates = [n / sec for n, sec in plain if sec > 0]
+    return {"gbps_off": round(max(rates) * per / 1e9, 3) if rates else None,
+            "gbps_rounds_off": [round(r * per / 1e9, 3) for r in rates],
+            "vs_off_rounds": [round(r, 3) for r in ratios],
+            "vs_off_median": round(statistics.median(ratios), 3) if ratios else None}
 
 
 def summary(lay: Layout, rounds: list[tuple[int, float]], lat: list[float]) -> dict[str, Any]:

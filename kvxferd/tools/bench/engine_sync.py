@@ -9,7 +9,7 @@ import time
 from collections import deque
 from typing import Any
 
-from .engine_layout import Layout, Rank, failure, finish, split_rounds, summary
+from .engine_layout import Layout, Rank, failure, finish, interleaved, split_rounds, summary
 
 
 def _raise_refused(outcomes: list[Any]) -> None:
@@ -27,9 +27,13 @@ class SyncDriver:
         self.failures: list[dict[str, Any]] = result["failures"]
         for r in ranks:
             r.client = EngineClient(lay.socket_of(r), timeout=60)
-            r.rid = r.client.register(lay.instance_of(r), r.role, r.geometry, r.cache.descriptors())
+            r.rid = r.client.register(lay.instance_of(r), r.role, r.geometry, r.cache.descriptors(),
+                                      integrity=lay.integrity_of(r))
         self.prefill = [r for r in ranks if r.role == "prefill"]
-        self.decode = [r for r in ranks if r.role == "decode"]
+        #: the decode ranks requests go to now: the plain instance's, or an integrity row's checked one's
+        self.decode_of = {checked: [r for r in ranks if r.role == "decode" and r.checked == checked]
+                          for checked in (False, True)}
+        self.decode = self.decode_of[False]
         self.by_rid = {r.rid: r for r in ranks}
         self.poller = zmq.Poller()
         for r in ranks:
@@ -131,8 +135,11 @@ class SyncDriver:
         info["left"].discard(rank.rid)
         return pending.pop(req) if not info["left"] else None
 
-    def run(self, plan: list[tuple[str, int | None]], stall_s: float = 120.0) -> tuple[float, list[float]]:
-        """Every request of ``plan``, ``window`` at a time; (first send to last done, latencies)."""
+    def run(self, plan: list[tuple[str, int | None]], stall_s: float = 120.0,
+            checked: bool = False) -> tuple[float, list[float]]:
+        """Every request of ``plan``, ``window`` at a time, to the plain decode instance or the
+        checked one; (first send to last done, latencies)."""
+        self.decode = self.decode_of[checked]
         free = deque(range(self.lay.window))
         pending: dict[str, dict[str, Any]] = {}
         latencies: list[float] = []
@@ -198,18 +205,27 @@ def drive_sync(lay: Layout, ranks: list[Rank], result: dict[str, Any], t_setup: 
         result["setup_s"] = round(time.perf_counter() - t_setup, 3)
         t_warm = time.perf_counter()
         driver.run(lay.warmup_plan())
+        if lay.integrity:
+            driver.run(lay.checked_plan(lay.warmup_plan()), checked=True)
         lay.reset_checked(ranks)
         result["warmup_s"] = round(time.perf_counter() - t_warm, 3)
         if result["failures"]:
             raise RuntimeError("warm-up requests failed")
         plan = lay.timed_plan()
         driver.stamps.clear()  # the warm-up's are not the row's
-        rounds, lat = [], []
+        rounds, lat, plain = [], [], []
         for part in split_rounds(plan, lay.cfg.get("rounds", 1)):
-            seconds, part_lat = driver.run(part)
+            if lay.integrity:  # an integrity row: each checked round right after the same round plain
+                seconds, _ = driver.run(part)
+                plain.append((len(part), seconds))
+                part = lay.checked_plan(part)
+            seconds, part_lat = driver.run(part, checked=bool(lay.integrity))
             rounds.append((len(part), seconds))
             lat += part_lat
         result.update(summary(lay, rounds, lat))
+        if lay.integrity:
+            result.update(interleaved(lay, plain, rounds))
+            plan = plan + lay.checked_plan(plan)
         if driver.stamping:
             result["engine_ns"] = {req: list(ns) for req, ns in driver.stamps.items()}
         finish(lay, ranks, result, driver.missing_prefill([req for req, _ in plan]))

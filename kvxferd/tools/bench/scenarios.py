@@ -111,6 +111,7 @@ def _smoke(add: _Adder) -> None:
     for t, m in (("local", "direct"), ("tcp", "direct"), ("tcp", "staged")):
         add("throughput", t, m, wl)
     add("throughput", "tcp", "direct", Workload("8B", 64, 1, 2))  # one rank feeds two: head slices
+    add("throughput", "tcp", "direct", wl, integrity="full")  # plain and checked rounds in turn
     add("latency", "tcp", "direct", Workload("tiny", 16), requests=20, window=1, verify=1)
     for client in ("sync", "batch", "async"):
         add("rate", "tcp", "direct", Workload("tiny", 16), requests=200, window=16, client=client)
@@ -145,18 +146,17 @@ class DaemonPool:
         from ..sim import Cluster
         self.cluster = Cluster(root=root)
         self.recycle_bytes = recycle_bytes
-        self.key: tuple[str, str, str] | None = None
+        self.key: tuple[str, str] | None = None
         self.prefill: Any = None
         self.decode: Any = None
         self.held = 0
         self.count = 0
 
-    def get(self, transport: str, mode: str, nbytes: int, integrity: str = "off") -> tuple[Any, Any]:
-        if self.key != (transport, mode, integrity) or self.held + nbytes > self.recycle_bytes:
+    def get(self, transport: str, mode: str, nbytes: int) -> tuple[Any, Any]:
+        if self.key != (transport, mode) or self.held + nbytes > self.recycle_bytes:
             self.stop()
             env = {"KVXFERD_PEER_MODE": mode, "KVXFERD_DAEMON_LOG_LEVEL": "info", "KVXFERD_DAEMON_HOP_TRACE": "1024",
-                   "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10",
-                   "KVXFERD_INTEGRITY_MODE": integrity}
+                   "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10"}
             if transport == "nixl":  # the same UCX setup as the raw NIXL peer row
                 env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
             self.count += 1
@@ -164,7 +164,7 @@ class DaemonPool:
             self.prefill = self.cluster.daemon(f"b{self.count}-prefill", env=env)
             self.decode = self.prefill if transport == "local" else self.cluster.daemon(f"b{self.count}-decode",
                                                                                             env=env)
-            self.key = (transport, mode, integrity)
+            self.key = (transport, mode)
             self.held = 0
         self.held += nbytes
         return self.prefill, self.decode
@@ -198,6 +198,16 @@ def chunk_counts(metrics_url: str) -> dict[str, float]:
         key = f'{labels.get("transport", "?")}/{labels.get("mode", "?")}'
         out[key] = out.get(key, 0.0) + float(m.group(2))
     return out
+
+
+def checked_chunks(metrics_url: str) -> float:
+    """Chunks the daemon checked against their digests so far (integrity), every transport and digest."""
+    try:
+        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
+    except OSError:
+        return 0.0
+    return sum(float(m.group(1)) for m in
+               re.finditer(r'^kvxferd_integrity_checked_chunks_total\{[^}]*\}\s+([0-9.e+]+)$', text, re.M))
 
 
 def _tag(sc: Scenario) -> str:
@@ -267,13 +277,16 @@ class _Cpu:
 def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quiet_wait: float = 0.0,
                  rounds: int = 3) -> Row:
     wl = sc.workload
-    pd, dd = pool.get(sc.transport, sc.mode, wl.nbytes * (sc.window + sc.verify + 1), sc.integrity)
-    before = chunk_counts(pd.metrics_url)
+    # an integrity row's checked instance asks for its mode at register: the daemons stay off,
+    # and its plain rounds run on them between its checked ones (engine_layout.Layout)
+    pairs = 2 if sc.integrity != "off" else 1
+    pd, dd = pool.get(sc.transport, sc.mode, pairs * wl.nbytes * (sc.window + sc.verify + 1))
+    before, checked_before = chunk_counts(pd.metrics_url), checked_chunks(dd.metrics_url)
     waited = wait_quiet(quiet_wait) if quiet_wait > 0 else 0.0
     adjacent = _adjacent_limit(sc)
     cfg = {"workload": asdict(wl), "window": sc.window, "requests": sc.requests, "verify": sc.verify,
            "gate": sc.gate, "seed": seed, "tag": _tag(sc), "client": sc.client, "rounds": rounds,
-           "stamps": sc.kind == "latency",
+           "stamps": sc.kind == "latency", **({"integrity": sc.integrity} if sc.integrity != "off" else {}),
            "prefill_socket": pd.socket_path, "decode_socket": dd.socket_path,
            "source_address": None if sc.transport == "local" else pd.address}
     row = Row(sc.name, {"throughput": "kvxferd", "latency": "latency", "rate": "rate"}[sc.kind],
@@ -283,12 +296,14 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
     t = time.perf_counter()
     cpu = _Cpu({"prefill": pd, "decode": dd} if dd is not pd else {"daemon": pd})
     res = run_engine(cfg, timeout)
-    cpu.record(row, sc.requests + sc.window + sc.verify)
+    cpu.record(row, pairs * (sc.requests + sc.window + sc.verify))
     if adjacent is not None:
         row.extra["adjacent_limit_gbps"] = round(adjacent, 3)
     if waited:
         row.extra["waited_for_quiet_s"] = waited
     _record_moved(row, before, chunk_counts(pd.metrics_url))
+    if sc.integrity != "off":  # the checked rounds were checked: the decode daemon says how many chunks
+        row.extra["integrity_checked_chunks"] = checked_chunks(dd.metrics_url) - checked_before
     _record_result(row, res, sc, pool)
     if res.get("engine_ns") and not row.error:
         row.extra["hops_us"] = _hops(res["engine_ns"], pd, dd)
@@ -341,7 +356,8 @@ def _record_result(row: Row, res: dict[str, Any], sc: Scenario, pool: DaemonPool
         row.error = ((row.error or "") + f" {res['bad_bytes']} destination bytes differ from the oracle").strip()
     row.seconds = res.get("seconds")
     row.extra.update({k: res[k] for k in ("setup_s", "warmup_s", "check_s", "checked_requests", "gbps_overall",
-                                          "gbps_rounds", "rps_rounds") if k in res})
+                                          "gbps_rounds", "rps_rounds", "gbps_off", "gbps_rounds_off", "vs_off_rounds",
+                                          "vs_off_median") if k in res})
     if sc.kind == "throughput":
         row.gbps = res.get("gbps")
     if sc.kind == "rate":
