@@ -45,7 +45,6 @@ KEY_SEED = 0x6B76786665726421
 #: bytes of slices gathered on the device at a time (one region's), besides one block carried over
 PIECE_BYTES = 8 * 1024 * 1024
 
-_MASK64 = (1 << 64) - 1
 _keys: dict[torch.device, torch.Tensor] = {}
 
 
