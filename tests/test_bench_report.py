@@ -171,21 +171,31 @@ def test_a_row_with_integrity_on_is_read_against_the_same_row_off_and_never_as_t
     assert sampled["value"] == 0.9 and sampled["met"] is False and sampled["goal"] == ">= 0.95x"
 
 
-def test_a_row_whose_plain_rounds_ran_between_its_checked_ones_reads_their_median_ratio():
+def test_a_row_whose_plain_rounds_ran_between_its_checked_ones_reads_against_them():
     """An integrity row that ran its plain rounds on the same daemons between its checked ones
-    reads the median of those round ratios, not its best round against another row's; below
-    steady state it reads nothing."""
+    reads its throughput over theirs, not its best round against another row's; below steady
+    state it reads nothing."""
     wl = headline_workload("quick")
     tp = tp_workloads("quick")
     rows = _rows(wl, tp, {"local": 8.0, "tcp": 3.0, "tp21": 2.7, "tp12": 2.4})
     rows.append(Row("tcp direct integrity full", "kvxferd", bytes=wl.nbytes, gbps=2.4, verified=True, transport="tcp",
                     mode="direct", workload=wl.label,
                     extra={"integrity": "full", "gbps_off": 2.6, "vs_off_rounds": [0.85, 0.9, 0.95],
-                           "vs_off_median": 0.9}))
+                           "vs_off": 0.9}))
     small = Workload("8B", 64)
     rows.append(Row("tcp direct integrity sampled", "kvxferd", bytes=small.nbytes, gbps=2.7, verified=True,
                     transport="tcp", mode="direct", workload=small.label,
-                    extra={"integrity": "sampled", "gbps_off": 2.7, "vs_off_rounds": [1.0], "vs_off_median": 1.0}))
+                    extra={"integrity": "sampled", "gbps_off": 2.7, "vs_off_rounds": [1.0], "vs_off": 1.0}))
     got = {t["target"]: t for t in targets_report(rows, compute(rows, wl, tp))}
     assert got[f"integrity_full_vs_off (tcp direct {wl.label})"]["value"] == 0.9  # not 2.4 / 3.0
     assert got[f"integrity_sampled_vs_off (tcp direct {small.label})"]["value"] is None
+
+
+def test_an_integrity_rows_ratio_weighs_every_round_by_its_time():
+    """The checked rounds' throughput over the plain rounds' taken whole: 8 requests in 4 s plain
+    against 8 in 5 s checked read 0.8, whatever the single rounds read."""
+    from kvxferd.tools.bench.engine_layout import Layout, interleaved
+    cfg = {"workload": {"model": "8B", "tokens": 64}, "window": 2, "requests": 8, "verify": 1, "tag": "t", "seed": 1}
+    got = interleaved(Layout(cfg), plain=[(4, 1.0), (4, 3.0)], checked=[(4, 3.0), (4, 2.0)])
+    assert got["vs_off"] == 0.8 and got["vs_off_rounds"] == [0.333, 1.5]
+    assert got["gbps_off"] == round(4 / 1.0 * Workload("8B", 64).nbytes / 1e9, 3)

@@ -5,7 +5,6 @@ result says (throughput of the rounds, the byte check), shared by the sync and a
 
 from __future__ import annotations
 
-import statistics
 import time
 from typing import Any
 
@@ -115,15 +114,22 @@ class Layout:
 
 
 def interleaved(lay: Layout, plain: list[tuple[int, float]], checked: list[tuple[int, float]]) -> dict[str, Any]:
-    """An integrity row's plain rounds, run between its checked ones: the best of each and the
-    median of each checked round over the plain round before it."""
+    """An integrity row's plain rounds, run between its checked ones: the plain figures, each
+    checked round over the plain round before it, and the checked rounds' throughput over the
+    plain rounds' taken whole (``vs_off``: every round counts, so one round disturbed by the
+    machine weighs no more than its share of the time)."""
     per = lay.wl.nbytes
-    ratios = sorted((n_c / s_c) / (n_p / s_p) for (n_p, s_p), (n_c, s_c) in zip(plain, checked) if s_p > 0 and s_c > 0)
+    pairs = [(p, c) for p, c in zip(plain, checked) if p[1] > 0 and c[1] > 0]
     rates = [n / sec for n, sec in plain if sec > 0]
+    whole = None
+    if pairs:
+        n_p, s_p = sum(p[0] for p, _ in pairs), sum(p[1] for p, _ in pairs)
+        n_c, s_c = sum(c[0] for _, c in pairs), sum(c[1] for _, c in pairs)
+        whole = round((n_c / s_c) / (n_p / s_p), 3)
     return {"gbps_off": round(max(rates) * per / 1e9, 3) if rates else None,
             "gbps_rounds_off": [round(r * per / 1e9, 3) for r in rates],
-            "vs_off_rounds": [round(r, 3) for r in ratios],
-            "vs_off_median": round(statistics.median(ratios), 3) if ratios else None}
+            "vs_off_rounds": [round((c[0] / c[1]) / (p[0] / p[1]), 3) for p, c in pairs],
+            "vs_off": whole}
 
 
 def summary(lay: Layout, rounds: list[tuple[int, float]], lat: list[float]) -> dict[str, Any]:

@@ -147,7 +147,10 @@ class Scenario:
     verify: int = 2
     order: int = 0
     client: str = "sync"  # sync: EngineClient, one call at a time; async: AsyncEngineClient
-    integrity: str = "off"  # the daemons' integrity.mode ("sampled": a share of pages; "full": every chunk)
+    #: "sampled" or "full": a checked decode instance asks it at register, its rounds alternating with
+    #: the same requests to a plain one ("off": neither)
+    integrity: str = "off"
+    rounds: int = 3  # the timed requests in this many rounds: the row's figure is its best round
 
     @property
     def gate(self) -> bool:

@@ -60,13 +60,13 @@ def _latency_ratios(rows: list[Row]) -> None:
 
 def _integrity_ratios(rows: list[Row], plain: list[Row]) -> None:
     """A row with integrity on against the same requests with it off: ``extra.vs_integrity_off``,
-    the median of its checked rounds over the plain rounds run between them on the same daemons
-    (``vs_off_median``); a row run without them (an older report) reads against the row of the
+    its checked rounds' throughput over that of the plain rounds run between them on the same
+    daemons (``vs_off``); a row run without them (an older report) reads against the row of the
     same name with integrity off. Absent where either is missing or failed."""
     for r in rows:
         if r.group == "kvxferd" and r.extra.get("integrity") and r.verified and r.gbps:
-            if r.extra.get("vs_off_median") and steady(r):
-                r.extra["vs_integrity_off"] = r.extra["vs_off_median"]
+            if r.extra.get("vs_off") and steady(r):
+                r.extra["vs_integrity_off"] = r.extra["vs_off"]
                 continue
             same = _find_row(plain, lambda x: (x.transport, x.mode, x.workload) == (r.transport, r.mode, r.workload))
             if same is not None:

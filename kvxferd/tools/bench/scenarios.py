@@ -34,6 +34,9 @@ class _Adder:
             requests = max(6 if self.size == "full" else 4, min(64, -(-budget // wl.nbytes)))
         if window is None:
             window = 2 if wl.nbytes >= GiB else 3 if wl.nbytes >= 384 * MiB else 4
+        rounds = 3
+        if integrity != "off":  # the ratio is a median over rounds: twice the requests in twice the rounds
+            requests, rounds = 2 * requests, 6
         if kind == "throughput":
             name = f"{transport} {mode} {wl.label}" + (f" integrity {integrity}" if integrity != "off" else "")
         elif kind == "latency":
@@ -41,7 +44,7 @@ class _Adder:
         else:
             name = f"small requests {transport} {wl.model} {client} client"
         self.out.append(Scenario(name, kind, transport, mode, wl, requests, window, verify, len(self.out), client,
-                                 integrity))
+                                 integrity, rounds))
 
 
 def _full(add: _Adder) -> None:
@@ -274,8 +277,7 @@ class _Cpu:
             row.extra["daemon_cpu_s_per_gb"] = round(sum(daemon_cpu.values()) / (moved_requests * row.bytes / 1e9), 3)
 
 
-def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quiet_wait: float = 0.0,
-                 rounds: int = 3) -> Row:
+def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quiet_wait: float = 0.0) -> Row:
     wl = sc.workload
     # an integrity row's checked instance asks for its mode at register: the daemons stay off,
     # and its plain rounds run on them between its checked ones (engine_layout.Layout)
@@ -285,7 +287,7 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
     waited = wait_quiet(quiet_wait) if quiet_wait > 0 else 0.0
     adjacent = _adjacent_limit(sc)
     cfg = {"workload": asdict(wl), "window": sc.window, "requests": sc.requests, "verify": sc.verify,
-           "gate": sc.gate, "seed": seed, "tag": _tag(sc), "client": sc.client, "rounds": rounds,
+           "gate": sc.gate, "seed": seed, "tag": _tag(sc), "client": sc.client, "rounds": sc.rounds,
            "stamps": sc.kind == "latency", **({"integrity": sc.integrity} if sc.integrity != "off" else {}),
            "prefill_socket": pd.socket_path, "decode_socket": dd.socket_path,
            "source_address": None if sc.transport == "local" else pd.address}
@@ -357,7 +359,7 @@ def _record_result(row: Row, res: dict[str, Any], sc: Scenario, pool: DaemonPool
     row.seconds = res.get("seconds")
     row.extra.update({k: res[k] for k in ("setup_s", "warmup_s", "check_s", "checked_requests", "gbps_overall",
                                           "gbps_rounds", "rps_rounds", "gbps_off", "gbps_rounds_off", "vs_off_rounds",
-                                          "vs_off_median") if k in res})
+                                          "vs_off") if k in res})
     if sc.kind == "throughput":
         row.gbps = res.get("gbps")
     if sc.kind == "rate":
