@@ -97,6 +97,9 @@ def test_rows(report: dict) -> None:
             assert row["extra"]["checked_requests"] >= 1  # the oracle compared some requests' bytes
         if row["group"] == "kvxferd":
             assert _number(row["gbps"]) and _number(row["bytes"])
+            # read from the source daemon's chunk counters: its chunks moved on the row's transport
+            assert row["extra"]["moved"].split("/")[0] == row["transport"], row
+            assert _number(row["extra"]["fragments_per_chunk"]) and row["extra"]["fragments_per_chunk"] >= 1, row
         if row["group"] == "kvxferd" and row["extra"].get("integrity"):  # its plain rounds ran between
             assert _number(row["extra"]["gbps_off"]) and len(row["extra"]["vs_off_rounds"]) >= 1, row
             assert row["extra"]["integrity_checked_chunks"] >= row["requests"], row  # its checked rounds were

@@ -9,12 +9,11 @@ import re
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .. import launch
+from .. import launch, procstats
 from . import hops
 from .limits import memcpy_limit, socket_limit
 from .machine import children_cpu, machine_busy, others_pct, proc_cpu, wait_quiet
@@ -35,7 +34,7 @@ class _Adder:
         if window is None:
             window = 2 if wl.nbytes >= GiB else 3 if wl.nbytes >= 384 * MiB else 4
         rounds = 3
-        if integrity != "off":  # the ratio is a median over rounds: twice the requests in twice the rounds
+        if integrity != "off":  # plain and checked rounds in turn: twice the requests in twice the rounds
             requests, rounds = 2 * requests, 6
         if kind == "throughput":
             name = f"{transport} {mode} {wl.label}" + (f" integrity {integrity}" if integrity != "off" else "")
@@ -187,30 +186,21 @@ class DaemonPool:
 
 def chunk_counts(metrics_url: str) -> dict[str, float]:
     """Chunks the daemon moved so far, per ``transport/mode``."""
-    try:
-        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    except OSError:
-        return {}
+    samples = procstats.scrape(metrics_url, timeout=5, missing_ok=True)
     out: dict[str, float] = {}
     for name in ("sum", "count"):  # contiguous fragments (NIXL: descriptors) of every moved chunk
-        found = re.search(rf'^kvxferd_chunk_fragments_{name}\s+([0-9.e+]+)$', text, re.M)
-        if found:
-            out[f"fragments/{name}"] = float(found.group(1))
-    for m in re.finditer(r'^kvxferd_chunks_total\{([^}]*)\}\s+([0-9.e+]+)$', text, re.M):
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1)))
-        key = f'{labels.get("transport", "?")}/{labels.get("mode", "?")}'
-        out[key] = out.get(key, 0.0) + float(m.group(2))
+        if f"kvxferd_chunk_fragments_{name}" in samples:
+            out[f"fragments/{name}"] = samples[f"kvxferd_chunk_fragments_{name}"]
+    for transport in procstats.by_label(samples, "kvxferd_chunks_total", "transport"):
+        for mode, n in procstats.by_label(samples, "kvxferd_chunks_total", "mode", transport=transport).items():
+            out[f"{transport}/{mode}"] = n
     return out
 
 
 def checked_chunks(metrics_url: str) -> float:
     """Chunks the daemon checked against their digests so far (integrity), every transport and digest."""
-    try:
-        text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
-    except OSError:
-        return 0.0
-    return sum(float(m.group(1)) for m in
-               re.finditer(r'^kvxferd_integrity_checked_chunks_total\{[^}]*\}\s+([0-9.e+]+)$', text, re.M))
+    return procstats.summed(procstats.scrape(metrics_url, timeout=5, missing_ok=True),
+                            "kvxferd_integrity_checked_chunks_total")
 
 
 def _tag(sc: Scenario) -> str:
