@@ -4,6 +4,7 @@ stand-in prefill daemon with its own NIXL agent."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import threading
 import time
@@ -82,6 +83,9 @@ def run_case(cluster: Cluster, pspec, dspec, *, prefill: str = "prefill-nixl", d
                  order=order, requests=requests, seed=n_tokens, aux=b"first-token", tag="nx-", num_pages=NUM_PAGES)
 
 
+_FAKES = itertools.count(1)
+
+
 class FakePrefillDaemon:
     """Just enough of a prefill daemon's peer endpoint, with its own NIXL agent, to send notifications."""
 
@@ -93,7 +97,9 @@ class FakePrefillDaemon:
         self.sock.setsockopt(zmq.LINGER, 0)
         self.port = self.sock.bind_to_random_port("tcp://127.0.0.1")
         api = nixl_api.load_api()
-        self.agent = api.nixl_agent(f"fake-prefill-{os.getpid()}", api.nixl_agent_config(
+        # a name of its own: a decode daemon knows a peer's landing ring by its agent's name, and
+        # stand-ins of one test process outlive each other there
+        self.agent = api.nixl_agent(f"fake-prefill-{os.getpid()}-{next(_FAKES)}", api.nixl_agent_config(
             enable_prog_thread=True, backends=["UCX"]))
         self.handshake: dict | None = None
         self.expects: list[dict] = []

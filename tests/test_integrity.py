@@ -24,6 +24,7 @@ import random
 import pytest
 
 from e2e_util import NUM_PAGES, Node, assert_verified, cluster_run, finished, pages_for, spec, start_nodes, transfer
+from kvxferd.tools import procstats
 from nixl_util import NIXL_ENV, NIXL_MISSING, metric
 
 FULL = '[integrity]\nmode = "full"\n'
@@ -96,6 +97,30 @@ def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transpo
                 _corrupted(c, src, broken, f"bad-{shape}-{mode}", shape, rng, transport)
         # the daemons keep serving after the failures
         _clean(c, src, clean, "after", "sliced", rng, transport)
+
+
+# landing slots of 1 KiB, four per ring: a chunk of this file's requests is several staged blocks,
+# scattered by two threads in whatever order they land
+MANY_BLOCKS = {**NIXL_ENV, **STAGED, "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": "1024", "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "4"}
+
+
+@pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}")
+def test_staged_nixl_chunks_of_many_blocks_are_checked_against_digests_sent_with_their_last_block(request):
+    """A NIXL source in full hashes each staged block as it gathers it and sends the digests
+    with the chunk's last block: chunks of many blocks land byte-exact and checked, a changed
+    landed byte fails the request ``integrity``, TP matched and sliced."""
+    rng = random.Random(13)
+    with cluster_run(request) as c:
+        src, clean, bad = start_nodes(c, Node("src", FULL, MANY_BLOCKS), Node("clean", FULL, MANY_BLOCKS),
+                                      Node("bad", CORRUPT, MANY_BLOCKS))
+        for shape in SHAPES:
+            staged = metric(src, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
+            _clean(c, src, clean, f"ok-{shape}", shape, rng, "nixl")
+            assert metric(src, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") > staged
+            _corrupted(c, src, bad, f"bad-{shape}", shape, rng, "nixl")
+        moved = procstats.scrape(src.metrics_url)  # a staged chunk's fragments are its blocks
+        assert moved["kvxferd_chunk_fragments_sum"] >= 3 * moved["kvxferd_chunk_fragments_count"] > 0, moved
+        assert "Traceback" not in clean.log() and "check_crashed" not in clean.log()
 
 
 # a source whose pages are on a GPU checks them with the device digest; here host pages are made

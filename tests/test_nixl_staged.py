@@ -198,6 +198,37 @@ def test_blocks_written_in_place_are_checked_like_landed_ones(cluster, monkeypat
         fake.close()
 
 
+@needs_nixl
+@pytest.mark.parametrize("extra,says", [({"block": 0, "pack": SLOT, "slot": 0}, "trail lacks them"),
+                                        ({}, "a direct NIXL chunk's header carries them")],
+                         ids=["last-block-without-digests", "direct-chunk"])
+def test_digests_said_to_trail_must_come_in_a_staged_chunks_last_block(cluster, monkeypatch, extra, says):
+    """``trailer`` over NIXL means the digests ride in the last staged block: a last block
+    without them, or a direct chunk's header saying it, fails the request as refused rather
+    than leaving a chunk with nothing to be checked against."""
+    for key, value in UCX_ENV.items():
+        monkeypatch.setenv(key, value)
+    dd = cluster.daemons["decode-st"]
+    fake = FakePrefillDaemon(spec(tp_size=2), mode="staged")
+    name = f"fake-tr{len(extra)}"
+    decode = cluster.instance(dd, name, "decode", spec(), NUM_PAGES)
+    try:
+        hs = fake.engage(decode[0], "trail", pages=[1, 2], n=8)
+        ring = hs["nixl_landing"][0]
+        header = {"op": "data", "request_id": "trail", "decode_instance": name, "dst": [0, 0], "src": [0, 0],
+                  "start": 0, "end": 8, "last": True, "nbytes": 8 * 8 * 2 * 16 * 2, "token": hs["data_token"],
+                  "trailer": True, **extra, **({"ring": ring} if "slot" in extra else {})}
+        fake.agent.send_notif(hs["nixl_agent"], msgpack.packb(header, use_bin_type=True))
+        ev = finished(decode[0], "trail", timeout=15)
+        assert ev["state"] == "failed" and ev["code"] == "peer_refused" and says in ev["reason"], ev
+        if "slot" in extra:  # the landing slot is read and handed back
+            assert _free_notifs(fake, 1, 10) == [{"op": "free", "ring": ring, "slot": 0}]
+        assert "Traceback" not in dd.log() and "check_crashed" not in dd.log()
+    finally:
+        close(decode)
+        fake.close()
+
+
 # -- a frozen decode daemon while blocks wait for landing slots ----------------------------
 
 @needs_nixl
@@ -315,12 +346,14 @@ class _Inbox:
     """Records what the assemblies reserve and release (the real inbox is exercised end to end above)."""
 
     def __init__(self):
-        self.begun, self.finished = [], []
+        self.begun, self.finished, self.headers = [], [], []
 
     def begin(self, header, rid):
         self.begun.append((header["start"], header["end"]))
+        self.headers.append(header)
         return Sink(_Entry(), _Writer(), header["start"], header["end"], header["last"], header["nbytes"],
-                    np.arange(header["end"] - header["start"]), 0, None)
+                    np.arange(header["end"] - header["start"]), 0, None, header.get("digests"), None,
+                    bool(header.get("trailer")))
 
     def finish(self, sink, ok, transport=""):
         self.finished.append(((sink.start, sink.end), ok))
@@ -353,6 +386,31 @@ def test_a_staged_chunk_counts_as_received_only_when_its_last_block_is_scattered
     assert inbox.finished == []
     assert asm_of.end_block(a1, True) is True
     assert inbox.begun == [(0, 10)] and inbox.finished == [((0, 10), True)] and len(asm_of) == 0
+
+
+def test_a_trailer_chunks_digests_come_with_its_last_block_whichever_block_arrives_first():
+    """The sender hashes each block as it gathers it and sends the digests with the last block;
+    the receiver takes them from that block only, and refuses them anywhere else."""
+    inbox = _Inbox()
+    asm_of = Assemblies(inbox)
+    ok = lambda sink: None  # noqa: E731 - the sender is the request's source
+    last, _ = asm_of.start_block(_block(2, trailer=True, digests=[1, 2, 3, 4]), "d/0/0", "agent", ok)
+    # the chunk is reserved without them (a header with trailer and digests is otherwise malformed)
+    assert "digests" not in inbox.headers[0] and inbox.headers[0]["trailer"] is True
+    assert last.sink.trailer and last.sink.digests == [1, 2, 3, 4]
+    with pytest.raises(RequestError, match="block 1 of a chunk of 3 blocks whose digests trail carries them"):
+        asm_of.start_block(_block(1, trailer=True, digests=[1, 2, 3, 4]), "d/0/0", "agent", ok)
+    with pytest.raises(RequestError, match="disagrees"):  # a block that says nothing of a trailer
+        asm_of.start_block(_block(1), "d/0/0", "agent", ok)
+    first, _ = asm_of.start_block(_block(0, trailer=True), "d/0/0", "agent", ok)
+    middle, _ = asm_of.start_block(_block(1, trailer=True), "d/0/0", "agent", ok)
+    assert [asm_of.end_block(a, True) for a in (last, first, middle)] == [None, None, True]
+    assert inbox.finished == [((0, 10), True)] and middle.sink.digests == [1, 2, 3, 4]
+    # the last block without them: refused (the chunk would have nothing to be checked against)
+    other = Assemblies(_Inbox())
+    other.start_block(_block(0, trailer=True), "d/0/0", "agent", ok)
+    with pytest.raises(RequestError, match="block 2 of a chunk of 3 blocks whose digests trail lacks them"):
+        other.start_block(_block(2, trailer=True), "d/0/0", "agent", ok)
 
 
 def test_an_abandoned_chunk_is_released_as_failed_only_after_its_busy_blocks_return():
@@ -467,7 +525,8 @@ def test_agents_of_peer_daemons_that_died_are_removed():
 
 def _mutations(valid: dict, ring: int, rng) -> list[bytes]:
     """Notifications a confused or hostile source agent might send: valid ones with one field
-    dropped or replaced, unknown ops, frees of slots it never held, and bytes that are not msgpack."""
+    dropped or replaced, or digests said to trail, unknown ops, frees of slots it never held, and
+    bytes that are not msgpack."""
     junk = [None, -1, 0, 1, 2, 3, 2**31, 2**63 - 1, "x" * 70, b"\x00" * 9, [1, 2], {"a": 1}, True, 1.5]
     out = []
     for _ in range(300):
@@ -481,6 +540,13 @@ def _mutations(valid: dict, ring: int, rng) -> list[bytes]:
     for _ in range(60):
         out.append(msgpack.packb({"op": rng.choice(["free", "data", "fenced", "ack", ""]),
                                   "ring": rng.choice(junk + [ring]), "slot": rng.choice(junk)}, use_bin_type=True))
+    for _ in range(40):  # digests said to trail: in the block or not, of any shape; a direct header saying so
+        msg = dict(valid, trailer=rng.choice([True, True, False, 1, "x"]))
+        if rng.random() < 0.6:
+            msg["digests"] = rng.choice(junk + [[rng.getrandbits(64) for _ in range(rng.randint(0, 40))]])
+        for key in rng.choice(((), (), ("ring", "slot"), ("ring", "slot", "block", "pack"))):
+            del msg[key]
+        out.append(msgpack.packb(msg, use_bin_type=True))
     out += [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 64))) for _ in range(40)]
     return out
 

@@ -56,6 +56,10 @@ class LandedCheck:
                              f"what this daemon asked for ({asked.describe()})",
                              "check both sides run the same kvxferd")
         regions = sink.regions()
+        if sink.digests is None:  # said they would trail the payload, and never came
+            self.metrics.integrity_failures.labels(peer, transport).inc()
+            return self._say(sink, transport, peer, "said its digests would follow its bytes, and they never came",
+                             "check both sides run the same kvxferd")
         if len(sink.digests) != len(regions):
             self.metrics.integrity_failures.labels(peer, transport).inc()
             return self._say(sink, transport, peer, f"carries {len(sink.digests)} digests for its {len(regions)} "

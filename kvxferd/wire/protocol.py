@@ -394,8 +394,9 @@ DATA_HEADER = Schema(
               "sample": sample,
               # ... and of a sample chosen page by page, the chunk's granules it checks
               "picks": picks,
-              # tcp: the digests (of every slot) follow the payload in a DIGESTS_TRAILER frame, the
-              # source having hashed the bytes as they left (kvxferd.datapath.digest.RunningDigests)
+              # the digests (of every slot) follow the payload, the source having hashed the bytes as
+              # they left (kvxferd.datapath.digest.RunningDigests): over tcp in a DIGESTS_TRAILER frame;
+              # staged over NIXL in the last block's header (every block of the chunk says trailer)
               "trailer": boolean,
               # ... and which digest: left out or "xxh3", XXH3-64; "wsum", the device's word sums
               # (kvxferd.datapath.word_sums), for pages on a GPU

@@ -98,6 +98,10 @@ class NixlReceiver:
             self._placed(sender, header)
             return
         dest_rank = rank_id(header["decode_instance"], *header["dst"])
+        if header.get("trailer"):  # a direct WRITE's header is sent after it: its digests are in it
+            self._refuse(sender, header, dest_rank, "peer_refused", "direct chunk notification says its digests "
+                         "trail it; a direct NIXL chunk's header carries them (trailer is for staged blocks)")
+            return
         sink = self._begin(sender, header, dest_rank)
         if sink is None:
             return

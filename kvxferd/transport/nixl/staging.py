@@ -300,7 +300,9 @@ class Assemblies:
             with self._lock:
                 asm = self._open.get(key)
                 if asm is None:
-                    sink = self.inbox.begin(header, dest_rank)
+                    # a trailer chunk's digests ride in its last block, which need not be the first in
+                    sink = self.inbox.begin({k: v for k, v in header.items() if k != "digests"}
+                                            if header.get("trailer") else header, dest_rank)
                     try:
                         check(sink)
                         per_slot = slices_per_slot(sink.writer.slice_bytes, header["pack"])
@@ -317,15 +319,21 @@ class Assemblies:
                                    regions=regions)
                     self._open[key] = asm
                 elif asm.sender != sender or asm.pack != header["pack"] or asm.sink.last != header["last"] \
-                        or asm.sink.nbytes != header["nbytes"]:
+                        or asm.sink.nbytes != header["nbytes"] or asm.sink.trailer != bool(header.get("trailer")):
                     raise RequestError("block header disagrees with earlier blocks of its chunk (sender, pack, "
-                                       "last or nbytes)", field="block", fix="send every block of a chunk alike")
+                                       "last, nbytes or trailer)", field="block", fix="send every block of a chunk alike")
                 if asm.failed:
                     raise RequestError("chunk already failed", field="block", fix="abort and retry the request")
                 k = header["block"]
                 if not 0 <= k < asm.done.size or asm.done[k]:
                     raise RequestError(f"block {k} of a chunk of {asm.done.size} blocks is out of range or repeated",
                                        field="block", fix="send each block of a chunk once")
+                if asm.sink.trailer and (k == asm.done.size - 1) != ("digests" in header):
+                    raise RequestError(f"block {k} of a chunk of {asm.done.size} blocks whose digests trail "
+                                       f"{'carries' if 'digests' in header else 'lacks'} them", field="digests",
+                                       fix="send a trailer chunk's digests in its last block's header, and only there")
+                if asm.sink.trailer and "digests" in header:
+                    asm.sink.digests = header["digests"]
                 asm.done[k] = True
                 asm.busy += 1
         finally:

@@ -55,6 +55,7 @@ from ...lifecycle.inbox import DestEntry, Inbox, Sink
 from ...ops.logutil import q
 from ...lifecycle.registry import Rank
 from ...datapath.copier import gather, settle
+from ...datapath.digest import RunningDigests
 from ...model.segments import paired_segments
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from ...lifecycle.jobs import ChunkJob, Moved
@@ -354,7 +355,12 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
             self._notify(peer.agent, protocol.encode(job.header()))
             return Moved(0, 0, "staged")
-        head = {**job.header(), "pack": pack_bytes, **({"ring": credits.info.ring} if credits else {})}
+        # every slot checked and gathered into host slots: each block is hashed right after its gather,
+        # while it is in cache, and the digests ride in the last block's notification (``trailer``)
+        running = (RunningDigests(len(regions)) if job.can_trail and pool is not None and pool.device.type == "cpu"
+                   else None)
+        head = {**job.header(trailer=running is not None), "pack": pack_bytes,
+                **({"ring": credits.info.ring} if credits else {})}
         if route == nixl_blocks.READ:
             in_place_bases, in_place_limit, in_place_device = self._local_bases(job.rank, w.layers, job.kinds)
         elif route == nixl_blocks.PLACE:
@@ -378,6 +384,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                                            in_flight, peer, deadline, pool)
                         _gather_block(job, regions, pieces, local)  # overlaps the WRITEs in flight
                         settle((local,))  # a device gather must be done before NIXL reads the slot
+                        if running is not None:  # blocks are gathered in wire order
+                            _hash_block(running, pieces, local, w.slice_bytes)
                     if credits is not None:
                         remote_slot = self._hold(credits.try_acquire, lambda: credits.acquire(deadline, abandoned),
                                                  in_flight, peer, deadline, pool)
@@ -403,6 +411,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                         credits.release(remote_slot)  # nothing was posted into it
                     raise
                 block_head = {**head, "block": k, **({"slot": remote_slot} if remote_slot is not None else {})}
+                if running is not None and k == n_blocks - 1:
+                    block_head["digests"] = running.digests()
                 handle = self._post_block(peer, credits, remote_slot, _with_device(local_rows, local_device),
                                           _with_device(remote_rows, remote_device), local_device, remote_device,
                                           protocol.encode(block_head),
@@ -630,6 +640,13 @@ def _gather_block(job: ChunkJob, regions: list[Any], pieces: list[Any], local: A
         out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
         gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
                job.head_offset, w.slice_bytes, out)
+
+
+def _hash_block(running: RunningDigests, pieces: list[Any], local: Any, slice_bytes: int) -> None:
+    """Feed a gathered block's pieces, as the staging slot holds them, to each region's digest."""
+    view = memoryview(local.numpy())
+    for piece in pieces:
+        running.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * slice_bytes])
 
 
 def _with_device(rows: np.ndarray, device: int) -> np.ndarray:
