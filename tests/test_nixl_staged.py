@@ -18,6 +18,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -27,7 +28,8 @@ from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferErr
 from kvxferd.lifecycle.inbox import Sink
 from kvxferd.ops import config
 from kvxferd.sdk.client import EngineClient
-from kvxferd.transport.nixl.staging import Assemblies, Credits, LandingRings, RingInfo
+from kvxferd.transport.nixl.receive import NixlReceiver
+from kvxferd.transport.nixl.staging import Assemblies, Credits, LandingRing, LandingRings, RingInfo
 from kvxferd.wire import messages, protocol
 from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV, FakePrefillDaemon, instances,
                        metric, needs_nixl, run_case)
@@ -411,6 +413,75 @@ def test_a_trailer_chunks_digests_come_with_its_last_block_whichever_block_arriv
     other.start_block(_block(0, trailer=True), "d/0/0", "agent", ok)
     with pytest.raises(RequestError, match="block 2 of a chunk of 3 blocks whose digests trail lacks them"):
         other.start_block(_block(2, trailer=True), "d/0/0", "agent", ok)
+
+
+class _Region:
+    def __init__(self):
+        self.flat = torch.zeros(10 * 64, dtype=torch.uint8)
+
+
+class _PagesRank(_Rank):
+    def __init__(self):
+        self.pages = {(layer, kind): _Region() for layer in range(2) for kind in ("k", "v")}
+
+    def region(self, layer, kind):
+        return self.pages[(layer, kind)]
+
+
+class _PagesWriter(_Writer):
+    dst_row_bytes = 64
+
+
+class _CheckingInbox(_Inbox):
+    """Begins chunks over real pages, and notes at each finish (where the landed check runs) how
+    many landing slots had been handed back by then."""
+
+    def __init__(self, frees):
+        super().__init__()
+        self.frees, self.rank, self.at_finish = frees, _PagesRank(), []
+
+    def begin(self, header, rid):
+        self.begun.append((header["start"], header["end"]))
+        entry = type("Entry", (), {"rank": self.rank})()
+        return Sink(entry, _PagesWriter(), header["start"], header["end"], header["last"], header["nbytes"],
+                    np.arange(header["end"] - header["start"]), 0, None)
+
+    def finish(self, sink, ok, transport=""):
+        self.at_finish.append(len(self.frees))
+        super().finish(sink, ok, transport)
+
+
+class _Receiver(NixlReceiver):
+    """The receiving methods over a ring and a recording agent, no NIXL."""
+
+    def __init__(self, inbox, frees):
+        self.assemblies = Assemblies(inbox)
+        self.agent = type("Agent", (), {"send_notif": lambda _self, who, msg: frees.append(msgpack.unpackb(msg))})()
+        self.on_received = self.on_invalid = self.on_refused = None
+
+    def _check_source(self, sender, sink):
+        pass  # the stand-in sender is the request's source
+
+
+def test_a_landing_slot_is_handed_back_before_its_chunks_landed_check_runs():
+    """The last block's end runs the check over every page of the chunk: its slot, already
+    scattered, goes back to the sender first, so the sender's next block need not wait for it.
+    The pages hold the slots' bytes, byte for byte."""
+    frees: list[dict] = []
+    inbox = _CheckingInbox(frees)
+    receiver = _Receiver(inbox, frees)
+    ring = LandingRing(7, "source", count=3, slot_bytes=1024)
+    stream = torch.randint(0, 256, (2560,), dtype=torch.uint8)  # the chunk's wire bytes, 3 blocks of <= 1 KiB
+    for k in (2, 0, 1):  # in any order: the chunk ends with the block that completes it
+        ring.slot(k, 1024)[:min(1024, 2560 - 1024 * k)] = stream[1024 * k:1024 * (k + 1)]
+        assert ring.claim(k)
+        receiver._scatter_block("agent", ring, k, _block(k, decode_instance="d", dst=[0, 0]))
+    assert inbox.finished == [((0, 10), True)]
+    assert inbox.at_finish == [3], "the completing block's slot came back only after the check"
+    assert frees == [{"op": "free", "ring": 7, "slot": k} for k in (2, 0, 1)]
+    assert all(ring.claim(k) for k in range(3))  # every slot free to be written again
+    pages = [inbox.rank.pages[(layer, kind)].flat for layer in range(2) for kind in ("k", "v")]
+    assert torch.equal(torch.cat(pages), stream)  # 4 regions x 10 rows of 64 bytes, in wire order
 
 
 def test_an_abandoned_chunk_is_released_as_failed_only_after_its_busy_blocks_return():

@@ -195,6 +195,7 @@ class NixlReceiver:
             log.error("event=check_crashed request=%s error=%s", q(asm.sink.entry.request_id[:64]), q(_why(exc)))
 
     def _scatter_block(self, sender: str, ring: LandingRing, slot: int, header: dict[str, Any]) -> None:
+        freed = False
         try:
             dest_rank = rank_id(header["decode_instance"], *header["dst"])
             try:
@@ -219,6 +220,9 @@ class NixlReceiver:
                 log.warning("event=scatter_failed request=%s rank=%s error=%s", q(header["request_id"][:64]), dest_rank,
                             q(_why(exc)))
             finally:
+                # the slot is read: the sender may write it again while this block's end (for a chunk's
+                # last block, the check of all its pages) runs
+                freed = self._free_slot(sender, ring, slot)
                 self.assemblies.end_block(asm, ok)
             if not ok:
                 self._refuse(sender, header, dest_rank, "transfer", "scattering a staged block into the decode pages "
@@ -228,12 +232,18 @@ class NixlReceiver:
         except Exception as exc:  # noqa: BLE001 - a scatter thread must survive any one block
             log.error("event=scatter_crashed sender=%s error=%s", q(sender), q(_why(exc)))
         finally:
-            ring.unclaim(slot)
-            try:  # whatever became of the block, the slot is read: the sender may write it again
-                self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
-            except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
-                log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
-                            q(_why(exc)))
+            if not freed:  # whatever became of the block, the slot is read
+                self._free_slot(sender, ring, slot)
+
+    def _free_slot(self, sender: str, ring: LandingRing, slot: int) -> bool:
+        """Hand a landing slot back to the sender that wrote it (True: done here, once)."""
+        ring.unclaim(slot)
+        try:
+            self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
+        except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
+            log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
+                        q(_why(exc)))
+        return True
 
     def _check_source(self, sender: str, sink: Sink) -> None:
         source = sink.entry.daemon_of(tuple(sink.writer.src))
