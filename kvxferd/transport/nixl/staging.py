@@ -9,7 +9,8 @@ header plus ``ring``, ``slot``, ``block`` (its index) and ``pack`` (the block si
 receiver checks the chunk like any other on its first block, derives the block's pieces
 from the header, scatters them into the decode pages with its own page table, and hands
 the slot back with a ``free`` notification. The chunk counts as received when its last
-block is scattered (:class:`Assemblies`).
+block is scattered, and its landed check (if any) passed (:class:`Assemblies`); the slot
+goes back before that check reads the chunk's pages.
 
 - A **landing ring** belongs to one source daemon link: ``limits.nixl_landing_slots``
   slots of ``limits.nixl_block_bytes``, registered on its own so that a peer's remote
