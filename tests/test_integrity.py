@@ -36,13 +36,15 @@ SAMPLED_CORRUPT = SAMPLED + 'corrupt_landed_every = 1\n'
 STAGED = {"KVXFERD_PEER_MODE": "staged"}  # the run dir's config has its own [peer] table
 TRANSPORTS = ["tcp", pytest.param("nixl", marks=pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}"))]
 SHAPES = {"matched": (spec(tp_size=1), spec(tp_size=1)), "sliced": (spec(tp_size=2), spec(tp_size=1))}
+# the source's rows sliced and the destination's whole: what NIXL may write in place into the decode pages
+SPLIT = {"split": (spec(tp_size=1), spec(tp_size=2))}
 N_TOKENS = 22  # several pages and a partial last one; clean requests go in two chunks
 
 
 def _request(c, pd, dd, tag: str, shape: str, rng: random.Random, local: bool = False,
              chunks: list[list[int]] | None = None, asks: tuple[str | None, str | None] = (None, None)):
     """One request; ``asks``: the integrity mode the prefill and the decode instance register with."""
-    pspec, dspec = SHAPES[shape]
+    pspec, dspec = {**SHAPES, **SPLIT}[shape]
     if asks == (None, None):
         prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES),
                                       (dd, f"{tag}-d", "decode", dspec, NUM_PAGES))
@@ -102,24 +104,32 @@ def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transpo
 # landing slots of 1 KiB, four per ring: a chunk of this file's requests is several staged blocks,
 # scattered by two threads in whatever order they land
 MANY_BLOCKS = {**NIXL_ENV, **STAGED, "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": "1024", "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "4"}
+# ... and a source that takes whole rows in place in runs of 128 bytes or more (a page here is 256-512):
+# it reads its own (route ``read``, the digests in every block's header: TP matched and 2 -> 1) or
+# writes the decode side's (``place``, a trailer: 1 -> 2); the other source gathers and lands (``land``)
+IN_PLACE = {**MANY_BLOCKS, "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "128"}
 
 
 @pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}")
-def test_staged_nixl_chunks_of_many_blocks_are_checked_against_digests_sent_with_their_last_block(request):
+def test_staged_nixl_chunks_of_many_blocks_are_checked_on_every_block_route(request):
     """A NIXL source in full hashes each staged block as it gathers it and sends the digests
-    with the chunk's last block: chunks of many blocks land byte-exact and checked, a changed
-    landed byte fails the request ``integrity``, TP matched and sliced."""
+    with the chunk's last block (routes ``land`` and ``place``), or reads its rows in place and
+    sends the digests with every block (``read``): chunks of many blocks land byte-exact and
+    checked, a changed landed byte fails the request ``integrity``, TP matched, 2 -> 1 and 1 -> 2."""
     rng = random.Random(13)
     with cluster_run(request) as c:
-        src, clean, bad = start_nodes(c, Node("src", FULL, MANY_BLOCKS), Node("clean", FULL, MANY_BLOCKS),
-                                      Node("bad", CORRUPT, MANY_BLOCKS))
-        for shape in SHAPES:
-            staged = metric(src, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
-            _clean(c, src, clean, f"ok-{shape}", shape, rng, "nixl")
-            assert metric(src, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") > staged
-            _corrupted(c, src, bad, f"bad-{shape}", shape, rng, "nixl")
-        moved = procstats.scrape(src.metrics_url)  # a staged chunk's fragments are its blocks
-        assert moved["kvxferd_chunk_fragments_sum"] >= 3 * moved["kvxferd_chunk_fragments_count"] > 0, moved
+        src, in_place, clean, bad = start_nodes(
+            c, Node("src", FULL, MANY_BLOCKS), Node("src-in-place", FULL, IN_PLACE),
+            Node("clean", FULL, MANY_BLOCKS), Node("bad", CORRUPT, MANY_BLOCKS))
+        for source in (src, in_place):
+            for shape in (*SHAPES, *SPLIT):
+                tag = f"{shape}-{source.name}"
+                staged = metric(source, "kvxferd_sent_bytes_total", transport="nixl", mode="staged")
+                _clean(c, source, clean, f"ok-{tag}", shape, rng, "nixl")
+                assert metric(source, "kvxferd_sent_bytes_total", transport="nixl", mode="staged") > staged, tag
+                _corrupted(c, source, bad, f"bad-{tag}", shape, rng, "nixl")
+            moved = procstats.scrape(source.metrics_url)  # a staged chunk's fragments are at least its blocks
+            assert moved["kvxferd_chunk_fragments_sum"] >= 3 * moved["kvxferd_chunk_fragments_count"] > 0, moved
         assert "Traceback" not in clean.log() and "check_crashed" not in clean.log()
 
 
