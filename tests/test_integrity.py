@@ -105,17 +105,17 @@ def test_a_changed_landed_byte_fails_the_request_on_every_route(request, transpo
 # scattered by two threads in whatever order they land
 MANY_BLOCKS = {**NIXL_ENV, **STAGED, "KVXFERD_LIMITS_NIXL_BLOCK_BYTES": "1024", "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "4"}
 # ... and a source that takes whole rows in place in runs of 128 bytes or more (a page here is 256-512):
-# it reads its own (route ``read``, the digests in every block's header: TP matched and 2 -> 1) or
-# writes the decode side's (``place``, a trailer: 1 -> 2); the other source gathers and lands (``land``)
+# it reads its own (route ``read``: TP matched and 2 -> 1) or writes the decode side's (``place``:
+# 1 -> 2); the other source gathers and lands (``land``)
 IN_PLACE = {**MANY_BLOCKS, "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "128"}
 
 
 @pytest.mark.skipif(bool(NIXL_MISSING), reason=f"NIXL: {NIXL_MISSING}")
 def test_staged_nixl_chunks_of_many_blocks_are_checked_on_every_block_route(request):
-    """A NIXL source in full hashes each staged block as it gathers it and sends the digests
-    with the chunk's last block (routes ``land`` and ``place``), or reads its rows in place and
-    sends the digests with every block (``read``): chunks of many blocks land byte-exact and
-    checked, a changed landed byte fails the request ``integrity``, TP matched, 2 -> 1 and 1 -> 2."""
+    """A NIXL source in full hashes each staged block as it goes (just after gathering it, routes
+    ``land`` and ``place``, or just before NIXL reads it in place, ``read``) and sends the digests
+    with the chunk's last block: chunks of many blocks land byte-exact and checked, a changed
+    landed byte fails the request ``integrity``, TP matched, 2 -> 1 and 1 -> 2."""
     rng = random.Random(13)
     with cluster_run(request) as c:
         src, in_place, clean, bad = start_nodes(

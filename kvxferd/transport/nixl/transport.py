@@ -56,7 +56,7 @@ from ...ops.logutil import q
 from ...lifecycle.registry import Rank
 from ...datapath.copier import gather, settle
 from ...datapath.digest import RunningDigests
-from ...model.segments import paired_segments
+from ...model.segments import paired_segments, side_runs
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from ...lifecycle.jobs import ChunkJob, Moved
 from ..framing import SMALL_RUN
@@ -355,9 +355,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
             self._notify(peer.agent, protocol.encode(job.header()))
             return Moved(0, 0, "staged")
-        # every slot checked and gathered into host slots: each block is hashed right after its gather,
-        # while it is in cache, and the digests ride in the last block's notification (``trailer``)
-        running = (RunningDigests(len(regions)) if job.can_trail and pool is not None and pool.device.type == "cpu"
+        # every slot of host pages checked: each block is hashed as it goes, right after its gather into
+        # a host slot (in cache) or just before NIXL reads it in place, and the digests ride in the last
+        # block's notification (``trailer``), so the first block waits for no pass over the whole chunk
+        running = (RunningDigests(len(regions)) if job.can_trail and (pool is None or pool.device.type == "cpu")
                    else None)
         head = {**job.header(trailer=running is not None), "pack": pack_bytes,
                 **({"ring": credits.info.ring} if credits else {})}
@@ -386,6 +387,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                         settle((local,))  # a device gather must be done before NIXL reads the slot
                         if running is not None:  # blocks are gathered in wire order
                             _hash_block(running, pieces, local, w.slice_bytes)
+                    elif running is not None:  # read in place (``read``): hashed just before NIXL reads it
+                        _hash_in_place(running, job, regions, pieces)
                     if credits is not None:
                         remote_slot = self._hold(credits.try_acquire, lambda: credits.acquire(deadline, abandoned),
                                                  in_flight, peer, deadline, pool)
@@ -647,6 +650,16 @@ def _hash_block(running: RunningDigests, pieces: list[Any], local: Any, slice_by
     view = memoryview(local.numpy())
     for piece in pieces:
         running.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * slice_bytes])
+
+
+def _hash_in_place(running: RunningDigests, job: ChunkJob, regions: list[Any], pieces: list[Any]) -> None:
+    """Feed a block's pieces, as the source's pages hold them, to each region's digest."""
+    w = job.writer
+    for piece in pieces:
+        runs = side_runs(job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset, w.slice_bytes)
+        view = regions[piece.region].view
+        for off, n in zip(runs.offsets.tolist(), runs.lengths.tolist()):
+            running.add(piece.region, view[off:off + n])
 
 
 def _with_device(rows: np.ndarray, device: int) -> np.ndarray:
