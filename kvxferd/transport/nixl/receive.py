@@ -222,7 +222,8 @@ class NixlReceiver:
             finally:
                 # the slot is read: the sender may write it again while this block's end (for a chunk's
                 # last block, the check of all its pages) runs
-                freed = self._free_slot(sender, ring, slot)
+                self._free_slot(sender, ring, slot)
+                freed = True
                 self.assemblies.end_block(asm, ok)
             if not ok:
                 self._refuse(sender, header, dest_rank, "transfer", "scattering a staged block into the decode pages "
@@ -235,15 +236,14 @@ class NixlReceiver:
             if not freed:  # whatever became of the block, the slot is read
                 self._free_slot(sender, ring, slot)
 
-    def _free_slot(self, sender: str, ring: LandingRing, slot: int) -> bool:
-        """Hand a landing slot back to the sender that wrote it (True: done here, once)."""
+    def _free_slot(self, sender: str, ring: LandingRing, slot: int) -> None:
+        """Hand a landing slot back to the sender that wrote it."""
         ring.unclaim(slot)
         try:
             self.agent.send_notif(sender, protocol.encode({"op": "free", "ring": ring.ring, "slot": slot}))
         except Exception as exc:  # noqa: BLE001 - the sender then runs out of credits and fails clearly
             log.warning("event=nixl_free_failed peer=%s ring=%s slot=%s error=%s", q(sender), ring.ring, slot,
                         q(_why(exc)))
-        return True
 
     def _check_source(self, sender: str, sink: Sink) -> None:
         source = sink.entry.daemon_of(tuple(sink.writer.src))
