@@ -106,3 +106,31 @@ def test_an_empty_chunk_has_the_digest_of_no_bytes(hashing):
     data = torch.zeros(64, dtype=torch.uint8)
     empty = np.zeros(0, dtype=np.int64)
     assert region_digests([data], empty, 16, 0, 16) == region_digests([data[:0]], empty, 16, 0, 16)
+
+
+@settings(max_examples=60, deadline=None)
+@given(layout=_layouts(), per_slot=st.integers(1, 9))
+def test_running_digests_fed_block_by_block_or_in_place_are_the_region_digests(layout, per_slot):
+    """What a sender hashes as it goes (each packed block as a staging slot holds it, or each
+    block's slices where its pages hold them) is the digest of the slices joined by a plain
+    loop: the receiver's check cannot tell how the source hashed."""
+    from kvxferd.datapath.staging import block_count, block_pieces
+
+    n, src_row, _dst_row, src_head, _dst_head, src_slots, _dst, src_n, _dst_n, regions = layout
+    rng = np.random.default_rng(n + src_row + regions)
+    flats = [torch.from_numpy(rng.integers(0, 256, src_n * src_row, dtype=np.uint8)) for _ in range(regions)]
+    joined = [xxhash.xxh3_64_intdigest(b"".join(f.numpy()[s * src_row + src_head:s * src_row + src_head + n].tobytes()
+                                                for s in src_slots)) for f in flats]
+    packed, in_place = digest.RunningDigests(regions), digest.RunningDigests(regions)
+    for k in range(block_count(regions, src_slots.size, per_slot)):
+        pieces = block_pieces(k, regions, src_slots.size, per_slot, n)
+        slot = torch.zeros(per_slot * n, dtype=torch.uint8)
+        for p in pieces:  # gathered by a plain loop, as a staging slot would hold it
+            for j, s in enumerate(src_slots[p.lo:p.hi]):
+                at = p.offset + j * n
+                slot[at:at + n] = flats[p.region][s * src_row + src_head:s * src_row + src_head + n]
+        packed.add_block(pieces, slot, n)
+        for p in pieces:
+            in_place.add_slots(p.region, memoryview(flats[p.region].numpy()), src_slots[p.lo:p.hi], src_row,
+                               src_head, n)
+    assert packed.digests() == joined == in_place.digests()

@@ -28,7 +28,7 @@ regions name (:attr:`~.regions.MappedRegion.digest`) and its data headers carry 
 from __future__ import annotations
 
 import threading
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -131,6 +131,20 @@ class RunningDigests:
             view[0] ^= 0xFF
             self._flip = False
         self._hashers[region].update(view)
+
+    def add_block(self, block: Sequence[Any], data: torch.Tensor, slice_bytes: int) -> None:
+        """A packed block (:func:`~kvxferd.datapath.staging.pack`'s pieces) as a host staging slot
+        holds it; blocks come in wire order."""
+        view = memoryview(data.numpy())
+        for piece in block:
+            self.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * slice_bytes])
+
+    def add_slots(self, region: int, view: memoryview, slots: np.ndarray, row_bytes: int, head_offset: int,
+                  slice_bytes: int) -> None:
+        """The slices of ``slots`` as a region holds them, in slot order, hashed where they lie."""
+        runs = side_runs(slots, row_bytes, head_offset, slice_bytes)
+        for off, n in zip(runs.offsets.tolist(), runs.lengths.tolist()):
+            self.add(region, view[off:off + n])
 
     def digests(self) -> list[int]:
         return [h.intdigest() for h in self._hashers]

@@ -486,9 +486,7 @@ class TcpTransport:
         def fill(block: list[Piece], slot: torch.Tensor) -> None:
             gather_block(job, regions, block, slot)
             if running is not None:  # hashed while the gathered block is in cache (fills run in order)
-                view = memoryview(slot.numpy())
-                for piece in block:
-                    running.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes])
+                running.add_block(block, slot, w.slice_bytes)
 
         def send(block: list[Piece], slot: torch.Tensor) -> None:
             sock.sendall(memoryview(slot.numpy())[:block_bytes(block, w.slice_bytes)])

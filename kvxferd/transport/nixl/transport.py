@@ -56,7 +56,7 @@ from ...ops.logutil import q
 from ...lifecycle.registry import Rank
 from ...datapath.copier import gather, settle
 from ...datapath.digest import RunningDigests
-from ...model.segments import paired_segments, side_runs
+from ...model.segments import paired_segments
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from ...lifecycle.jobs import ChunkJob, Moved
 from ..framing import SMALL_RUN
@@ -386,9 +386,12 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                         _gather_block(job, regions, pieces, local)  # overlaps the WRITEs in flight
                         settle((local,))  # a device gather must be done before NIXL reads the slot
                         if running is not None:  # blocks are gathered in wire order
-                            _hash_block(running, pieces, local, w.slice_bytes)
+                            running.add_block(pieces, local, w.slice_bytes)
                     elif running is not None:  # read in place (``read``): hashed just before NIXL reads it
-                        _hash_in_place(running, job, regions, pieces)
+                        for piece in pieces:
+                            running.add_slots(piece.region, regions[piece.region].view,
+                                              job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset,
+                                              w.slice_bytes)
                     if credits is not None:
                         remote_slot = self._hold(credits.try_acquire, lambda: credits.acquire(deadline, abandoned),
                                                  in_flight, peer, deadline, pool)
@@ -643,23 +646,6 @@ def _gather_block(job: ChunkJob, regions: list[Any], pieces: list[Any], local: A
         out = local[piece.offset:piece.offset + (piece.hi - piece.lo) * w.slice_bytes]
         gather(regions[piece.region].flat, job.src_slots[piece.lo:piece.hi], w.src_row_bytes,
                job.head_offset, w.slice_bytes, out)
-
-
-def _hash_block(running: RunningDigests, pieces: list[Any], local: Any, slice_bytes: int) -> None:
-    """Feed a gathered block's pieces, as the staging slot holds them, to each region's digest."""
-    view = memoryview(local.numpy())
-    for piece in pieces:
-        running.add(piece.region, view[piece.offset:piece.offset + (piece.hi - piece.lo) * slice_bytes])
-
-
-def _hash_in_place(running: RunningDigests, job: ChunkJob, regions: list[Any], pieces: list[Any]) -> None:
-    """Feed a block's pieces, as the source's pages hold them, to each region's digest."""
-    w = job.writer
-    for piece in pieces:
-        runs = side_runs(job.src_slots[piece.lo:piece.hi], w.src_row_bytes, job.head_offset, w.slice_bytes)
-        view = regions[piece.region].view
-        for off, n in zip(runs.offsets.tolist(), runs.lengths.tolist()):
-            running.add(piece.region, view[off:off + n])
 
 
 def _with_device(rows: np.ndarray, device: int) -> np.ndarray:
