@@ -20,10 +20,16 @@ before the check read them, which is where a stale writer or a bad transport wou
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from e2e_util import NUM_PAGES, Node, assert_verified, cluster_run, finished, pages_for, spec, start_nodes, transfer
+from kvxferd.datapath.integrity import LandedCheck
+from kvxferd.lifecycle.inbox import Sink
+from kvxferd.model.sampling import FULL
+from kvxferd.ops.metrics import Metrics
 from kvxferd.tools import procstats
 from nixl_util import NIXL_ENV, NIXL_MISSING, metric
 
@@ -282,3 +288,23 @@ def test_an_instance_that_asks_at_register_is_checked_on_daemons_in_off(request)
         with EngineClient(off.socket_path, timeout=30) as client:
             ranks = client.status()["ranks"]
         assert {r["instance"]: r.get("integrity") for r in ranks}["ask-d-d"] == "full"
+
+
+def test_a_chunk_whose_digests_were_to_trail_and_never_came_fails_closed():
+    """Without a process: a landed chunk that said its digests would follow its bytes (its
+    sample set, its digests not) fails the check with a reason and a counted failure, rather
+    than counting, or crashing the thread that checks it. Every transport fills or refuses the
+    digests before this; the check does not rely on it."""
+    metrics = Metrics()
+    side = SimpleNamespace(group_spec=lambda group: SimpleNamespace(page_size=4))
+    rank = SimpleNamespace(id="d/tp0/pp0", geometry=SimpleNamespace(
+        spec=SimpleNamespace(page_size=4), group=lambda group: SimpleNamespace(spec=SimpleNamespace(page_size=4))))
+    entry = SimpleNamespace(integrity=None, plan=SimpleNamespace(prefill=side, decode=side), request_id="r-1",
+                            rank=rank, groups={}, pages=np.array([5, 6]), daemon_of=lambda src: "127.0.0.1:9")
+    writer = SimpleNamespace(src=(0, 0), group="")
+    sink = Sink(entry, writer, 0, 8, True, 1024, np.arange(8), 0, None, None, FULL, True)
+    sink.__dict__["_regions"] = ("k", "v")
+    why = LandedCheck(metrics)(sink, "nixl")
+    assert why is not None and "never came" in why and "'r-1'" in why and "[5, 6]" in why, why
+    assert metrics.registry.get_sample_value("kvxferd_integrity_failures_total",
+                                             {"peer": "127.0.0.1:9", "transport": "nixl"}) == 1
