@@ -28,6 +28,7 @@ from kvxferd.model.geometry import InstanceSpec, RankGeometry
 from kvxferd.model.segments import slot_count
 from kvxferd.sdk.client import EngineClient
 from kvxferd.sdk.engine_memory import describe_tensors, share_in_place
+from kvxferd.transport import chunk_modes
 from nixl_util import NIXL_MISSING, metric
 from transport_util import ONLY_NIXL, Carried
 NUM_PAGES = 24
@@ -44,10 +45,11 @@ def cluster(request):
         Node("decode-no-ring", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
         Node("prefill-direct", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct"}),
         Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}),
+        # auto: the daemon decides per chunk (short runs through a slot)
+        Node("prefill-auto", env=ONLY_NIXL),
         # whole-row sides of sliced chunks used in place at any run length (this file's pages are small);
-        # direct, so that it may write to a decode daemon without a landing ring
-        Node("prefill-in-place", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct",
-                                      "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "64"}))
+        # auto, which writes to a decode daemon without a landing ring too
+        Node("prefill-in-place", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "64"}))
 
 
 #: mode -> (prefill daemon, decode daemon): direct WRITEs of every run, or staged blocks
@@ -99,18 +101,45 @@ def test_layout_moves_byte_exact_over_nixl_alone(cluster, case, mode):
     assert sent == 2 * request_bytes(dspec, 0, n)  # every byte in the mode the pair was set up for
 
 
-def test_a_direct_plan_of_small_head_slices_is_staged_by_the_daemon(cluster):
-    """Direct WRITEs of 64-byte head slices would cost a descriptor each: where the decode daemon
-    gave a landing ring, the prefill daemon gathers them into blocks itself and says so."""
-    pspec, dspec, n, chunks = CASES["nhd_kv-tp2to1-pages4to16"]
-    moved = carried(cluster, "prefill-direct", "decode-nx")
-    pd = cluster.daemons["prefill-direct"]
-    before = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
-    e2e_run_case(cluster, pspec, dspec, prefill="prefill-direct", decode="decode-nx", n_tokens=n, chunks=chunks,
-                 requests=1, tag="nla-", num_pages=NUM_PAGES)
+def chunk_whys(daemon) -> dict[tuple[str, str], float]:
+    """Chunks a daemon has sent over NIXL so far, per (mode, why)."""
+    return {(m, w): metric(daemon, "kvxferd_chunks_total", transport="nixl", mode=m, why=w)
+            for m in ("direct", "staged") for w in chunk_modes.WHYS}
+
+
+def _moved_as(cluster, prefill: str, case: str) -> tuple[dict[str, float], dict[tuple[str, str], float]]:
+    """One request of ``case`` from ``prefill`` into a decode daemon that gave a landing ring: its
+    bytes per mode and its chunks per (mode, why)."""
+    pspec, dspec, n, chunks = CASES[case]
+    moved = carried(cluster, prefill, "decode-nx")
+    pd = cluster.daemons[prefill]
+    before = ({m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")},
+              chunk_whys(pd))
+    e2e_run_case(cluster, pspec, dspec, prefill=prefill, decode="decode-nx", n_tokens=n, chunks=chunks,
+                 requests=1, tag=f"nla{next(_ids)}-", num_pages=NUM_PAGES)
     moved.assert_only("nixl", request_bytes(dspec, 0, n))
-    after = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) for m in ("direct", "staged")}
-    assert (after["direct"] - before["direct"], after["staged"] - before["staged"]) == (0, request_bytes(dspec, 0, n))
+    sent = {m: metric(pd, "kvxferd_sent_bytes_total", transport="nixl", mode=m) - before[0][m]
+            for m in ("direct", "staged")}
+    whys = {k: v - before[1].get(k, 0.0) for k, v in chunk_whys(pd).items() if v - before[1].get(k, 0.0)}
+    return sent, whys
+
+
+def test_an_explicit_direct_is_kept_for_small_head_slices(cluster):
+    """peer.mode = "direct" asked outright: 64-byte head slices are WRITten in place one descriptor
+    each, though the decode daemon gave a landing ring the daemon could have staged them through."""
+    case = "nhd_kv-tp2to1-pages4to16"
+    sent, whys = _moved_as(cluster, "prefill-direct", case)
+    assert sent == {"direct": request_bytes(CASES[case][1], 0, CASES[case][2]), "staged": 0}
+    assert set(whys) == {("direct", "plan")}
+
+
+def test_auto_stages_short_runs_per_chunk_and_says_why(cluster):
+    """Under auto, whole TP-matched rows of small pages plan direct, but their runs average under
+    8 KiB: the daemon gathers each chunk into blocks and counts it as staged for short runs."""
+    case = "nhd_kv-tp1"
+    sent, whys = _moved_as(cluster, "prefill-auto", case)
+    assert sent == {"direct": 0, "staged": request_bytes(CASES[case][1], 0, CASES[case][2])}
+    assert set(whys) == {("staged", "short_runs")}
 
 
 def fragments(daemon) -> tuple[float, float]:

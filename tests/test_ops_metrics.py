@@ -24,7 +24,7 @@ from kvxferd.sdk.kv_cache import allocate_cpu
 
 from e2e_util import cluster_run
 from ops_support import (NUM_PAGES, Scrape, base_url, http_get, kv_bytes, next_for, pages, spec,
-                         start_pair, transfer, wait_for)
+                         start_pair, status_of, transfer, wait_for)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,6 +72,13 @@ def test_transfers_and_bytes_are_counted_exactly(pair):
     assert delta(p0, p1, "kvxferd_chunk_size_bytes_sum") == total
     # the 100-token request went in two chunks
     assert delta(p0, p1, "kvxferd_chunks_total", transport="tcp") == 4
+    # whole TP 1 -> 1 rows under auto: every chunk in place, as the plan says, and status says so too
+    assert delta(p0, p1, "kvxferd_chunks_total", transport="tcp", mode="direct", why="plan") == 4
+    modes = status_of(pd)["chunk_modes"]
+    assert modes == {f"tcp/{s['mode']}/{s['why']}": int(p1.value("kvxferd_chunks_total", **s))
+                     for s in ({"mode": m, "why": w} for m in ("direct", "staged")
+                               for w in ("plan", "short_runs", "device_memory", "no_landing_ring"))
+                     if p1.value("kvxferd_chunks_total", **s)}
     assert delta(p0, p1, "kvxferd_chunk_size_bytes_count") == 4
     assert delta(d0, d1, "kvxferd_request_duration_seconds_count") == 3
     assert delta(d0, d1, "kvxferd_phase_duration_seconds_count", phase="transfer") == 3

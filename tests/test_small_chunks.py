@@ -292,7 +292,7 @@ def test_cached_label_children_export_exactly_what_prometheus_client_does() -> N
     ours = Metrics()
     plain = prometheus_client.CollectorRegistry()
     theirs = {
-        "chunks": prometheus_client.Counter("kvxferd_chunks", "x", ["transport", "mode"], registry=plain),
+        "chunks": prometheus_client.Counter("kvxferd_chunks", "x", ["transport", "mode", "why"], registry=plain),
         "phase_latency": prometheus_client.Histogram("kvxferd_phase_duration_seconds", "x", ["phase"],
                                                      buckets=ours.phase_latency._upper_bounds[:-1], registry=plain),
         "peers": prometheus_client.Gauge("kvxferd_peers", "x", ["state"], registry=plain),
@@ -300,18 +300,19 @@ def test_cached_label_children_export_exactly_what_prometheus_client_does() -> N
     for metrics in (ours, theirs):
         get = (lambda name: getattr(metrics, name)) if metrics is ours else metrics.__getitem__
         for _ in range(3):
-            get("chunks").labels("local", "direct").inc()
-            get("chunks").labels(transport="tcp", mode="staged").inc(2)
+            get("chunks").labels("local", "direct", "plan").inc()
+            get("chunks").labels(transport="tcp", mode="staged", why="short_runs").inc(2)
             get("phase_latency").labels("queue").observe(0.003)
             get("peers").labels(7).set(4)  # not a str: converted by prometheus_client, never cached
         get("peers").labels("up").set(1)
-        get("chunks").remove("local", "direct")
-        get("chunks").labels("local", "direct").inc(5)  # a fresh child after remove, as without the cache
+        get("chunks").remove("local", "direct", "plan")
+        get("chunks").labels("local", "direct", "plan").inc(5)  # a fresh child after remove, as without the cache
     wanted = {"kvxferd_chunks_total", "kvxferd_phase_duration_seconds_bucket", "kvxferd_phase_duration_seconds_sum",
               "kvxferd_phase_duration_seconds_count", "kvxferd_peers"}
     mine = [s for s in _samples(ours.registry) if s[0] in wanted and s[1]]
-    assert mine == _samples(plain) and ("kvxferd_chunks_total", (("mode", "direct"), ("transport", "local")), 5.0) in mine
-    assert ours.chunks.labels("tcp", "staged") is ours.chunks.labels(transport="tcp", mode="staged")
+    assert mine == _samples(plain) and ("kvxferd_chunks_total", (("mode", "direct"), ("transport", "local"), ("why", "plan")), 5.0) in mine
+    assert ours.chunks.labels("tcp", "staged", "short_runs") is ours.chunks.labels(transport="tcp", mode="staged",
+                                                                                  why="short_runs")
     ours.peers.clear()
     assert ours.peers.labels("up")._value.get() == 0.0
 

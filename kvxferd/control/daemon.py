@@ -237,6 +237,9 @@ class Daemon:
             "auth": {"refused_here": self.auth_refusals.describe(),
                      "refused_by_peers": self.auth_refused_by.describe()},
             "transports": self.transports.describe(),
+            # chunks sent per transport/mode/why: an explicit peer.mode is kept on host memory, auto
+            # stages short runs per chunk, GPU pages go through a device slot (transport/chunk_modes.py)
+            "chunk_modes": self.metrics.chunk_modes(),
             "copy_path": runcopy.copy_path(),  # native, or torch and why
             # "full" or "sampled": chunks carry digests checked over the landed bytes (all, or a share)
             "integrity": cfg.integrity.mode,

@@ -186,10 +186,11 @@ class PrefillEndpoint:
             # gets in once the old link misses its heartbeats, a stranger replaying a handshake never does
             return messages.HandshakeRetry(f"decode instance {msg.decode_instance!r} at {msg.daemon} is bound to "
                                            "another live peer link")
-        mode = msg.mode if msg.mode != "auto" else self.cfg.peer.mode
-        transport, remote, mode, choice = self.transports.choose(msg.to_wire(), decode_spec, mode)
+        asked = msg.mode if msg.mode != "auto" else self.cfg.peer.mode
+        transport, remote, mode, choice = self.transports.choose(msg.to_wire(), decode_spec, asked)
         host, port = protocol.split_address(msg.data_address)
-        route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote)
+        route = Route(transport, (host, port), identity, msg.daemon, msg.data_token, nixl=remote,
+                      pinned=asked != "auto")  # auto may still become direct here: no landing ring
         plan = self.dispatch(events.HandshakeAsked(identity, prefill, msg.decode_instance, spec, decode_spec, mode,
                                                    msg.decode_tensors is not False, route, msg.integrity))
         self.dispatch(events.DecodeHeard(identity, msg.daemon, msg.incarnation))  # a link of that daemon now

@@ -41,6 +41,9 @@ class ChunkJob:
     digests: Sample | None = None
     granule: int = 0
     source: int = 0  # the sending entry's serial (:attr:`~.outbox.SrcEntry.serial`): what a stop names
+    #: the pair asked ``mode`` outright (``peer.mode``), not ``auto``: a transport honours it for host
+    #: memory (:func:`kvxferd.transport.chunk_modes.pick`)
+    pinned: bool = False
 
     # derived once per job (a job's fields are never reassigned): transports ask for them
     # several times per chunk, and for a small chunk deriving them cost more than moving it
@@ -141,3 +144,5 @@ class Moved:
     nbytes: int
     fragments: int
     mode: str
+    #: why the chunk took ``mode`` (:data:`kvxferd.transport.chunk_modes.WHYS`)
+    why: str = "plan"

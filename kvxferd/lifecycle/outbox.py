@@ -32,6 +32,9 @@ class Route:
     daemon: str = ""
     token: bytes | None = None  # the decode daemon's per-link data token
     nixl: Any = None  # kind "nixl": the decode daemon's agent and regions (transport.nixl.NixlPeer)
+    #: the pair asked its mode outright (``peer.mode`` direct or staged), not ``auto``: chunks
+    #: keep it on host memory (:func:`kvxferd.transport.chunk_modes.pick`)
+    pinned: bool = False
 
     @property
     def local(self) -> bool:

@@ -292,7 +292,8 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
-                       digests=target.digests, granule=target.granule, source=entry.serial)
+                       digests=target.digests, granule=target.granule, source=entry.serial,
+                       pinned=route.pinned)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -316,7 +317,8 @@ class PrefillSide(LifecycleBase):
         job = ChunkJob(entry.request_id, entry.binding.decode_instance, target.dst, rank, target.writer,
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
-                       digests=target.digests, granule=target.granule, source=entry.serial)
+                       digests=target.digests, granule=target.granule, source=entry.serial,
+                       pinned=route.pinned)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -335,7 +337,7 @@ class PrefillSide(LifecycleBase):
             self.metrics.bytes_sent.labels(ev.kind, moved.mode).inc(moved.nbytes)
             if entry.plan is not None and entry.plan.groups:
                 self.metrics.group_bytes.labels(entry.plan.group_kind(target.writer.group)).inc(moved.nbytes)
-            self.metrics.chunks.labels(ev.kind, moved.mode).inc()
+            self.metrics.chunks.labels(ev.kind, moved.mode, moved.why).inc()
             self.metrics.chunk_bytes.observe(moved.nbytes)
             self.metrics.fragments.observe(moved.fragments)
             self.metrics.phase_latency.labels("chunk").observe(ev.seconds)

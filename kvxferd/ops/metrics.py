@@ -100,8 +100,9 @@ class Metrics:
             "kvxferd_group_sent_bytes", "Bytes sent to destination ranks by cache group kind (full, window, "
             "draft, state); counted for instances that have cache groups.", ["group"], registry=r)
         self.chunks = Counter(
-            "kvxferd_chunks", "Chunks moved (one writer to one destination), by transport and mode.",
-            ["transport", "mode"], registry=r)
+            "kvxferd_chunks", "Chunks moved (one writer to one destination), by transport, the mode each took "
+            "and why (plan, short_runs, device_memory, no_landing_ring).",
+            ["transport", "mode", "why"], registry=r)
         self.latency = Histogram(
             "kvxferd_request_duration_seconds", "Decode-side request latency, expect to done.",
             buckets=LATENCY_BUCKETS, registry=r)
@@ -182,6 +183,12 @@ class Metrics:
             "package) or torch (several times slower; the start-up log says why).", ["path"], registry=r)
         self.start_time = Gauge("kvxferd_start_time_seconds", "Unix time the daemon started.",
                                 registry=r)
+
+    def chunk_modes(self) -> dict[str, int]:
+        """Chunks sent so far per ``transport/mode/why`` (``status``: how each chunk actually moved)."""
+        return {f"{s.labels['transport']}/{s.labels['mode']}/{s.labels['why']}": int(s.value)
+                for family in self.chunks.collect() for s in family.samples
+                if s.name.endswith("_total") and s.value}
 
     def code_label(self, code: str) -> str:
         """``code`` as a bounded label value (see ``MAX_CODE_LABELS``)."""

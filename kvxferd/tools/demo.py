@@ -24,6 +24,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..model.geometry import InstanceSpec
+from ..transport import chunk_modes
 from .sim import Cluster
 
 DEMO_SPEC = dict(attention="mha", num_layers=8, total_kv_heads=4, head_dim=64, dtype="bfloat16", page_size=16,
@@ -128,17 +129,30 @@ def _start(cluster: Cluster, transport: str, mode: str) -> tuple[Any, Any]:
     return cluster.daemon("prefill-node", env=env), cluster.daemon("decode-node", env=env)
 
 
+#: why a chunk may leave in another mode than the one asked outright: not the daemon's choice
+#: (:mod:`kvxferd.transport.chunk_modes`)
+_NOT_CHOSEN = (chunk_modes.DEVICE_MEMORY, chunk_modes.NO_LANDING_RING)
+
+
 def _moved_as_asked(pd: Any, transport: str, mode: str, failed: list[dict[str, Any]]) -> dict[str, Any]:
-    """The bytes the prefill daemon sent per transport and mode; a run that did not move them as
-    asked (NIXL fell back to tcp, another mode) fails instead of passing for what it was not."""
-    moved = _sent_by(pd.metrics_url, "transport")
-    by_mode = _sent_by(pd.metrics_url, "transport", "mode")
+    """The bytes the prefill daemon sent per transport and mode, and its chunks per transport, mode
+    and why; a run that did not move them as asked (NIXL fell back to tcp; under an explicit mode,
+    a chunk in another mode for a reason the daemon chose) fails instead of passing for what it was not."""
+    moved = _counted(pd.metrics_url, "kvxferd_sent_bytes_total", "transport")
+    by_mode = _counted(pd.metrics_url, "kvxferd_sent_bytes_total", "transport", "mode")
+    chunks = _counted(pd.metrics_url, "kvxferd_chunks_total", "transport", "mode", "why")
     if transport == "nixl" and not moved.get("nixl"):
         failed.append({"event": "fallback", "reason": f"no byte moved over NIXL ({moved}); see "
                                                       f"{pd.log_path} for event=nixl_unavailable"})
-    if mode != "auto" and not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
-        failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
-    return {"bytes_by_transport": moved, "bytes_by_transport_mode": by_mode}
+    if mode != "auto":
+        if not any(k.endswith("/" + mode) and v for k, v in by_mode.items()):
+            failed.append({"event": "mode", "reason": f"no byte moved in mode {mode} ({by_mode})"})
+        other = {k: v for k, v in chunks.items()
+                 if v and k.split("/")[1] != mode and k.split("/")[2] not in _NOT_CHOSEN}
+        if other:
+            failed.append({"event": "mode", "reason": f"mode {mode} was asked, but chunks moved otherwise "
+                                                      f"by the daemon's choice ({other})"})
+    return {"bytes_by_transport": moved, "bytes_by_transport_mode": by_mode, "chunks_by_transport_mode_why": chunks}
 
 
 def run_demo(requests: int = 24, transport: str = "tcp", mode: str = "auto", seed: int = 1,
@@ -237,15 +251,16 @@ def daemon_figures(source_url: str, dest_url: str) -> dict[str, Any]:
             "request_p99_ms_le": ms(bucket_quantile(r_buckets, r_count, 0.99))}
 
 
-def _sent_by(metrics_url: str, *labels: str) -> dict[str, float]:
-    """KV bytes the prefill daemon sent, per value of ``labels`` joined by '/' (from its Prometheus endpoint)."""
+def _counted(metrics_url: str, counter: str, *labels: str) -> dict[str, float]:
+    """One counter of the prefill daemon (``kvxferd_sent_bytes_total``, ``kvxferd_chunks_total``), per
+    value of ``labels`` joined by '/' (from its Prometheus endpoint)."""
     out: dict[str, float] = {}
     try:
         text = urllib.request.urlopen(metrics_url, timeout=5).read().decode()
     except OSError:
         return out
     for line in text.splitlines():
-        if line.startswith("kvxferd_sent_bytes_total{"):
+        if line.startswith(counter + "{"):
             name = "/".join(line.split(f'{label}="', 1)[1].split('"', 1)[0] for label in labels)
             out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
     return out
@@ -284,7 +299,9 @@ def main(args: Any) -> int:
         print(f"run      bytes {summary['bytes']}  seconds {summary['seconds']}  latency p50 {summary['p50_ms']} ms  "
               f"p99 {summary['p99_ms']} ms (oracle and simulated engines included)")
         print("moved   " + "  ".join(f"{k} {int(v)}" for k, v in sorted(summary["bytes_by_transport_mode"].items())
-                                     if v))
+                                     if v) + " bytes")
+        print("chunks  " + "  ".join(f"{k} {int(v)}" for k, v in sorted(summary["chunks_by_transport_mode_why"].items())
+                                     if v) + " (transport/mode/why)")
         print(f"\nThe demo checks bytes, it does not measure speed: its {summary['bytes'] / 2**20:.0f} MiB travel as "
               "small chunks between engines that fill and check every byte, so its timings are mostly per-chunk "
               "costs and the oracle. `kvxferd bench` measures throughput and latency against this machine's "

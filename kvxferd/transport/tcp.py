@@ -34,6 +34,7 @@ from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..model.geometry import rank_id
 from ..wire import protocol
+from . import chunk_modes
 from .base import SMALL_CHUNK
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
@@ -468,7 +469,8 @@ class TcpTransport:
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
         cpu = all(r.is_cpu for r in regions)
-        if job.mode != "staged" and not use_staging(runs, cpu, len(regions)):
+        mode, why = chunk_modes.pick(job.mode, job.pinned, not cpu, use_staging(runs, cpu, len(regions)))
+        if mode == chunk_modes.DIRECT:
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             if running is None:
                 # every region's runs in one gathered send: a region per call cost a system call per
@@ -479,7 +481,7 @@ class TcpTransport:
                     for i, view in batch:
                         running.add(i, view)
                     sendmsg_all(sock, [view for _, view in batch])
-            return Moved(job.nbytes, len(runs) * len(regions), "direct")
+            return Moved(job.nbytes, len(runs) * len(regions), mode, why)
         n_tokens = job.src_slots.size
         blocks = pack(len(regions), n_tokens, w.slice_bytes, self.staging.slot_bytes)
 
@@ -493,7 +495,7 @@ class TcpTransport:
 
         # the next block is gathered while this one is sent (two slots when the pool has them)
         send_blocks(blocks, fill, send, self.staging, self.timeout_s)
-        return Moved(job.nbytes, len(blocks), "staged")
+        return Moved(job.nbytes, len(blocks), mode, why)
 
     def forget(self, address: tuple[str, int]) -> None:
         """The daemon at ``address`` is gone (restarted): its pooled connections are dead ends."""

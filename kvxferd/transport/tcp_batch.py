@@ -24,6 +24,7 @@ from ..datapath.staging import StagingPool, block_bytes, pack
 from ..errors import KvxferError
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..wire import protocol
+from . import chunk_modes
 from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
 
 Outcome = Moved | BaseException
@@ -67,11 +68,13 @@ class _Write:
         w = job.writer
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
-        if job.mode != "staged" and not use_staging(runs, all(r.is_cpu for r in regions), len(regions)):
+        cpu = all(r.is_cpu for r in regions)
+        mode, why = chunk_modes.pick(job.mode, job.pinned, not cpu, use_staging(runs, cpu, len(regions)))
+        if mode == chunk_modes.DIRECT:
             offsets, lengths = runs.offsets.tolist(), runs.lengths.tolist()
             self.views.append(head)
             self.views.extend(r.view[o:o + n] for r in regions for o, n in zip(offsets, lengths))
-            return Moved(job.nbytes, len(runs) * len(regions), "direct")
+            return Moved(job.nbytes, len(runs) * len(regions), mode, why)
         # a small chunk may still be larger than a staging slot: then it goes in slot-sized blocks
         # (what it would be sent alone), the slot flushed between them
         blocks = pack(len(regions), job.src_slots.size, w.slice_bytes,
@@ -91,7 +94,7 @@ class _Write:
                 self.views.append(head)
             self.views.append(self.slot_view[self.used:self.used + n])
             self.used += n
-        return Moved(job.nbytes, len(blocks), "staged")
+        return Moved(job.nbytes, len(blocks), mode, why)
 
     def _room(self, n: int) -> torch.Tensor:
         """``n`` free bytes of the slot; what is laid out goes first when the slot is full."""

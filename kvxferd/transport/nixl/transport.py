@@ -59,6 +59,7 @@ from ...datapath.digest import RunningDigests
 from ...model.segments import paired_segments
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from ...lifecycle.jobs import ChunkJob, Moved
+from .. import chunk_modes
 from ..framing import SMALL_RUN
 from . import blocks as nixl_blocks
 from .api import BACKEND, NixlPeer, _descs, _mem, _Registered, apply_ucx_defaults, load_api
@@ -281,20 +282,27 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         # it moved at 0.05-0.25 GB/s on the same H200, so it is written through the landing ring
         dst_bases, dst_limit, dst_device = peer.bases(job.dst, w.layers, kinds)
         gpu_src, gpu_dst = src_device >= 0, dst_device >= 0
-        if job.mode == "staged" or (not w.whole_rows and w.slice_bytes < SMALL_RUN) or gpu_src or gpu_dst:
+        mode, why = chunk_modes.pick(job.mode, job.pinned, gpu_src or gpu_dst,
+                                     not w.whole_rows and w.slice_bytes < SMALL_RUN)
+        if mode == chunk_modes.STAGED:
             route = self._route(job, peer, dst_slots, src_in_place=not gpu_src, dst_in_place=not gpu_dst)
             if route is not None:
-                return self._send_blocks(job, peer, route, dst_slots)
+                return self._send_blocks(job, peer, route, dst_slots, why)
+            why = chunk_modes.NO_LANDING_RING
         if dst_slots is None:
             raise TransferError("nixl chunk without destination pages", field="transport", fix="handshake again")
         segs = paired_segments(job.src_slots, dst_slots, w)
         if len(segs) == 0:
             self._notify(peer.agent, protocol.encode(job.header()))
-            return Moved(job.nbytes, 0, "direct")
-        if int(segs.lengths.sum()) < SMALL_RUN * len(segs):  # whole rows in short runs
-            route = self._route(job, peer, dst_slots)
-            if route is not None:
-                return self._send_blocks(job, peer, route, dst_slots)
+            return Moved(job.nbytes, 0, chunk_modes.DIRECT, why)
+        if mode == chunk_modes.DIRECT:  # whole rows in short runs (one-token pages): under auto, a slot
+            mode, why = chunk_modes.pick(job.mode, job.pinned, False,
+                                         int(segs.lengths.sum()) < SMALL_RUN * len(segs))
+            if mode == chunk_modes.STAGED:
+                route = self._route(job, peer, dst_slots)
+                if route is not None:
+                    return self._send_blocks(job, peer, route, dst_slots, why)
+                why = chunk_modes.NO_LANDING_RING
         ends_src = int((segs.src + segs.lengths).max())
         ends_dst = int((segs.dst + segs.lengths).max())
         if ends_src > src_limit or ends_dst > dst_limit:
@@ -324,7 +332,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                 self._sending -= 1
         if trailing:
             self._notify(peer.agent, notif)
-        return Moved(job.nbytes, int(local.shape[0]), "direct")
+        return Moved(job.nbytes, int(local.shape[0]), chunk_modes.DIRECT, why)
 
     def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None,
                src_in_place: bool = True, dst_in_place: bool = True) -> str | None:
@@ -336,7 +344,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             can_land=peer.credits is not None, can_gather=self.staging is not None, in_place_bytes=self.in_place_bytes,
             src_in_place=src_in_place, dst_in_place=dst_in_place)
 
-    def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None) -> Moved:
+    def _send_blocks(self, job: ChunkJob, peer: NixlPeer, route: str, dst_slots: np.ndarray | None,
+                     why: str = chunk_modes.PLAN) -> Moved:
         """Cut the chunk's wire stream into blocks as :func:`~kvxferd.datapath.staging.pack` does and WRITE each
         block along ``route`` (:mod:`.blocks`): gathered into a local staging slot unless the
         source is read in place, into a landing slot of the peer unless the decode pages are written
@@ -354,7 +363,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         n_blocks = block_count(len(regions), n_slots, per_slot)
         if n_blocks == 0:  # an empty chunk (say, a bare last one) still has to be told
             self._notify(peer.agent, protocol.encode(job.header()))
-            return Moved(0, 0, "staged")
+            return Moved(0, 0, chunk_modes.STAGED, why)
         # every slot of host pages checked: each block is hashed as it goes, right after its gather into
         # a host slot (in cache) or just before NIXL reads it in place, and the digests ride in the last
         # block's notification (``trailer``), so the first block waits for no pass over the whole chunk
@@ -436,7 +445,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                               settle_s=RELEASE_SETTLE_S, agent=peer.agent)
             with self._lock:
                 self._sending -= 1
-        return Moved(job.nbytes, fragments, "staged")
+        return Moved(job.nbytes, fragments, chunk_modes.STAGED, why)
 
     def _hold(self, take: Callable[[], Any], wait: Callable[[], Any], in_flight: deque[tuple[Any, Any]],
               peer: NixlPeer, deadline: float, pool: StagingPool | None) -> Any:
