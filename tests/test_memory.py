@@ -61,7 +61,8 @@ def test_mapping_refuses_files_outside_the_shm_dirs_and_out_of_bounds(tmp_path):
 
 def test_descriptor_regions_follow_the_same_rule_as_paths(tmp_path):
     """A region named by descriptor opens /proc/<pid>/fd/<fd>: only a memfd sealed against
-    shrinking, or a file in the shm dirs (named or unlinked), of the registering process."""
+    shrinking (sealed by the daemon where it allows sealing, refused where it cannot be), or a
+    file in the shm dirs (named or unlinked), of the registering process, opened read-write."""
     geo = RankGeometry(spec(num_layers=1), 0, 0, 2)
     mapper = MemoryMapper(["/dev/shm"])
 
@@ -76,21 +77,31 @@ def test_descriptor_regions_follow_the_same_rule_as_paths(tmp_path):
         assert "no pid" in str(refused(cache.descriptors(), None))
         size = os.fstat(cache.fd).st_size
         loose = os.memfd_create("kvxferd-unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        stuck = os.memfd_create("kvxferd-unsealable", os.MFD_CLOEXEC)  # F_SEAL_SEAL from birth
         outside = os.open(tmp_path / "kv", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
         try:
-            os.ftruncate(loose, size)
-            os.ftruncate(outside, size)
-            unsealed = [{**d, "fd": loose} for d in cache.descriptors()]
-            assert "not sealed against shrinking" in str(refused(unsealed))
+            for fd in (loose, stuck, outside):
+                os.ftruncate(fd, size)
+            err = refused([{**d, "fd": stuck} for d in cache.descriptors()])
+            assert "not sealed against shrinking" in str(err) and "MFD_ALLOW_SEALING" in str(err)
+            readonly = os.open(f"/proc/self/fd/{loose}", os.O_RDONLY | os.O_CLOEXEC)
+            try:  # the daemon would reopen it read-write: a read-only descriptor is refused
+                assert "reading and writing" in str(refused([{**d, "fd": readonly} for d in cache.descriptors()]))
+            finally:
+                os.close(readonly)
             elsewhere = [{**d, "fd": outside} for d in cache.descriptors()]
             err = refused(elsewhere)
             assert str(tmp_path / "kv") in str(err) and "/dev/shm" in str(err)
-            fcntl.fcntl(loose, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK)
-            assert len(mapper.map_regions(geo, unsealed, PID)) == 2  # sealed: accepted
+            unsealed = [{**d, "fd": loose} for d in cache.descriptors()]
+            assert not fcntl.fcntl(loose, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+            assert len(mapper.map_regions(geo, unsealed, PID)) == 2  # sealable: sealed by the daemon, accepted
+            assert fcntl.fcntl(loose, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK
+            with pytest.raises(PermissionError):
+                os.ftruncate(loose, size // 2)  # the engine cannot shrink it any more either
             mapper.release_unused([])
         finally:
-            os.close(loose)
-            os.close(outside)
+            for fd in (loose, stuck, outside):
+                os.close(fd)
         closed = os.dup(cache.fd)
         os.close(closed)  # a descriptor number the engine does not hold
         err = refused([{**d, "fd": closed} for d in cache.descriptors()])
@@ -119,3 +130,32 @@ def test_a_cuda_handle_names_its_gpu_by_uuid_and_an_unseen_one_is_refused():
         local_device({"device": 0, "uuid": "GPU-00000000-0000-0000-0000-000000000000"})
     assert err.value.field == "regions.handle.uuid" and "CUDA_VISIBLE_DEVICES" in str(err.value)
     assert f"({torch.cuda.device_count()} GPUs here)" in str(err.value)
+
+
+def test_named_files_are_refused_where_not_allowed_and_must_be_the_engines_own():
+    """A named file cannot be sealed: with allow_named_files off it is refused by path and by
+    descriptor, naming the fix; where allowed, it must belong to the registering uid."""
+    geo = RankGeometry(spec(num_layers=1), 0, 0, 2)
+    strict = MemoryMapper(["/dev/shm"], allow_named_files=False)
+    lenient = MemoryMapper(["/dev/shm"], allow_named_files=True)
+    with allocate_cpu(geo, name="mem-named", shm_dir="/dev/shm") as cache:
+        fd = os.open(cache.path, os.O_RDWR | os.O_CLOEXEC)
+        try:
+            by_fd = [{**d, "fd": fd, "path": None} for d in cache.descriptors()]
+            for regions, field in ((cache.descriptors(), "regions.path"), (by_fd, "regions.fd")):
+                with pytest.raises(RegistrationError) as err:
+                    strict.map_regions(geo, regions, PID, os.getuid())
+                assert err.value.field == field and err.value.reason == "named_file"
+                assert "engine.allow_named_files" in str(err.value) and "memfd" in str(err.value)
+                assert strict._files == {}
+                with pytest.raises(RegistrationError) as err:
+                    lenient.map_regions(geo, regions, PID, os.getuid() + 1)
+                assert err.value.reason == "file_owner" and err.value.field == field
+                assert f"uid {os.getuid()}" in str(err.value) and f"uid {os.getuid() + 1}" in str(err.value)
+                assert len(lenient.map_regions(geo, regions, PID, os.getuid())) == 2
+                lenient.release_unused([])
+        finally:
+            os.close(fd)
+    with allocate_cpu(geo, name="mem-sealed") as cache:  # a sealed memfd: what the strict daemon takes
+        assert len(strict.map_regions(geo, cache.descriptors(), PID, os.getuid())) == 2
+        strict.release_unused([])

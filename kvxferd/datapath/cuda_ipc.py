@@ -7,6 +7,7 @@ the GPU's UUID too, which names the device the same way in every process.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any
 
 import torch
@@ -53,3 +54,33 @@ def local_device(handle: dict[str, Any]) -> int:
     raise RegistrationError(f"the engine's GPU {uuid} (its cuda:{handle['device']}) is not visible to the daemon "
                             f"({torch.cuda.device_count()} GPUs here)", field="regions.handle.uuid",
                             fix="run the daemon with every GPU its engines use visible (CUDA_VISIBLE_DEVICES)")
+
+
+_DRIVER: list[Any] = []  # libcuda's cuMemGetAddressRange, once loaded
+
+
+def _address_range_fn() -> Any:
+    if not _DRIVER:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemGetAddressRange_v2
+        fn.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64]
+        fn.restype = ctypes.c_int
+        _DRIVER.append(fn)
+    return _DRIVER[0]
+
+
+def allocation_range(ptr: int) -> tuple[int, int]:  # pragma: no cover - needs a GPU
+    """``(base, size)`` of the CUDA allocation that holds device pointer ``ptr``, as the driver knows
+    it (``cuMemGetAddressRange``): the bound of a region opened from an IPC handle, whatever size
+    the engine declared. The pointer's device must be current (``torch.cuda.device``)."""
+    try:
+        fn = _address_range_fn()
+    except (OSError, AttributeError) as exc:
+        raise RegistrationError(f"cannot load the CUDA driver's cuMemGetAddressRange to bound a CUDA IPC region: "
+                                f"{exc}", field="regions.handle",
+                                fix="run the daemon where libcuda.so.1 is on the loader's path") from None
+    base, size = ctypes.c_uint64(), ctypes.c_size_t()
+    rc = fn(ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr))
+    if rc != 0:
+        raise RegistrationError(f"cuMemGetAddressRange failed (CUresult {rc}) for the CUDA IPC region at 0x{ptr:x}",
+                                field="regions.handle", fix="send the handle from cuda_ipc_handle() of a live tensor")
+    return int(base.value), int(size.value)

@@ -24,7 +24,7 @@ from ..errors import RegistrationError
 from ..model.geometry import RankGeometry
 from ..ops.logutil import q
 from . import shmfile
-from .cuda_ipc import local_device
+from .cuda_ipc import allocation_range, local_device
 from .digest import XXH3
 from .word_sums import NAME as WORD_SUMS
 
@@ -70,10 +70,14 @@ class MemoryMapper:
     open in the registering engine's process ``pid`` (see :mod:`kvxferd.datapath.shmfile`).
     Mappings are keyed by the file's identity (device, inode), so however a file is named
     it is mapped once, and the key cannot be reused while the mapping holds the file.
+    ``allow_named_files``: whether named files (which cannot be sealed against shrinking) may
+    be mapped at all; the daemon passes ``engine.allow_named_files`` (off by default).
     """
 
-    def __init__(self, shm_dirs: Iterable[str], device_digest_on_cpu: bool = False) -> None:
+    def __init__(self, shm_dirs: Iterable[str], device_digest_on_cpu: bool = False,
+                 allow_named_files: bool = True) -> None:
         self.shm_dirs = [os.path.realpath(d) for d in shm_dirs]
+        self.allow_named_files = allow_named_files
         #: test setting (``integrity.device_digest_on_cpu``): CPU regions are checked with the GPU's
         #: digest, so its whole path runs on a machine without one
         self.device_digest_on_cpu = device_digest_on_cpu
@@ -84,7 +88,9 @@ class MemoryMapper:
         self._files: dict[tuple[int, int], tuple[mmap.mmap, torch.Tensor]] = {}
 
     def map_regions(self, geometry: RankGeometry, regions: list[dict[str, Any]],
-                    pid: int | None = None) -> dict[tuple[int, str], MappedRegion]:
+                    pid: int | None = None, owner: int | None = None) -> dict[tuple[int, str], MappedRegion]:
+        """The regions of one registering rank: descriptors opened in process ``pid`` (the
+        connection's peer), named files owned by uid ``owner`` (the peer's; None: unchecked)."""
         expected = geometry.region_names()
         got = sorted((r["layer"], r["kind"]) for r in regions)
         if got != sorted(expected):
@@ -107,17 +113,19 @@ class MemoryMapper:
                     f"{need} ({part.num_pages} pages of {part.spec.page_bytes} bytes"
                     + (f" every {part.page_stride} bytes" if part.page_stride else "") + ")",
                     field="regions.nbytes", fix="allocate regions from the same geometry you register")
-            flat = self._map_one(r, pid, opened)
+            flat = self._map_one(r, pid, owner, opened)
             out[(r["layer"], r["kind"])] = MappedRegion(r["layer"], r["kind"], flat,
                                                         WORD_SUMS if self.device_digest_on_cpu else "")
         return out
 
-    def _map_one(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
+    def _map_one(self, r: dict[str, Any], pid: int | None, owner: int | None,
+                 opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
         if r["mem"] == "shm":
-            return self._map_shm(r, pid, opened)
+            return self._map_shm(r, pid, owner, opened)
         return self._open_cuda(r)
 
-    def _map_shm(self, r: dict[str, Any], pid: int | None, opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
+    def _map_shm(self, r: dict[str, Any], pid: int | None, owner: int | None,
+                 opened: dict[tuple[str, Any], torch.Tensor]) -> torch.Tensor:
         if r.get("fd") is not None and r.get("path"):
             raise RegistrationError(f"region names both descriptor {r['fd']} and path {r['path']}",
                                     field="regions.path", fix="send a memfd's descriptor (fd) or a file's path, not both")
@@ -132,7 +140,7 @@ class MemoryMapper:
                                     fix="send the region's memfd descriptor (fd) or shared-memory file path")
         base = opened.get(key)
         if base is None:
-            base = opened[key] = self._map_file(key, pid, label, field_name)
+            base = opened[key] = self._map_file(key, pid, owner, label, field_name)
         offset = r.get("offset", 0)
         if offset + r["nbytes"] > base.numel():
             raise RegistrationError(
@@ -140,11 +148,12 @@ class MemoryMapper:
                 field="regions.offset", fix="describe regions inside the shared-memory file")
         return base[offset:offset + r["nbytes"]]
 
-    def _map_file(self, key: tuple[str, Any], pid: int | None, label: str, field_name: str) -> torch.Tensor:
+    def _map_file(self, key: tuple[str, Any], pid: int | None, owner: int | None, label: str,
+                  field_name: str) -> torch.Tensor:
         if key[0] == "fd":
-            fd = shmfile.open_engine_fd(pid, key[1], self.shm_dirs)
+            fd = shmfile.open_engine_fd(pid, key[1], self.shm_dirs, named_ok=self.allow_named_files, owner=owner)
         else:
-            fd = shmfile.open_path(key[1], self.shm_dirs)
+            fd = shmfile.open_path(key[1], self.shm_dirs, named_ok=self.allow_named_files, owner=owner)
         try:
             st = os.fstat(fd)
             entry = self._files.get((st.st_dev, st.st_ino))
@@ -176,6 +185,15 @@ class MemoryMapper:
         if offset < 0 or offset + r["nbytes"] > flat.numel():
             raise RegistrationError("CUDA region exceeds its storage", field="regions.nbytes",
                                     fix="describe the region inside its tensor's storage")
+        # the storage's size is the engine's word: the driver's own record of the allocation bounds it
+        start = storage.data_ptr() + offset
+        with torch.cuda.device(device):
+            base, size = allocation_range(start)
+        if start < base or start + r["nbytes"] > base + size:
+            raise RegistrationError(
+                f"CUDA region [{start - base}, {start - base + r['nbytes']}) of layer {r['layer']} kind {r['kind']} "
+                f"exceeds its real allocation of {size} bytes (the handle declared {storage.nbytes()})",
+                field="regions.nbytes", fix="send handles of the engine's own KV tensors, sized as allocated")
         return flat[offset:offset + r["nbytes"]]
 
     def release_unused(self, in_use: Iterable[torch.Tensor]) -> None:

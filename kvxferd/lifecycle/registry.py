@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from ..datapath.engine_caller import Caller, TrustRefusal
 from ..datapath.regions import MappedRegion
 from ..errors import RegistrationError
 from ..model.geometry import InstanceSpec, RankGeometry, rank_id
@@ -27,13 +28,16 @@ class ProcessRef:
 
 
 def _start_time(pid: int) -> str | None:
-    """Field 22 of /proc/PID/stat; None when the pid is not visible (gone, other namespace)."""
+    """Field 22 of /proc/PID/stat; None when the pid is not visible (gone, other namespace) or
+    the process has exited and waits to be reaped (a zombie holds no memory and makes no call)."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as fh:
             stat = fh.read().decode("ascii", "replace")
     except OSError:
         return None
     fields = stat[stat.rfind(")") + 2:].split()
+    if not fields or fields[0] in ("Z", "X"):
+        return None
     return fields[19] if len(fields) > 19 else None
 
 
@@ -48,6 +52,9 @@ class Rank:
     dp_size: int | None = None  # a DP rank of a data-parallel instance (``instance`` is <name>@dp<k>)
     #: the integrity mode its instance asked for at register (the daemon's own applies when stricter)
     integrity: str | None = None
+    #: the registering connection's peer credentials (:mod:`kvxferd.datapath.engine_caller`): the
+    #: rank is bound to them, and calls for it from any other connection are refused
+    caller: Caller | None = None
     id: str = field(init=False)
 
     def __post_init__(self) -> None:
@@ -108,6 +115,31 @@ class Registry:
                     f"instance {instance!r} geometry differs from rank {other.id} in {diff}",
                     field=diff[0] if diff else "geometry",
                     fix="register every rank of an instance with the same instance geometry")
+
+    @staticmethod
+    def check_takeover(held: Rank, identity: bytes, caller: Caller | None, process: ProcessRef | None) -> None:
+        """Refuse a register of ``held``'s rank id from a stranger: another live process's connection.
+
+        Allowed: the holder's own connection again; another connection of the holder's process (a
+        new client); anyone once the holder's process has exited (an engine restarted before the
+        sweeper noticed). Where the holder's process cannot be seen from here, another connection
+        of the holder's uid may take the rank (the daemon cannot tell whether the holder lives).
+        """
+        if identity == held.identity and (held.caller is None or caller is None or caller.peer == held.caller.peer):
+            return
+        if held.process is not None:
+            if not held.process.alive() or (process is not None and process == held.process):
+                return
+        elif held.caller is not None and caller is not None and caller.uid == held.caller.uid:
+            return
+        who = (f"engine process {held.process.pid}" if held.process is not None else "an engine process the daemon "
+               "cannot see") + (f" (uid {held.caller.uid})" if held.caller is not None else "")
+        mine = f"process {caller.pid} (uid {caller.uid})" if caller is not None else "a process of unknown credentials"
+        raise TrustRefusal(
+            "rank_held", f"rank {held.id} is held by {who} on another connection; {mine} may not take it over",
+            field="rank_id", fix=f"unregister {held.id} from its holder first, or stop the holder (the daemon frees "
+                                 "its ranks once its process exits); give each engine rank its own instance "
+                                 "name and coordinates")
 
     def add(self, rank: Rank) -> Rank | None:
         """Add a rank; return the one it replaces (an engine that restarted)."""
