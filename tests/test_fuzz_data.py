@@ -36,6 +36,7 @@ import digest_oracles
 from e2e_util import carried_plan, cluster_run, finished, spec
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.oracle import logical_cache
+from kvxferd.transport.tcp_proof import prove
 from kvxferd.wire.protocol import MAX_PICK_BYTES
 from test_fuzz_engine import canary, junk, wait_idle
 
@@ -58,9 +59,22 @@ def frame(header: Any) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def exchange(port: int, data: bytes, payload: bytes = b"") -> dict[str, Any] | None:
-    """Send one frame (and optional payload), read the reply frame; None when none came."""
-    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+def data_connection(port: int, token: bytes | None) -> socket.socket:
+    """A connection to a data port that answered its challenge with the link's ``token`` (None:
+    with an empty hello, which the port refuses), as a prefill daemon's first bytes."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    try:
+        prove(s, token, ("127.0.0.1", port))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
+def exchange(port: int, data: bytes, payload: bytes = b"", *, token: bytes | None) -> dict[str, Any] | None:
+    """On a new connection proven with ``token``: send one frame (and optional payload), read the
+    reply frame; None when none came."""
+    with data_connection(port, token) as s:
         try:
             s.sendall(data)
             if payload:
@@ -110,12 +124,10 @@ class DataFuzzer:
         kind = r.choice(("token", "request_id", "decode_instance", "dst", "src", "beyond_capacity", "beyond_request",
                          "overlap", "replayed_range", "reversed", "nbytes", "last_flag", "aux", "missing", "extra",
                          "wrong_type", "length_bomb", "garbage", "not_a_map", "truncated_header", "op"))
-        if kind == "token":  # an otherwise perfect header without the link's token
-            choice = r.choice(("missing", "random", "empty", "long", "text"))
-            if choice == "missing":
-                del h["token"]
-            else:
-                h["token"] = {"random": r.randbytes(16), "empty": b"", "long": b"t" * 65, "text": "token"}[choice]
+        if kind == "token":  # an otherwise perfect header naming another token than its connection proved
+            # (a header without one is the proven link's: kvxferd's own sources leave it out)
+            choice = r.choice(("random", "empty", "long", "text"))
+            h["token"] = {"random": r.randbytes(16), "empty": b"", "long": b"t" * 65, "text": "token"}[choice]
         elif kind == "request_id":
             h["request_id"] = r.choice(("legit-0", "ghost", "", "x" * 257, "legit-0 ", "LEGIT-0", "finished-1"))
             if h["request_id"] == "legit-0":
@@ -277,7 +289,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
     # the legitimate first chunk of both writers
     for w in range(2):
         payload = oracle_payload("legit-0", w, 0, HELD)
-        reply = exchange(dd.data_port, frame(fuzzer.header(0, HELD, src=writers[w])), payload)
+        reply = exchange(dd.data_port, frame(fuzzer.header(0, HELD, src=writers[w])), payload, token=token)
         assert reply == {"op": "ack", "ok": True}, reply
 
     invalid_before = rr.metric(dd.metrics_url, "kvxferd_invalid_messages_total", endpoint="data")
@@ -287,7 +299,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
     started = time.monotonic()
 
     def one(item: tuple[str, bytes]) -> tuple[str, dict[str, Any] | None]:
-        return item[0], exchange(dd.data_port, item[1])
+        return item[0], exchange(dd.data_port, item[1], token=token)
 
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(one, messages, chunksize=50))
@@ -310,14 +322,14 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
     for i in range(40):
         src = writers[i % 2]
         h = fuzzer.header(HELD, N_TOKENS, src=src, last=True)
-        with socket.create_connection(("127.0.0.1", dd.data_port), timeout=10) as s:
+        with data_connection(dd.data_port, token) as s:
             s.sendall(frame(h))
             s.sendall(random.Random(i).randbytes(random.Random(i + 1).randrange(0, h["nbytes"])))
         truncated += 1
         probe = {**h, "nbytes": h["nbytes"] + 1}  # refused for its size once the cut chunk is released
         deadline = time.monotonic() + 60
         while True:
-            reply = exchange(dd.data_port, frame(probe))
+            reply = exchange(dd.data_port, frame(probe), token=token)
             probes += 1
             assert reply and reply.get("ok") is False, reply
             refused += 1
@@ -344,7 +356,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
         h = fuzzer.header(HELD, N_TOKENS, src=writers[w], last=True)
         if w == 0:
             h["aux"] = b"first-token"
-        reply = exchange(dd.data_port, frame(h), oracle_payload("legit-0", w, HELD, N_TOKENS))
+        reply = exchange(dd.data_port, frame(h), oracle_payload("legit-0", w, HELD, N_TOKENS), token=token)
         assert reply == {"op": "ack", "ok": True}, reply
     dec = finished(decode[0], "legit-0")
     assert dec["event"] == "finished" and dec["state"] == "done" and dec["mismatched_bytes"] == 0, dec
@@ -353,7 +365,7 @@ def test_data_port_refuses_10k_hostile_frames_and_writes_only_destination_rows(n
     assert after["outside_bytes"] == 0 and set(after["changed_pages"]) <= set(DST), after
     # replaying the whole request once it is done changes nothing
     replay = exchange(dd.data_port, frame(fuzzer.header(HELD, N_TOKENS, src=writers[0], last=True)),
-                      oracle_payload("legit-0", 0, HELD, N_TOKENS))
+                      oracle_payload("legit-0", 0, HELD, N_TOKENS), token=token)
     assert replay and replay["ok"] is False, replay
     with EngineClient(dd.socket_path, timeout=10) as client:
         assert client.call("ping")["ok"] is True
@@ -385,9 +397,10 @@ def oracle_digests(request_id: str, writer: int, start: int, end: int, hash: str
 def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
     """The test plays both prefill writers towards a decode daemon in integrity.mode = "full",
     request after request: the oracle's bytes with the oracle's digests must land ``done`` and
-    byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list, or a
+    byte-exact; a changed payload byte, a changed, missing, short or ill-typed digest list, a
     sample or picks that cover less than every slot (or are ill-formed, or picks without a
-    sample) must never: the chunk is refused (``ok: false``) and the request fails, with code
+    sample), a header field changed after the header's own digest was taken (aux, last, the token
+    range, the writer), or a changed or missing header digest must never: the chunk is refused (``ok: false``) and the request fails, with code
     ``integrity`` wherever the header itself was well formed. Each writer sends its digests in
     the header or, at random, in a frame after the payload (``trailer``, as a kvxferd source
     does when every slot is checked); a trailer frame with another op is refused too. Each writer's
@@ -416,7 +429,7 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                     kind = "clean" if i % 4 == 0 else rng.choice(
                         ("payload_byte", "digest_bit", "digest_missing", "digest_short", "digest_long",
                          "digest_type", "sample_narrow", "sample_type", "picks_narrow", "picks_type", "picks_alone",
-                         "hash_type", "hash_swap"))
+                         "hash_type", "hash_swap", "header_field", "header_digest_bit", "header_digest_missing"))
                     bad_writer = rng.randrange(2)
                     trailing = [rng.random() < 0.5 for _ in range(2)]
                     if kind == "digest_missing" and trailing[bad_writer] and rng.random() < 0.5:
@@ -473,7 +486,22 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
                             h["hash"] = rng.choice(("crc32", "", "wsum2", 7, b"xxh3", ["wsum"]))
                         elif w == bad_writer and kind == "hash_swap":  # the digests are not the named one's
                             h["hash"] = "xxh3" if hashes[w] == "wsum" else "wsum"
-                        replies.append(exchange(dd.data_port, frame(h), bytes(payload) + tail))
+                        try:  # the header's own digest, as a source sends it
+                            h["header_digest"] = digest_oracles.header(h)
+                        except (AssertionError, TypeError, ValueError):
+                            assert kind in refused, kind  # a field no source sends (refused at the header anyway)
+                        if w == bad_writer and kind == "header_field":  # a field changed after it: in flight
+                            changed = rng.choice(("aux", "last", "start", "end", "src"))
+                            h.update({"aux": {"aux": rng.randbytes(8)}, "last": {"last": False},
+                                      "start": {"start": rng.randrange(1, N_TOKENS)},
+                                      "end": {"end": rng.randrange(N_TOKENS)},
+                                      "src": {"src": writers[1 - w]}}[changed])
+                        elif w == bad_writer and kind == "header_digest_bit":
+                            h["header_digest"] ^= 1 << rng.randrange(64)
+                        elif w == bad_writer and kind == "header_digest_missing":
+                            del h["header_digest"]
+                        replies.append(exchange(dd.data_port, frame(h), bytes(payload) + tail,
+                                                token=fake.tokens["dg"]))
                     if kind in refused or trail_refused:
                         # refused at the header or at the digests frame: the request waits; end it
                         assert replies[bad_writer]["ok"] is False, replies
@@ -497,7 +525,8 @@ def test_no_wrong_digest_or_changed_byte_turns_into_done(request):
             assert outcomes["clean:done:None"] == DIGEST_REQUESTS // 4, outcomes
             assert sum(v for k, v in outcomes.items() if k.endswith(":integrity")
                        and not k.startswith("trailer:")) >= DIGEST_REQUESTS // 4, outcomes
-            for kind in ("payload_byte", "digest_bit", "digest_short", "digest_long", "picks_narrow", "hash_swap"):
+            for kind in ("payload_byte", "digest_bit", "digest_short", "digest_long", "picks_narrow", "hash_swap",
+                         "header_field", "header_digest_bit", "header_digest_missing"):
                 assert outcomes[f"{kind}:failed:integrity"] > 0, (kind, outcomes)
             for kind in ("sample_type", "picks_type", "picks_alone", "hash_type"):
                 assert outcomes[f"{kind}:failed:aborted"] > 0, (kind, outcomes)  # refused at the header

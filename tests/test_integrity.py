@@ -15,6 +15,9 @@ before the check read them, which is where a stale writer or a bad transport wou
   checked (the stricter side wins).
 - ``sampled``: the same over a share of each request's pages (the injection flips a byte of a
   sampled page); an instance that asks at register is checked on a daemon in ``off``.
+- The header: ``aux`` or ``last`` flipped as the decode daemon reads a data header (the
+  test-only ``integrity.corrupt_header``) fails the request ``integrity`` on both sides through
+  the header's own digest, on every route, before the inbox acts on the header.
 """
 
 from __future__ import annotations
@@ -308,3 +311,112 @@ def test_a_chunk_whose_digests_were_to_trail_and_never_came_fails_closed():
     assert why is not None and "never came" in why and "'r-1'" in why and "[5, 6]" in why, why
     assert metrics.registry.get_sample_value("kvxferd_integrity_failures_total",
                                              {"peer": "127.0.0.1:9", "transport": "nixl"}) == 1
+
+
+# -- the header: a field flipped in flight (integrity.corrupt_header, the test-only injection that
+# flips it in every data header with digests as the decode daemon reads it, before the inbox does)
+
+AUX = b"first-token:4242"
+
+
+def _flipped(field: str, extra: str = "") -> str:
+    return f'{extra or FULL}corrupt_header = "{field}"\n'
+
+
+def _with_aux(c, pd, dd, tag, shape, rng, local=False, chunks=None):
+    pspec, dspec = SHAPES[shape]
+    prefill, decode = c.instances((pd, f"{tag}-p", "prefill", pspec, NUM_PAGES),
+                                  (dd, f"{tag}-d", "decode", dspec, NUM_PAGES))
+    return transfer(prefill, decode, f"{tag}-r", N_TOKENS, src_pages=pages_for(rng, NUM_PAGES, N_TOKENS, pspec.page_size),
+                    dst_pages=pages_for(rng, NUM_PAGES, N_TOKENS, dspec.page_size),
+                    source_address=None if local else pd.address, chunks=chunks, aux=AUX)
+
+
+def _header_failed(dec, pre, tag, transport):
+    """Both sides end ``integrity`` (a NIXL source may have been told done: its one-sided WRITEs
+    left before the decode daemon read the header), the decode side naming the header."""
+    for ev in dec:
+        assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
+        assert f"{tag}-r" in ev["reason"] and "header" in ev["reason"] and "layer" not in ev["reason"], ev
+    for ev in pre:
+        if transport == "nixl" and ev.get("state") == "done":
+            continue
+        if ev["event"] == "error":  # a rank whose send came after the request failed hears why in its answer
+            assert ev["cmd"] == "send" and "(integrity:" in ev["error"], ev
+            continue
+        assert ev["event"] == "finished" and ev["state"] == "failed" and ev["code"] == "integrity", ev
+
+
+def _flip_fails(c, pd, dd, tag, shape, rng, transport, local=False, chunks=None):
+    failures = metric(dd, "kvxferd_integrity_failures_total", transport=transport)
+    dec, pre = _with_aux(c, pd, dd, tag, shape, rng, local, chunks)
+    _header_failed(dec, pre, tag, transport)
+    assert metric(dd, "kvxferd_integrity_failures_total", transport=transport) > failures, tag
+
+
+def _aux_clean(c, pd, dd, tag, shape, rng, transport, local=False):
+    checked = metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport)
+    dec, pre = _with_aux(c, pd, dd, tag, shape, rng, local, chunks=[[0, 12], [12, N_TOKENS]])
+    assert_verified(dec, pre)
+    assert all(ev["aux"] == AUX.hex() for ev in dec), dec
+    assert metric(dd, "kvxferd_integrity_checked_chunks_total", transport=transport) > checked, tag
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_a_flipped_aux_or_last_in_flight_fails_the_request_on_both_sides(request, transport):
+    """The header's own digest covers what the decode side acts on: ``aux`` (the token its engine
+    continues from) or ``last`` flipped in flight fails the request ``integrity`` on both sides,
+    never ``done`` with the altered aux nor a decode side left waiting for a last chunk that came,
+    direct and staged, TP matched and sliced, XXH3 and word sums, full and sampled; a last flag
+    flipped on a chunk that was not the last fails alike. The same daemons land clean requests,
+    aux and bytes exact and checked, and keep serving."""
+    env = NIXL_ENV if transport == "nixl" else {}
+    rng = random.Random(21)
+    with cluster_run(request) as c:
+        src, src_wsum, clean, aux, last, aux_staged, last_staged, last_sampled = start_nodes(
+            c, Node("src", env=env), Node("src-wsum", WSUM, env), Node("clean", FULL, env),
+            Node("bad-aux", _flipped("aux"), env), Node("bad-last", _flipped("last"), env),
+            Node("bad-aux-staged", _flipped("aux"), {**env, **STAGED}),
+            Node("bad-last-staged", _flipped("last"), {**env, **STAGED}),
+            Node("bad-last-sampled", _flipped("last", SAMPLED), env))
+        for node in (aux, last):
+            assert "event=integrity_fault_injection header_field=" in node.log()
+        for shape in SHAPES:
+            for source in (src, src_wsum):
+                tag = f"{shape}-{source.name}"
+                _aux_clean(c, source, clean, f"ok-{tag}", shape, rng, transport)
+                for bad in (aux, last, aux_staged, last_staged):
+                    _flip_fails(c, source, bad, f"{bad.name}-{tag}", shape, rng, transport)
+            _flip_fails(c, src, last_sampled, f"sampled-{shape}", shape, rng, transport)
+        # last flipped to true on a chunk that is not the last: refused as a changed header, not a range
+        _flip_fails(c, src, last, "early-last", "matched", rng, transport, chunks=[[0, 12], [12, N_TOKENS]])
+        assert "Traceback" not in last.log() and "check_crashed" not in last.log()
+        _aux_clean(c, src, clean, "after", "sliced", rng, transport)
+
+
+def test_a_flipped_header_fails_large_tcp_chunks_whose_digests_trail_and_local_copies(request):
+    """A large tcp chunk whose digests follow its payload is checked by its header digest before
+    a byte of it is written; a local copy's header goes through the same check. Either way a
+    flipped ``aux`` or ``last`` fails the request ``integrity`` on both sides."""
+    rng = random.Random(22)
+    with cluster_run(request) as c:
+        src, aux, last, clean = start_nodes(c, Node("src", FULL), Node("bad-aux", _flipped("aux")),
+                                            Node("bad-last", _flipped("last")), Node("clean", FULL))
+        for shape in BIG:
+            for bad in (last, aux):
+                pspec, dspec = BIG[shape]
+                tag = f"big-{bad.name}-{shape}"
+                prefill, decode = c.instances((src, f"{tag}-p", "prefill", pspec, NUM_PAGES),
+                                              (bad, f"{tag}-d", "decode", dspec, NUM_PAGES))
+                failures = metric(bad, "kvxferd_integrity_failures_total", transport="tcp")
+                dec, pre = transfer(prefill, decode, f"{tag}-r", BIG_TOKENS, source_address=src.address, aux=AUX,
+                                    src_pages=pages_for(rng, NUM_PAGES, BIG_TOKENS, pspec.page_size),
+                                    dst_pages=pages_for(rng, NUM_PAGES, BIG_TOKENS, dspec.page_size))
+                _header_failed(dec, pre, tag, "tcp")
+                assert metric(bad, "kvxferd_integrity_failures_total", transport="tcp") > failures
+        for shape in SHAPES:  # the local copy: a source and a destination on one daemon
+            _aux_clean(c, clean, clean, f"lok-{shape}", shape, rng, "local", local=True)
+            for bad in (aux, last):
+                _flip_fails(c, bad, bad, f"local-{bad.name}-{shape}", shape, rng, "local", local=True)
+        for node in (aux, last):
+            assert "scope=header" in node.log() and "Traceback" not in node.log()

@@ -28,8 +28,9 @@ regions name (:attr:`~.regions.MappedRegion.digest`) and its data headers carry 
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
+import msgpack
 import numpy as np
 import torch
 
@@ -148,6 +149,45 @@ class RunningDigests:
 
     def digests(self) -> list[int]:
         return [h.intdigest() for h in self._hashers]
+
+
+#: the first item of the header digest's encoding: names the encoding, so that a later one (other
+#: fields, another order) can never hash alike by accident
+HEADER_TAG = "kvxferd-data-header-1"
+
+#: the data header fields its digest covers, in the order they are encoded: every one the decode
+#: daemon or its engine acts on (which request, rank, writer and cache group; the token range,
+#: ``last``, the byte count and ``aux``; where the digests are and what they cover). Not covered:
+#: ``token`` (compared byte for byte with the link's own before anything else: a changed one is
+#: refused, and a secret has no place in a digest sent in clear), NIXL's per-block ``ring``,
+#: ``slot``, ``block`` and ``pack`` (where a block sits, not what it is: a changed one lands bytes
+#: where the page digests find them, or is refused), and the digests themselves
+HEADER_FIELDS = ("request_id", "decode_instance", "dst", "src", "group", "part", "start", "end", "last",
+                 "nbytes", "aux", "trailer", "hash", "sample", "picks")
+
+
+def header_digest(header: Mapping[str, Any]) -> int:
+    """XXH3-64 of a data header's :data:`HEADER_FIELDS` in a canonical encoding: the msgpack array
+    of :data:`HEADER_TAG`, the request id, decode instance, ``dst`` and ``src`` (two integers each),
+    group (``""`` when absent), part (0), start, end, last, nbytes, aux (``b""``), trailer (false),
+    hash (``"xxh3"``), sample (``[period, offset]``, else nil) and picks (``[first, bits]``, else nil).
+
+    Both sides take it over the header as they hold it (the source as it sends it, the destination
+    as it read it), so any covered field changed in between, or a digest changed, fails the chunk
+    ``integrity`` before anything acts on it. The header is a hundred bytes: one hash call, on
+    every chunk that carries digests, whatever the pages' digest (XXH3 or word sums) and sample."""
+    get = header.get
+    dst, src, sample, picks = header["dst"], header["src"], get("sample"), get("picks")
+    fields = [HEADER_TAG, header["request_id"], header["decode_instance"], int(dst[0]), int(dst[1]), int(src[0]),
+              int(src[1]), get("group") or "", int(get("part") or 0), int(header["start"]), int(header["end"]),
+              bool(header["last"]), int(header["nbytes"]), bytes(get("aux") or b""), bool(get("trailer")),
+              get("hash") or XXH3, None if sample is None else [int(sample[0]), int(sample[1])],
+              None if picks is None else [int(picks[0]), bytes(picks[1])]]
+    packer = getattr(_local, "packer", None)
+    if packer is None:  # one per thread (a packer keeps a buffer): packb would make one per call, at twice the cost
+        packer = _local.packer = msgpack.Packer(use_bin_type=True)
+    import xxhash  # deferred like the page digests': only a chunk with digests has a header digest
+    return xxhash.xxh3_64_intdigest(packer.pack(fields))
 
 
 def batches(views: Sequence[memoryview], offsets: Sequence[int], lengths: Sequence[int],

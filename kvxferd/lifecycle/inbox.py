@@ -190,6 +190,12 @@ class Check(Protocol):
     def flip_due(self, sink: Sink) -> bool:
         """Fault injection: a transport hashing landed bytes itself flips one first."""
 
+    def header(self, entry: DestEntry, writer: Writer, header: dict[str, Any], transport: str) -> str | None:
+        """None when a data header is as its source sent it (its own digest), else why not."""
+
+    def tamper(self, header: dict[str, Any]) -> dict[str, Any]:
+        """Fault injection: the header with a field changed as in flight, when one is to be."""
+
 
 class Inbox:
     """Thread-safe table of destinations; data threads call begin/finish."""
@@ -243,39 +249,72 @@ class Inbox:
     def __len__(self) -> int:
         return len(self._entries)  # one atomic read of a dict's size: no lock needed
 
-    def begin(self, header: dict[str, Any], dest_rank: str) -> Sink:
-        """Validate a chunk header and reserve its token range; raise RequestError if bad.
+    def begin(self, header: dict[str, Any], dest_rank: str, transport: str = "") -> Sink:
+        """Validate a chunk header and reserve its token range; raise RequestError if bad, and
+        IntegrityError (having failed the request) if the header differs from what its source sent.
 
         Every check runs under the lock that also guards the reservation, so two data
         threads cannot both admit overlapping ranges of one writer.
         """
         TRACE.mark(header["request_id"], "chunk_in")
+        if self._check is not None:
+            header = self._check.tamper(header)  # fault injection for tests; else the header as it came
         sample = _sample_of(header)
         src = group_key(tuple(header["src"]), header.get("group") or "", header.get("part") or 0)
         start, end = header["start"], header["end"]
         with self._lock:
             entry, writer = self._writer_of(header, dest_rank, src)
-            part = entry.rank.geometry.group(writer.group)
-            pages = entry.groups[writer.group] if writer.group else entry.pages
-            per_request = bool(writer.group) and entry.rank.geometry.spec.group(writer.group).per_request
-            self._check_range(entry, writer, src, header, int(pages.size) * part.spec.page_size, per_request)
-            spec = part.spec
-            check_whole_pages(spec, start, end, header["last"])
-            expected = chunk_bytes(writer, len(spec.region_kinds), slot_count(spec, start, end))
-            if header["nbytes"] != expected:
-                raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
-                                   field="nbytes", fix="check both sides use the same geometry")
-            dst_slots = unit_slots(spec, pages, start, end, 0, part.slot_pitch)
-            entry.pending[src].append((start, end))
-            entry.inflight += 1
-            if header["last"]:
-                entry.last_end[src] = end
-            first, entry.admitted = not entry.admitted, True
+            # the sender proved its link (the token, where the request has one): now the header's own
+            # digest, before any of its fields (token range, last, aux) is acted on
+            forged = self._check.header(entry, writer, header, transport) if self._check is not None else None
+            if forged is None:
+                expected, dst_slots, first = self._admit(entry, writer, src, header)
+        if forged is not None:
+            if self._on_refused is not None:
+                self._on_refused(entry, IntegrityError.code, forged)
+            raise IntegrityError(forged, field="header_digest")
         if first:  # the core hears of it and moves the destination to transferring
             self._on_change(entry)
         return Sink(entry, writer, start, end, header["last"], expected, dst_slots,
                     head_offset_bytes(writer, "dst"), header.get("aux"), header.get("digests"),
                     sample, bool(header.get("trailer")), hash=header.get("hash", XXH3))
+
+    def _admit(self, entry: DestEntry, writer: Writer, src: tuple, header: dict[str, Any]
+               ) -> tuple[int, np.ndarray, bool]:
+        """A chunk's range checked and reserved (lock held): its bytes, its destination slots, and
+        whether it is the entry's first."""
+        start, end = header["start"], header["end"]
+        part = entry.rank.geometry.group(writer.group)
+        pages = entry.groups[writer.group] if writer.group else entry.pages
+        per_request = bool(writer.group) and entry.rank.geometry.spec.group(writer.group).per_request
+        self._check_range(entry, writer, src, header, int(pages.size) * part.spec.page_size, per_request)
+        spec = part.spec
+        check_whole_pages(spec, start, end, header["last"])
+        expected = chunk_bytes(writer, len(spec.region_kinds), slot_count(spec, start, end))
+        if header["nbytes"] != expected:
+            raise RequestError(f"chunk carries {header['nbytes']} bytes, geometry says {expected}",
+                               field="nbytes", fix="check both sides use the same geometry")
+        dst_slots = unit_slots(spec, pages, start, end, 0, part.slot_pitch)
+        entry.pending[src].append((start, end))
+        entry.inflight += 1
+        if header["last"]:
+            entry.last_end[src] = end
+        first, entry.admitted = not entry.admitted, True
+        return expected, dst_slots, first
+
+    def same_header(self, sink: Sink, header: dict[str, Any], admitted: int, transport: str) -> None:
+        """A further header of a chunk already admitted (a NIXL block's, from the chunk's sender):
+        raise IntegrityError, having failed the request, where a field its digest covers differs from
+        the admitted header's (digest ``admitted``); an unchanged header passes, whatever its own
+        ``header_digest`` says."""
+        if self._check is None:
+            return
+        forged = self._check.header(sink.entry, sink.writer, {**header, "header_digest": admitted}, transport)
+        if forged is None:
+            return
+        if self._on_refused is not None:
+            self._on_refused(sink.entry, IntegrityError.code, forged)
+        raise IntegrityError(forged, field="header_digest")
 
     def running_digests(self, sink: Sink) -> Any:
         """Where a transport that lands a chunk's bytes in place, in wire order, feeds them as they

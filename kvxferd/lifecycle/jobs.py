@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from ..datapath.digest import XXH3, region_digests
+from ..datapath.digest import XXH3, header_digest, region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
 from ..model.sampling import Sample, chosen, granules_of
@@ -91,7 +91,8 @@ class ChunkJob:
 
     def header(self, trailer: bool = False) -> dict[str, Any]:
         """The data header; ``trailer``: the digests come after the payload (a job with digests:
-        over tcp, one that :attr:`can_trail`; a local copy, any)."""
+        over tcp, one that :attr:`can_trail`; a local copy, any). A job with digests also sends
+        the header's own (``header_digest``), taken last, over the fields as they leave."""
         head: dict[str, Any] = {
             "op": "data", "request_id": self.request_id, "decode_instance": self.decode_instance,
             "dst": list(self.dst), "src": list(self.writer.src), "start": self.start,
@@ -117,6 +118,9 @@ class ChunkJob:
                 head["sample"] = [sample.period, sample.offset]
                 if sample.picks:
                     head["picks"] = sample.picks[self.group].to_wire()
+            # the fields the decode side acts on are checked too, not only the pages: a changed aux,
+            # token range or last fails the chunk ``integrity`` instead of passing or stalling it
+            head["header_digest"] = header_digest(head)
         return head
 
     @cached_property

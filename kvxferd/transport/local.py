@@ -28,7 +28,8 @@ class LocalTransport:
 
     def send(self, job: ChunkJob) -> Moved:
         # with digests, the source's follow the copy: both sides are hashed as the bytes move
-        sink = self.inbox.begin(job.header(trailer=job.digests is not None), rank_id(job.decode_instance, *job.dst))
+        sink = self.inbox.begin(job.header(trailer=job.digests is not None), rank_id(job.decode_instance, *job.dst),
+                                self.name)
         ok = False
         try:
             srcs, dsts = [r.flat for r in job.regions()], [r.flat for r in sink.regions()]

@@ -347,6 +347,9 @@ NIXL_OFFER: dict[str, Checker] = {
     "nixl_landing": landing_ring,
     #: NIXL is offered but cannot carry this decode instance (a rank it would not register): why
     "nixl_unusable": text(512),
+    #: the decode daemon exposes no engine memory (peer.nixl_engine_memory = "private"): its offer
+    #: describes its landing ring alone, its expects carry no page tables, and every chunk lands there
+    "nixl_private": boolean,
 }
 
 #: what a decode daemon adds to a peer expect: the destination's page table and cache groups for
@@ -400,7 +403,10 @@ DATA_HEADER = Schema(
               "trailer": boolean,
               # ... and which digest: left out or "xxh3", XXH3-64; "wsum", the device's word sums
               # (kvxferd.datapath.word_sums), for pages on a GPU
-              "hash": text(8, ("xxh3", "wsum"))},
+              "hash": text(8, ("xxh3", "wsum")),
+              # with digests (here or trailing): XXH3-64 of this header's own fields that the decode side
+              # acts on (kvxferd.datapath.digest.header_digest), checked before any of them is used
+              "header_digest": integer(0, 2**64 - 1)},
 )
 
 #: the frame after a data payload whose header said ``trailer``: the source's digests
