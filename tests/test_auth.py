@@ -14,6 +14,7 @@ import zmq
 from e2e_util import (assert_verified, close, cluster_run, finished, in_parallel, spec, start_nodes, transfer,
                       untouched_bytes, wait_in_flight)
 from kvxferd.errors import ConfigError
+from kvxferd.transport.framing import read_frame
 from kvxferd.wire import auth, protocol
 
 NUM_PAGES = 16
@@ -116,10 +117,10 @@ def test_data_header_without_the_link_token_is_refused():
                   "start": 4, "end": 8, "last": True,
                   "nbytes": 4 * 2 * 4 * 4 * 16 * 2}  # layers x kinds x tokens x heads x head_dim x bf16
         with socket.create_connection(("127.0.0.1", dd.data_port), timeout=5) as s:
-            s.sendall(protocol.frame(header))
+            assert read_frame(s, 512)["op"] == "challenge"  # the port asks for the link's proof first
+            s.sendall(protocol.frame(header))  # and is answered with a data frame
             s.sendall(b"\x00" * header["nbytes"])
-            body = s.recv(65536)
-        reply = msgpack.unpackb(body[4:])
+            reply = read_frame(s, 65536)
         assert reply["ok"] is False and reply["error"]["field"] == "token"
         # the spoofed chunk wrote nothing: page 2 (tokens 4..7) still holds the canary
         assert untouched_bytes(decode[0], [2]) == 0

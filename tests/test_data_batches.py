@@ -12,7 +12,6 @@ hand-off, and tcp sends them back to back on one connection before reading their
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import msgpack
@@ -21,7 +20,7 @@ import pytest
 from e2e_util import NUM_PAGES, Node, cluster_run, finished, module_cluster, move_batched_rounds, spec
 from kvxferd.sdk.client import EngineClient
 from kvxferd.tools.procstats import scrape
-from test_fuzz_data import N_TOKENS, FakePrefillDaemon, _recv, frame, oracle_payload
+from test_fuzz_data import N_TOKENS, FakePrefillDaemon, _recv, data_connection, frame, oracle_payload
 from test_fuzz_engine import canary
 
 TIMEOUTS = "[timeouts]\nwaiting_for_input_s = 30.0\nbootstrap_s = 30.0\n"
@@ -96,7 +95,8 @@ def test_frames_back_to_back_are_answered_in_order_and_a_refused_one_spares_the_
             # read past, and the four good chunks on the same connection all land
             order = [("pipe-a", 0), ("ghost", 0), ("pipe-a", 1), ("pipe-b", 0), ("pipe-b", 1)]
             invalid_before = scrape(dd.metrics_url).get('kvxferd_invalid_messages_total{endpoint="data"}', 0.0)
-            with socket.create_connection(("127.0.0.1", dd.data_port), timeout=30) as s:
+            with data_connection(dd.data_port, token) as s:
+                s.settimeout(30)
                 s.sendall(b"".join(chunk(rid, w) for rid, w in order))
                 replies = []
                 for _ in order:

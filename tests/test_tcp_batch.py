@@ -29,6 +29,9 @@ from kvxferd.model.planner import make_plan
 from kvxferd.model.segments import unit_slots
 from kvxferd.transport.base import SMALL_CHUNK
 from kvxferd.transport.tcp import TcpDataServer, TcpTransport
+from kvxferd.transport import tcp_proof
+from kvxferd.transport.framing import read_frame
+from kvxferd.transport.tcp_proof import LinkKeys
 from kvxferd.wire import protocol
 
 LAYERS, HEADS, HEAD_DIM, PAGE = 2, 8, 64, 16  # bf16: a full row of 8 heads is 1 KiB, a page 16 KiB
@@ -54,6 +57,9 @@ def pages_of(rank: Rank, layer: int, kind: str) -> torch.Tensor:
     """A region as [page, token, head, byte of head]."""
     spec_ = rank.geometry.spec
     return rank.region(layer, kind).flat.view(PAGES, PAGE, spec_.local_heads, HD_BYTES)
+
+
+LINK_TOKEN = b"rig-link-token!!"
 
 
 class Pair:
@@ -87,7 +93,7 @@ class Pair:
                 src = self.prefill[w.tp_rank]
                 slots = unit_slots(src.geometry.spec, np.asarray(src_pages, dtype=np.int64), 0, n)
                 out.append(ChunkJob(rid, f"{self.name}d", rank.coords, src, w, 0, n, True, None, slots,
-                                    self.plan.mode, address))
+                                    self.plan.mode, address, token=LINK_TOKEN))
         return out
 
 
@@ -129,7 +135,9 @@ class Rig:
         self.gen = torch.Generator().manual_seed(1234)
         self.inbox = Inbox(lambda entry: None)
         self.landed: list[tuple[str, str, Moved]] = []
-        self.server = TcpDataServer("127.0.0.1", 0, self.inbox, max_header_bytes=1 << 16, timeout_s=10.0,
+        keys = LinkKeys()
+        keys.add(LINK_TOKEN)  # the link the rig's transport proves its connections with
+        self.server = TcpDataServer("127.0.0.1", 0, self.inbox, max_header_bytes=1 << 16, timeout_s=10.0, keys=keys,
                                     staging=StagingPool(4 << 20, 1 << 20),
                                     on_received=lambda sink, moved: self.landed.append(
                                         (sink.entry.request_id, sink.entry.rank.id, moved)))
@@ -353,6 +361,8 @@ class HangUp:
     def _serve(self) -> None:
         conn, _ = self.sock.accept()
         with conn:
+            conn.sendall(tcp_proof.challenge()[1])  # a receiver of this protocol: the hello is read, not checked
+            read_frame(conn, tcp_proof.MAX_HELLO_BYTES)
             while self.got < self.take:
                 data = conn.recv(min(1 << 16, self.take - self.got))
                 if not data:
@@ -366,7 +376,7 @@ class HangUp:
 
 
 def frames_bytes(jobs: list[ChunkJob]) -> int:
-    return sum(len(protocol.frame(j.header())) + j.nbytes for j in jobs)
+    return sum(len(protocol.frame(tcp_proof.chunk_header(j))) + j.nbytes for j in jobs)
 
 
 @pytest.mark.parametrize("acks,part", [(0, "first frame"), (1, "whole batch"), (3, "whole batch")])

@@ -122,6 +122,10 @@ class FrameReader:
                 raise ConnectionError("peer closed the data connection")
             self._end += k
 
+    def wait(self) -> None:
+        """Until the next frame's first bytes are in hand (none read past what one ``recv`` brings)."""
+        self._fill(1)
+
     def _take(self, n: int) -> memoryview:
         view = self._view[self._start:self._start + n]
         self._start += n

@@ -1,5 +1,9 @@
 """The built-in network transport: plain TCP data connections between daemons.
 
+A new connection first proves which peer link it belongs to (the receiver's challenge, the
+sender's hello: :mod:`.tcp_proof`), within a short deadline; each frame then must arrive whole
+within a deadline of its own (:mod:`.tcp_guard`).
+
 One frame per chunk: a length-prefixed msgpack header, the payload in wire order (then, where
 integrity checks every slot, a frame with the source's digests, taken as the bytes left), then
 a length-prefixed reply from the receiver once every byte is in place and checked. Small chunks to one
@@ -20,6 +24,7 @@ import logging
 import select
 import socket
 import threading
+import weakref
 from collections import OrderedDict
 from typing import Any, Callable, Hashable
 
@@ -34,15 +39,19 @@ from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..model.geometry import rank_id
 from ..wire import protocol
-from . import chunk_modes
+from ..wire.auth import RefusalBook
+from . import chunk_modes, tcp_proof
 from .base import SMALL_CHUNK
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
+from .tcp_guard import ConnectionGuard, Deadlines, Watched
 
 log = logging.getLogger("kvxferd.tcp")
 
 IDLE_TIMEOUT_S = 300.0  # an idle data connection is closed after this long
-FIRST_HEADER_TIMEOUT_S = 10.0  # ... and a new one that has not sent a good chunk yet, after this
+FIRST_HEADER_TIMEOUT_S = 10.0  # one recv of a new connection's hello (its whole proof has Deadlines.proof_s)
+ACCEPT_BACKOFF_S = (0.05, 1.0)  # after an accept loop error: first pause, longest pause
+PROOF_ATTEMPTS = 3  # new connections a sender tries when one is closed before it proved itself
 MAX_HEADER_BYTES = protocol.MAX_AUX_BYTES + 64 * 1024  # aux bytes ride in the header
 MAX_STOPPED = 4096  # failed sources remembered so their queued chunks do not leave
 
@@ -114,8 +123,17 @@ class TcpDataServer:
     def __init__(self, host: str, port: int, inbox: Inbox, *, max_header_bytes: int,
                  timeout_s: float, staging: StagingPool, max_connections: int = 64,
                  on_received: Callable[[Sink, Moved], None] | None = None,
-                 on_invalid: Callable[[str], None] | None = None) -> None:
+                 on_invalid: Callable[[str], None] | None = None,
+                 keys: tcp_proof.LinkKeys | None = None, deadlines: Deadlines = Deadlines(),
+                 on_conn_refused: Callable[[str], None] | None = None,
+                 on_accept_error: Callable[[], None] | None = None) -> None:
         self.inbox = inbox
+        #: the link tokens a connection may prove (none: no connection proves itself)
+        self.keys = keys if keys is not None else tcp_proof.LinkKeys()
+        self.on_conn_refused = on_conn_refused  # a connection refused or cut, by reason (a metric)
+        self.on_accept_error = on_accept_error
+        self.refusals = RefusalBook()  # refused connections by (reason, peer): one log line each, repeats summed
+        self.guard = ConnectionGuard(deadlines, self._guard_closed)
         self.max_header_bytes = min(max_header_bytes, MAX_HEADER_BYTES)
         self.max_per_host = max(2, max_connections // 4)  # one host cannot take every slot
         self._per_host: dict[str, int] = {}
@@ -134,37 +152,117 @@ class TcpDataServer:
         self._thread.start()
 
     def _accept_loop(self) -> None:
+        """Accept until closed, whatever goes wrong with one connection (no thread to be had, no
+        descriptor left): log it, count it, pause briefly, go on."""
+        pause = ACCEPT_BACKOFF_S[0]
         while not self._closed.is_set():
             try:
                 conn, addr = self._sock.accept()
-            except OSError:
-                return
-            with self._lock:
-                crowded = self._per_host.get(addr[0], 0) >= self.max_per_host
-            if crowded or not self._sem.acquire(blocking=False):
-                log.warning("event=data_conn_refused reason=too_many_connections peer=%s:%s", *addr[:2])
-                conn.close()
+            except OSError as exc:
+                if self._closed.is_set():
+                    return
+                pause = self._accept_failed(exc, pause)
                 continue
-            with self._lock:
-                self._per_host[addr[0]] = self._per_host.get(addr[0], 0) + 1
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self.timeout_s)
-            with self._lock:
-                self._conns.add(conn)
-            threading.Thread(target=self._serve, args=(conn, addr[0]), name="kvxferd-data-recv",
-                             daemon=True).start()
+            try:
+                self._start(conn, addr[0])
+            except Exception as exc:  # noqa: BLE001 - this connection goes; the port keeps serving
+                conn.close()
+                pause = self._accept_failed(exc, pause)
+                continue
+            pause = ACCEPT_BACKOFF_S[0]
 
-    def _serve(self, conn: socket.socket, host: str) -> None:
-        replies = _Replies(conn)
-        reader = FrameReader(conn, before_wait=replies.flush)  # replies leave when nothing more is to read
-        timeouts = _Timeouts(conn)
-        proven = False  # a connection earns the long idle allowance with its first good chunk
+    def _accept_failed(self, exc: BaseException, pause: float) -> float:
+        """Count and log an accept loop error, pause; the next pause (doubled, bounded)."""
+        if self.on_accept_error:
+            self.on_accept_error()
+        log.warning("event=data_accept_error error=%s msg=%s pause_s=%.2f", type(exc).__name__,
+                    json.dumps(str(exc)[:200]), pause)
+        self._closed.wait(pause)
+        return min(pause * 2, ACCEPT_BACKOFF_S[1])
+
+    def _start(self, conn: socket.socket, host: str) -> None:
+        """A new connection on the unproven cap, and its thread."""
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.settimeout(FIRST_HEADER_TIMEOUT_S)
+        watched = self.guard.admit(conn, host)
+        with self._lock:
+            self._conns.add(conn)
         try:
+            threading.Thread(target=self._serve, args=(conn, watched), name="kvxferd-data-recv", daemon=True).start()
+        except BaseException:
+            with self._lock:
+                self._conns.discard(conn)
+            self.guard.forget(watched)
+            raise
+
+    def _guard_closed(self, watched: Watched, reason: str) -> None:
+        self._note_refused(reason, watched.peer, f"closed by the guard ({reason}); proven={watched.proven}")
+
+    def _note_refused(self, reason: str, peer: str, message: str) -> None:
+        """A connection refused or cut: counted; logged once per (reason, peer), repeats summed."""
+        if self.on_conn_refused:
+            self.on_conn_refused(reason)
+        record, log_now = self.refusals.note(reason, kind=reason, peer=peer)
+        if log_now:
+            log.warning("event=data_conn_refused reason=%s peer=%s count=%s msg=%s", reason, peer,
+                        record["count"], json.dumps(message[:300]))
+
+    def _prove(self, conn: socket.socket, replies: "_Replies", watched: Watched) -> bytes | None:
+        """The challenge out, the hello in: the link token this connection proved, or None (refused,
+        or gone before it proved anything)."""
+        nonce, challenge = tcp_proof.challenge()
+        try:
+            conn.sendall(challenge)
+            hello = read_frame(conn, tcp_proof.MAX_HELLO_BYTES)  # exactly the hello: its first chunk stays queued
+            return tcp_proof.check_hello(hello, nonce, self.keys)
+        except (ConnectionError, OSError):
+            return None  # went away, or cut by the guard (counted there)
+        except ProtocolError as exc:  # not even a frame of a hello's size
+            refusal = tcp_proof.ProofRefused(f"a data connection's first frame must be a hello: {exc.message}",
+                                             tcp_proof.NO_HELLO)
+        except tcp_proof.ProofRefused as exc:
+            refusal = exc
+        self._note_refused(refusal.reason, watched.peer, str(refusal))
+        replies.add(protocol.frame({"op": "ack", "ok": False, "error": refusal.to_wire()}))
+        return None
+
+    def _take_slot(self, watched: Watched, replies: "_Replies") -> bool:
+        """A proven connection takes one of the port's slots (at most a quarter of them per host)."""
+        host = watched.peer
+        with self._lock:
+            crowded = self._per_host.get(host, 0) >= self.max_per_host
+            if not crowded and self._sem.acquire(blocking=False):
+                self._per_host[host] = self._per_host.get(host, 0) + 1
+                return True
+        reason = "per_host_cap" if crowded else "too_many_connections"
+        error = TransferError(f"data port has no connection slot for {host} ({reason}: at most "
+                              f"{self.max_per_host} per host)", field="connections", code=reason,
+                              fix="use fewer data connections per peer (peer.data_connections)")
+        self._note_refused(reason, host, str(error))
+        replies.add(protocol.frame({"op": "ack", "ok": False, "error": error.to_wire()}))
+        return False
+
+    def _serve(self, conn: socket.socket, watched: Watched) -> None:
+        replies = _Replies(conn)
+        timeouts = _Timeouts(conn)
+        slot = False  # proven, and holding one of the port's slots
+        try:
+            token = self._prove(conn, replies, watched)
+            slot = token is not None and self._take_slot(watched, replies)
+            if not slot:
+                return
+            self.guard.proven(watched)  # off the unproven cap
+            reader = FrameReader(conn, before_wait=replies.flush)  # replies leave when nothing more is to read
             while not self._closed.is_set():
+                self.guard.between_frames(watched)
                 try:
-                    timeouts.set(IDLE_TIMEOUT_S if proven else FIRST_HEADER_TIMEOUT_S)
+                    timeouts.set(IDLE_TIMEOUT_S)
+                    reader.wait()  # the next frame's first bytes: from here it has a deadline to arrive whole
+                    started = self.guard.frame_started(watched)
                     header = reader.frame(self.max_header_bytes)
                     nbytes = header.get("nbytes")
+                    if isinstance(nbytes, int) and nbytes >= 0:
+                        self.guard.frame_size(watched, started, nbytes)
                     if not (isinstance(nbytes, int) and 0 <= nbytes <= reader.buffered):
                         # the payload is still to come: a transfer's timeout now, not an idle one (a
                         # small chunk read whole with its header waits on nothing: no system call)
@@ -179,7 +277,13 @@ class TcpDataServer:
                         raise ProtocolError(f"data connection got op {str(header.get('op'))[:32]!r}", field="op",
                                             fix="send data frames only on data connections")
                     header = protocol.DATA_HEADER.check(header)
-                    sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]))
+                    said = header.get("token")
+                    if said is not None and said != token:
+                        raise RequestError("data header carries another link's token than the one this "
+                                           "connection proved", field="token",
+                                           fix="send each link's chunks on connections proven with its token")
+                    header["token"] = token  # every chunk on this connection is the proven link's
+                    sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]), "tcp")
                     if sink.trailer:  # the digests are still to come, whatever the payload's size
                         timeouts.set(self.timeout_s)
                 except KvxferError as exc:
@@ -213,18 +317,20 @@ class TcpDataServer:
                     replies.add(protocol.frame({"op": "ack", "ok": False, "error": failed.to_wire()}))
                     continue
                 replies.add(ACK_OK)
-                proven = True
         except Exception as exc:  # noqa: BLE001 - one broken connection must not stop the daemon
             log.info("event=data_conn_closed reason=%s msg=%s", type(exc).__name__, json.dumps(str(exc)[:300]))
         finally:
             replies.flush()
+            self.guard.forget(watched)
             with self._lock:
                 self._conns.discard(conn)
-                self._per_host[host] -= 1
-                if not self._per_host[host]:
-                    del self._per_host[host]
+                if slot:
+                    self._per_host[watched.peer] -= 1
+                    if not self._per_host[watched.peer]:
+                        del self._per_host[watched.peer]
             conn.close()
-            self._sem.release()
+            if slot:
+                self._sem.release()
 
     def _refuse(self, replies: "_Replies", exc: KvxferError) -> None:
         log.warning("event=chunk_refused code=%s field=%s msg=%s", exc.code, exc.field, json.dumps(str(exc)[:300]))
@@ -307,6 +413,7 @@ class TcpDataServer:
         except OSError:
             pass
         self._sock.close()
+        self.guard.close()
         with self._lock:
             conns = list(self._conns)
         _shut_down(conns)
@@ -340,24 +447,44 @@ class TcpTransport:
         self._sending: dict[socket.socket, int] = {}
         #: sources stopped lately: a job of theirs that reaches a data thread only now ends at once
         self._stopped: OrderedDict[int, None] = OrderedDict()
+        #: the link token each open connection proved (its hello); forgotten with the socket
+        self._proven: "weakref.WeakKeyDictionary[socket.socket, bytes | None]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def borrow(self, address: tuple[str, int]) -> socket.socket:
+    def borrow(self, address: tuple[str, int], token: bytes | None = None) -> socket.socket:
+        """A connection to ``address`` proven with the link ``token``: a pooled one, or a new one
+        that answered the receiver's challenge (:func:`.tcp_proof.prove`)."""
         with self._lock:
             idle = self._idle.get(address, [])
             while idle:
                 sock = idle.pop()
-                if _alive(sock):
+                if self._proven.get(sock) == token and _alive(sock):
                     return sock
-                sock.close()  # the receiver closed it while idle
-        try:
-            sock = socket.create_connection(address, timeout=self.timeout_s)
-        except OSError as exc:
-            raise TransferError(f"cannot connect to data endpoint {address[0]}:{address[1]}: "
-                                f"{exc.strerror or exc}", field="data_address",
-                                fix="check the peer daemon is up and its data port reachable") from None
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return sock
+                sock.close()  # the receiver closed it while idle, or it proved a link replaced since
+        for attempt in range(PROOF_ATTEMPTS):
+            try:
+                sock = socket.create_connection(address, timeout=self.timeout_s)
+            except OSError as exc:
+                raise TransferError(f"cannot connect to data endpoint {address[0]}:{address[1]}: "
+                                    f"{exc.strerror or exc}", field="data_address",
+                                    fix="check the peer daemon is up and its data port reachable") from None
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                tcp_proof.prove(sock, token, address)
+            except (OSError, ConnectionError) as exc:
+                # closed before it could prove itself: a flood of strangers at the receiver may have
+                # pushed it off the unproven cap; a new connection proves itself at once
+                sock.close()
+                if isinstance(exc, ConnectionError) and attempt + 1 < PROOF_ATTEMPTS:
+                    continue  # (a timeout is a stalled receiver: not tried again)
+                raise self.lost(address, exc) from None
+            except BaseException:
+                sock.close()
+                raise
+            with self._lock:
+                self._proven[sock] = token
+            return sock
+        raise AssertionError("unreachable")
 
     def give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
         with self._lock:
@@ -383,7 +510,7 @@ class TcpTransport:
         key = job.source
         if key in self._stopped:  # failed while this job waited for a data thread
             raise _stopped_error(job)
-        sock = self.borrow(job.data_address)
+        sock = self.borrow(job.data_address, job.token)
         with self._lock:
             stopped = key in self._stopped
             if not stopped:
@@ -405,11 +532,11 @@ class TcpTransport:
         try:
             if job.can_trail:  # every slot checked: hashed block by block as it leaves, the digests after it
                 running = RunningDigests(len(list(job.regions())))
-                sock.sendall(protocol.frame(job.header(trailer=True)))
+                sock.sendall(protocol.frame(tcp_proof.chunk_header(job, trailer=True)))
                 moved = self._send_payload(sock, job, running)
                 sock.sendall(protocol.frame({"op": "digests", "digests": running.digests()}))
             else:
-                sock.sendall(protocol.frame(job.header()))
+                sock.sendall(protocol.frame(tcp_proof.chunk_header(job)))
                 moved = self._send_payload(sock, job)
             reply = read_frame(sock, self.max_reply_bytes)
         except (OSError, ConnectionError) as exc:
@@ -428,8 +555,8 @@ class TcpTransport:
 
     @staticmethod
     def batch_key(job: ChunkJob) -> Hashable | None:
-        """Small chunks to one data address may share a connection's round trip."""
-        return job.data_address if job.nbytes <= SMALL_CHUNK else None
+        """Small chunks to one data address, of one link, may share a connection's round trip."""
+        return (job.data_address, job.token) if job.nbytes <= SMALL_CHUNK else None
 
     def send_many(self, jobs: list[ChunkJob]) -> list[Moved | BaseException]:
         """Chunks to one data address in one write, then their replies (:mod:`.tcp_batch`)."""

@@ -26,6 +26,7 @@ from ..lifecycle.jobs import ChunkJob, Moved
 from ..wire import protocol
 from . import chunk_modes
 from .framing import FrameReader, gather_block, payload_runs, sendmsg_all, use_staging
+from .tcp_proof import chunk_header
 
 Outcome = Moved | BaseException
 
@@ -38,7 +39,7 @@ class TcpSender(Protocol):
     timeout_s: float
     max_reply_bytes: int
 
-    def borrow(self, address: tuple[str, int]) -> socket.socket: ...
+    def borrow(self, address: tuple[str, int], token: bytes | None = None) -> socket.socket: ...
 
     def give_back(self, address: tuple[str, int], sock: socket.socket) -> None: ...
 
@@ -64,7 +65,7 @@ class _Write:
 
     def add(self, job: ChunkJob) -> Moved:
         """Lay out ``job``'s frame; raises (having written nothing of it) when it cannot be."""
-        head = memoryview(protocol.frame(job.header()))
+        head = memoryview(protocol.frame(chunk_header(job)))
         w = job.writer
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
@@ -123,7 +124,7 @@ def send_batch(transport: TcpSender, jobs: list[ChunkJob]) -> list[Outcome]:
     address = jobs[0].data_address
     assert address is not None
     try:
-        sock = transport.borrow(address)
+        sock = transport.borrow(address, jobs[0].token)  # a batch is one link's (its batch key)
     except KvxferError as exc:
         return [exc] * len(jobs)
     outcomes: list[Outcome | None] = [None] * len(jobs)
