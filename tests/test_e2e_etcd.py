@@ -6,10 +6,7 @@ its lease ends and the rank set is incomplete, by name; a clean stop revokes the
 from __future__ import annotations
 
 import random
-import shutil
 import signal
-import subprocess
-import tempfile
 import time
 import urllib.request
 
@@ -22,11 +19,11 @@ from kvxferd.directory.etcd_client import EtcdClient, EtcdError
 from kvxferd.directory.lookup import daemons_of, lookup
 from kvxferd.errors import KvxferError
 from kvxferd.sdk.client import EngineClient
-from kvxferd.tools import launch
 from kvxferd.tools.sim import free_port
 from kvxferd.wire import messages, protocol
 
-ETCD = shutil.which("etcd")
+from etcd_util import etcd_process
+
 CLUSTER = "e2e"
 LEASE_S = 2.0  # the smallest lease etcd grants
 
@@ -34,40 +31,8 @@ LEASE_S = 2.0  # the smallest lease etcd grants
 @pytest.fixture(scope="module")
 def etcd():
     """An etcd of this module's own, on free loopback ports, its data dir removed after."""
-    if ETCD is None:
-        pytest.skip("no etcd binary on PATH (Debian: apt-get install etcd-server)")
-    data = tempfile.mkdtemp(prefix="kvxferd-etcd-")
-    client_port, peer_port = free_port(), free_port()
-    url = f"http://127.0.0.1:{client_port}"
-    log = open(f"{data}/etcd.log", "wb")
-    proc = launch.popen([ETCD, "--name", "kvxferd-test", "--data-dir", f"{data}/data",
-                         "--listen-client-urls", url, "--advertise-client-urls", url,
-                         "--listen-peer-urls", f"http://127.0.0.1:{peer_port}",
-                         "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer_port}",
-                         "--initial-cluster", f"kvxferd-test=http://127.0.0.1:{peer_port}"],
-                        stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, open(f"{data}/etcd.log").read()[-2000:]
-            try:
-                with urllib.request.urlopen(f"{url}/health", timeout=2) as answer:
-                    if b'"true"' in answer.read():
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, open(f"{data}/etcd.log").read()[-2000:]
-            time.sleep(0.1)
+    with etcd_process() as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        shutil.rmtree(data, ignore_errors=True)
 
 
 def _etcd_toml(url: str) -> str:

@@ -51,14 +51,19 @@ class Fed(Protocol):
 
 class EtcdDirectory:
     def __init__(self, rendezvous: Fed, cfg: Config, me: Advertised, registry: Registry,
-                 count_error: Callable[[], None]) -> None:
+                 count_error: Callable[[], None], values: Any = None) -> None:
         self.rv = rendezvous
         self.cfg = cfg
         self.me = me
         self.registry = registry  # the ranks here, whose keys this daemon writes
         self.count_error = count_error  # a round or read etcd did not answer (kvxferd_directory_errors_total)
         self.cluster = cfg.directory.cluster
-        self.client = EtcdClient(list(cfg.directory.etcd_endpoints), cfg.directory.etcd_timeout_s)
+        self.client = EtcdClient.from_config(cfg.directory)
+        #: values read before, good or refused, by their bytes: an unchanged value is not parsed again
+        self.values = etcd_keys.ValueCache(max(1024, 4 * cfg.limits.max_ranks))
+        #: kvxferd_directory_values{source="etcd"} by outcome (None: not counted)
+        self._parsed_ok = values.labels("etcd", "ok") if values is not None else None
+        self._parsed_refused = values.labels("etcd", "refused") if values is not None else None
         self.ttl = lease_ttl(cfg)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="kvxferd-etcd")
         self.lease = 0
@@ -118,7 +123,8 @@ class EtcdDirectory:
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"backend": "etcd", "endpoint": self.client.last_endpoint, "cluster": self.cluster,
                                "lease": f"{self.lease:x}" if self.lease else None, "lease_ttl_s": self.ttl,
-                               "keys": len(self._written), "reading": sorted(f"{i}/{r}" for i, r in self._watched())}
+                               "keys": len(self._written), "reading": sorted(f"{i}/{r}" for i, r in self._watched()),
+                               "rounds": self.rounds, "values_known": len(self.values)}
         if self.error:
             out["error"] = self.error
         return out
@@ -187,8 +193,11 @@ class EtcdDirectory:
 
     def _feed(self, base: str, role: str, kvs: list[tuple[bytes, bytes, int]]) -> None:
         rv = self.rv
-        parsed = etcd_keys.parse(self.cluster, role, base, kvs)
-        for key, why in parsed.bad[:3]:
+        parsed = etcd_keys.parse(self.cluster, role, base, kvs, self.values)
+        if self._parsed_ok is not None and parsed.parsed:
+            self._parsed_refused.inc(parsed.refused)
+            self._parsed_ok.inc(parsed.parsed - parsed.refused)
+        for key, why in parsed.bad[:3]:  # a refused value is parsed, and logged, once while unchanged
             log.warning("event=directory_bad_key key=%s reason=%s", q(key[:200]), q(why))
         now = time.monotonic()
         known = {i for i, r in rv.directory.keys() if r == role and (i == base or dp.split(i)[0] == base)}

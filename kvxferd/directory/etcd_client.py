@@ -2,6 +2,11 @@
 client port): put, range over a prefix, delete, and leases. No dependency beyond the standard
 library, so the default (embedded) directory never needs it.
 
+With a user name, the client authenticates (``/v3/auth/authenticate``) and sends the token it
+gets in the ``Authorization`` header of every call; a token etcd no longer takes (expired, or
+the member restarted) is replaced once per call. ``https://`` endpoints are checked against a CA
+file (or the system's), with a client certificate where etcd asks for one.
+
 Every call has a timeout and a bound on the answer it reads; a failure raises
 :class:`EtcdUnreachable` (no endpoint answered: it names each endpoint and why) or
 :class:`EtcdError` (an endpoint answered with an error). Calls block: the daemon runs them in a
@@ -13,9 +18,10 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import ssl
 import urllib.parse
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ..errors import KvxferError
 
@@ -82,6 +88,53 @@ def parse_endpoint(url: str) -> Endpoint:
     return Endpoint(url.rstrip("/"), parts.hostname, port, parts.scheme == "https")
 
 
+class DirectorySettings(Protocol):
+    """The settings a client is made from (``[directory]``, :class:`kvxferd.ops.config.DirectorySection`)."""
+
+    etcd_endpoints: list[str]
+    etcd_timeout_s: float
+    etcd_username: str
+    etcd_password_file: str
+    etcd_ca_file: str
+    etcd_cert_file: str
+    etcd_key_file: str
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """An etcd user (``etcdctl user add``) and its password."""
+
+    username: str
+    password: str
+
+
+def read_password(path: str) -> str:
+    """The password in ``path`` (its first line, without the line end); raises ValueError naming the file."""
+    try:
+        with open(path, encoding="utf-8") as fh:
+            password = fh.readline().rstrip("\r\n")
+    except OSError as exc:
+        raise ValueError(f"cannot read the etcd password file {path}: {exc.strerror}") from None
+    if not password:
+        raise ValueError(f"the etcd password file {path} is empty")
+    return password
+
+
+def tls_context(ca_file: str = "", cert_file: str = "", key_file: str = "") -> ssl.SSLContext:
+    """What ``https://`` endpoints are checked with: the CA file (else the system's CAs), and the
+    client certificate and key where given."""
+    context = ssl.create_default_context(cafile=ca_file or None)
+    if cert_file:
+        context.load_cert_chain(cert_file, key_file or None)
+    return context
+
+
+def _auth_refused(exc: EtcdError) -> bool:
+    """etcd did not take the token (expired, unknown to a restarted member)."""
+    text = str(exc).lower()
+    return exc.grpc_code == 16 or exc.status == 401 or "auth token" in text
+
+
 class EtcdClient:
     """Blocking calls to the first endpoint that answers (it stays the first choice while it does).
 
@@ -89,7 +142,8 @@ class EtcdClient:
     kept connection that fails is dropped and the call tried once on a fresh one. Not for
     several threads at once: a daemon calls from one thread of its own."""
 
-    def __init__(self, endpoints: list[str], timeout_s: float = 2.0, max_answer: int = MAX_ANSWER) -> None:
+    def __init__(self, endpoints: list[str], timeout_s: float = 2.0, max_answer: int = MAX_ANSWER, *,
+                 credentials: Credentials | None = None, tls: ssl.SSLContext | None = None) -> None:
         if not endpoints:
             raise ValueError("no etcd endpoint")
         self.endpoints = [parse_endpoint(e) for e in endpoints]
@@ -97,6 +151,18 @@ class EtcdClient:
         self.max_answer = max_answer
         self.last_endpoint = self.endpoints[0].url
         self._conns: dict[str, http.client.HTTPConnection] = {}
+        self.credentials = credentials
+        self.tls = tls  # https:// endpoints; None: the system's CAs
+        #: the token of each endpoint (a simple token is known only to the member that issued it)
+        self._tokens: dict[str, str] = {}
+
+    @classmethod
+    def from_config(cls, d: DirectorySettings) -> "EtcdClient":
+        """The client ``[directory]`` describes; raises ValueError naming a file it cannot read."""
+        credentials = Credentials(d.etcd_username, read_password(d.etcd_password_file)) if d.etcd_username else None
+        tls = (tls_context(d.etcd_ca_file, d.etcd_cert_file, d.etcd_key_file)
+               if any(e.startswith("https://") for e in d.etcd_endpoints) else None)
+        return cls(list(d.etcd_endpoints), d.etcd_timeout_s, credentials=credentials, tls=tls)
 
     def close(self) -> None:
         for conn in self._conns.values():
@@ -157,15 +223,22 @@ class EtcdClient:
         raise EtcdUnreachable(f"no etcd endpoint answered {path} ({'; '.join(failures)})",
                               endpoint=",".join(e.url for e in self.endpoints))
 
-    def _exchange(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    def _exchange(self, endpoint: Endpoint, path: str, body: dict[str, Any],
+                  token: str | None = None) -> tuple[int, bytes]:
         kept = endpoint.url in self._conns
+        headers = {"Content-Type": "application/json"}
+        if token is not None:
+            headers["Authorization"] = token
         for attempt in (0, 1):
             conn = self._conns.pop(endpoint.url, None)
             if conn is None:
-                kind = http.client.HTTPSConnection if endpoint.https else http.client.HTTPConnection
-                conn = kind(endpoint.host, endpoint.port, timeout=self.timeout_s)
+                if endpoint.https:
+                    conn = http.client.HTTPSConnection(endpoint.host, endpoint.port, timeout=self.timeout_s,
+                                                       context=self.tls or tls_context())
+                else:
+                    conn = http.client.HTTPConnection(endpoint.host, endpoint.port, timeout=self.timeout_s)
             try:
-                conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+                conn.request("POST", path, json.dumps(body), headers)
                 response = conn.getresponse()
                 raw = response.read(self.max_answer + 1)
             except (OSError, http.client.HTTPException):
@@ -181,7 +254,41 @@ class EtcdClient:
         raise AssertionError("unreachable")
 
     def _post(self, endpoint: Endpoint, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        status, raw = self._exchange(endpoint, path, body)
+        if self.credentials is None:
+            return self._answer(endpoint, path, *self._exchange(endpoint, path, body))
+        for attempt in (0, 1):
+            token = self._token(endpoint)
+            try:
+                return self._answer(endpoint, path, *self._exchange(endpoint, path, body, token))
+            except EtcdError as exc:
+                if attempt or not _auth_refused(exc):
+                    raise
+                self._tokens.pop(endpoint.url, None)  # expired: authenticate again, once
+        raise AssertionError("unreachable")
+
+    def _token(self, endpoint: Endpoint) -> str:
+        token = self._tokens.get(endpoint.url)
+        if token is not None:
+            return token
+        assert self.credentials is not None
+        body = {"name": self.credentials.username, "password": self.credentials.password}
+        try:
+            answer = self._answer(endpoint, "/v3/auth/authenticate", *self._exchange(
+                endpoint, "/v3/auth/authenticate", body))
+        except EtcdUnreachable:
+            raise
+        except EtcdError as exc:
+            raise EtcdError(f"etcd {endpoint.url} refused user {self.credentials.username!r}: {exc}; fix: check "
+                            "directory.etcd_username and directory.etcd_password_file (etcdctl user get)"[:500],
+                            endpoint=endpoint.url, status=exc.status, grpc_code=exc.grpc_code) from None
+        token = answer.get("token")
+        if not isinstance(token, str) or not token:
+            raise EtcdError(f"etcd {endpoint.url} authenticated user {self.credentials.username!r} but gave no "
+                            "token", endpoint=endpoint.url)
+        self._tokens[endpoint.url] = token
+        return token
+
+    def _answer(self, endpoint: Endpoint, path: str, status: int, raw: bytes) -> dict[str, Any]:
         if len(raw) > self.max_answer:
             raise EtcdError(f"etcd {endpoint.url} answered {path} with more than {self.max_answer} bytes",
                             endpoint=endpoint.url, status=status)

@@ -11,13 +11,16 @@ what each other daemon holds, as if that daemon had announced it over the peer p
 
 from __future__ import annotations
 
+import hashlib
 import json
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..errors import KvxferError, RegistrationError
 from ..model import dp
 from ..model.geometry import InstanceSpec
+from ..wire import protocol
 from .holders import Coords, Directory
 
 #: the largest value one rank's key may hold (a spec is a few hundred bytes)
@@ -56,15 +59,47 @@ class Held:
 
 @dataclass
 class Parsed:
-    """A range read, by instance then daemon; ``bad`` says why keys were skipped (key, reason)."""
+    """A range read, by instance then daemon. ``bad`` says why keys were skipped (key, reason), for
+    values refused by this read; ``known_bad`` counts those refused before and unchanged since.
+    ``parsed`` counts values parsed by this read (the others were known, :class:`ValueCache`)."""
 
     held: dict[str, dict[str, Held]] = field(default_factory=dict)
     bad: list[tuple[str, str]] = field(default_factory=list)
+    known_bad: int = 0
+    parsed: int = 0
+    refused: int = 0  # of those parsed, refused
 
 
-def parse(cluster: str, role: str, instance: str, kvs: Iterable[tuple[bytes, bytes, int]]) -> Parsed:
+#: one value as parsed: (daemon, incarnation, spec, dp_size), or why it was refused
+Outcome = tuple[str, str, InstanceSpec, int | None] | str
+
+
+class ValueCache:
+    """Values already parsed, by a digest of their bytes: a value read again unchanged (every
+    heartbeat) is not parsed again, whether it was good or refused. Bounded: past ``limit``
+    entries the oldest are forgotten (and parsed again if they come back)."""
+
+    def __init__(self, limit: int = 8192) -> None:
+        self.limit = limit
+        self._known: OrderedDict[bytes, Outcome] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._known)
+
+    def get(self, value: bytes) -> tuple[bytes, Outcome | None]:
+        digest = hashlib.blake2b(value, digest_size=16).digest()
+        return digest, self._known.get(digest)
+
+    def put(self, digest: bytes, outcome: Outcome) -> None:
+        self._known[digest] = outcome
+        while len(self._known) > self.limit:
+            self._known.popitem(last=False)
+
+
+def parse(cluster: str, role: str, instance: str, kvs: Iterable[tuple[bytes, bytes, int]],
+          cache: ValueCache | None = None) -> Parsed:
     """The keys of ``instance`` and its DP ranks; a key another daemon wrote wrongly is skipped
-    (and named in ``bad``), it never stops the rest from being read."""
+    (and named in ``bad`` the first time it is read), it never stops the rest from being read."""
     out = Parsed()
     prefix = ranks_prefix(cluster, role)
     for key, value, _lease in kvs:
@@ -77,29 +112,53 @@ def parse(cluster: str, role: str, instance: str, kvs: Iterable[tuple[bytes, byt
                 continue  # another instance whose name starts alike
             tp, _, pp = coords_text.partition(".")
             coords = (int(tp), int(pp))
-            held = _held(value, coords)
         except (ValueError, KeyError, TypeError, KvxferError) as exc:
             out.bad.append((name, f"{type(exc).__name__}: {exc}"[:200]))
             continue
+        digest, outcome = cache.get(value) if cache is not None else (b"", None)
+        if outcome is None:
+            outcome = _outcome(value)
+            out.parsed += 1
+            if cache is not None:
+                cache.put(digest, outcome)
+            if isinstance(outcome, str):
+                out.bad.append((name, outcome))
+                out.refused += 1
+        elif isinstance(outcome, str):
+            out.known_bad += 1
+        if isinstance(outcome, str):
+            continue
         by_daemon = out.held.setdefault(inst, {})
-        if held.daemon in by_daemon:
-            by_daemon[held.daemon].ranks.append(coords)
+        daemon = outcome[0]
+        if daemon in by_daemon:
+            by_daemon[daemon].ranks.append(coords)
         else:
-            by_daemon[held.daemon] = held
+            by_daemon[daemon] = Held(*outcome, [coords])
     return out
 
 
-def _held(value: bytes, coords: Coords) -> Held:
+def _outcome(value: bytes) -> Outcome:
+    try:
+        return _held(value)
+    except (ValueError, KeyError, TypeError, RecursionError, KvxferError) as exc:
+        return f"{type(exc).__name__}: {exc}"[:200]
+
+
+def _held(value: bytes) -> tuple[str, str, InstanceSpec, int | None]:
+    """One value parsed, checked against the bounds every geometry gets before anything is built
+    from it (a spec of a million layers or PP ranks is refused here, not expanded)."""
     if len(value) > MAX_VALUE:
         raise ValueError(f"value of {len(value)} bytes exceeds {MAX_VALUE}")
     data = json.loads(value)
     if not isinstance(data, dict) or not isinstance(data.get("daemon"), str) or not data["daemon"]:
         raise ValueError("value names no daemon")
+    protocol.ADDRESS("daemon", data["daemon"])
     dp_size = data.get("dp_size")
-    if dp_size is not None and (not isinstance(dp_size, int) or isinstance(dp_size, bool) or dp_size < 1):
-        raise ValueError(f"dp_size {dp_size!r} is not a positive integer")
-    spec = InstanceSpec.from_dict(data["spec"])
-    return Held(data["daemon"], str(data.get("incarnation", "")), spec, dp_size, [coords])
+    if dp_size is not None and (not isinstance(dp_size, int) or isinstance(dp_size, bool)
+                                or not 1 <= dp_size <= protocol.MAX_DP):
+        raise ValueError(f"dp_size {dp_size!r} is not an integer in 1..{protocol.MAX_DP}")
+    spec = InstanceSpec.from_dict(protocol.bounded_geometry(data["spec"], "spec"))
+    return data["daemon"], str(data.get("incarnation", ""))[:protocol.MAX_ID_LEN], spec, dp_size
 
 
 def feed(directory: Directory, instance: str, role: str, held: dict[str, Held], own_address: str, now: float,

@@ -10,13 +10,16 @@ socket and no clock (``now`` is handed in), so every rule is tested without proc
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Hashable, Iterable
 
 from ..errors import PlanRefusal, RegistrationError
 from ..model import dp
 from ..model.geometry import InstanceSpec, rank_id
 
 Coords = tuple[int, int]
+
+#: missing ranks an answer names at most (the rest are counted): no answer grows with tp_size x pp_size
+MAX_NAMED = 16
 
 
 @dataclass
@@ -28,6 +31,8 @@ class Holder:
     spec: InstanceSpec
     expires: float
     dp_size: int | None = None  # the instance is a DP rank (<name>@dp<k>) of a data-parallel instance
+    #: the peer link that announced it (a routing id): only that link renews or withdraws it while it lives
+    owner: Hashable = None
 
 
 def spec_difference(a: InstanceSpec, b: InstanceSpec) -> tuple[str, object, object]:
@@ -65,7 +70,7 @@ class Directory:
 
     def announce(self, instance: str, role: str, spec: InstanceSpec, ranks: Iterable[Coords], daemon: str,
                  incarnation: str, now: float, local: dict[Coords, InstanceSpec], dp_size: int | None = None,
-                 local_dp: dp.DpSize | None = None) -> None:
+                 local_dp: dp.DpSize | None = None, owner: Hashable = None) -> None:
         """Record (or renew) the ranks held by ``daemon`` (all of them: those it no longer names are
         withdrawn); refuse ranks that contradict the instance (also a DP rank whose ``dp_size``
         differs from another DP rank's: ``local_dp`` is what ranks registered here said)."""
@@ -97,8 +102,21 @@ class Directory:
             if claim is not None and claim != daemon:
                 self._refuse(key, coords, f"rank {rid} is announced by {daemon} but held by {claim}", "daemon",
                              "register each rank of an instance at one daemon only")
-            held[coords] = Holder(daemon, incarnation, spec, now + self.lease_s, dp_size)
+            held[coords] = Holder(daemon, incarnation, spec, now + self.lease_s, dp_size, owner)
             self.refused.get(key, {}).pop(coords, None)
+
+    def owner_refusal(self, instance: str, role: str, daemon: str, owner: Hashable,
+                      live: Callable[[Hashable], bool], now: float) -> str | None:
+        """Why ``owner`` (a peer link) may not announce or withdraw ``daemon``'s ranks of the instance:
+        another link of that name announced them and still lives (None: it may). A daemon that
+        restarted or reconnected announces over a new link once its old one is gone."""
+        for holder in self.remote(instance, role, now).values():
+            if holder.daemon == daemon and holder.owner is not None and holder.owner != owner:
+                if live(holder.owner):
+                    return (f"ranks of {instance!r} ({role}) of daemon {daemon} were announced over another peer "
+                            "link that is still live")
+                return None  # the old link is gone: the new one takes them over
+        return None
 
     def withdraw(self, instance: str, role: str, daemon: str, ranks: Iterable[Coords]) -> None:
         held = self._held.get((instance, role), {})
@@ -148,11 +166,14 @@ class Directory:
         out.update({coords: self.own_address for coords in local})
         if spec is None:
             raise RankSetIncomplete(f"instance {instance!r} has no registered {role} rank", [])
-        missing = [(tp, pp) for pp in range(spec.pp_size) for tp in range(spec.tp_size) if (tp, pp) not in out]
-        if missing:
+        absent = spec.tp_size * spec.pp_size - sum(1 for tp, pp in out if tp < spec.tp_size and pp < spec.pp_size)
+        if absent > 0:
+            missing = first_missing(spec, out, MAX_NAMED)
             names = ", ".join(rank_id(instance, *c) for c in missing)
-            raise RankSetIncomplete(f"instance {instance!r} is missing ranks {names} (registered at no daemon "
-                                    f"this rendezvous knows of)", missing)
+            more = f" and {absent - len(missing)} more" if absent > len(missing) else ""
+            raise RankSetIncomplete(f"instance {instance!r} is missing ranks {names}{more} ({absent} of its "
+                                    f"{spec.tp_size * spec.pp_size}; registered at no daemon this rendezvous "
+                                    "knows of)", missing, absent)
         return out
 
     def dp_seen(self, base: str, role: str, now: float) -> dp.DpSize | None:
@@ -211,9 +232,25 @@ class Directory:
         raise RegistrationError(message, field=field, fix=fix)
 
 
-class RankSetIncomplete(Exception):
-    """The rank set of an instance is not complete yet: the decode side retries, then names them."""
+def first_missing(spec: InstanceSpec, held: dict[Coords, str], limit: int) -> list[Coords]:
+    """The first ``limit`` ranks of ``spec`` (in PP, then TP order) that ``held`` lacks. The walk
+    stops there: it visits at most ``len(held) + limit`` ranks, however large tp_size x pp_size is."""
+    out: list[Coords] = []
+    for pp in range(spec.pp_size):
+        for tp in range(spec.tp_size):
+            if (tp, pp) not in held:
+                out.append((tp, pp))
+                if len(out) >= limit:
+                    return out
+    return out
 
-    def __init__(self, message: str, missing: list[Coords]) -> None:
+
+class RankSetIncomplete(Exception):
+    """The rank set of an instance is not complete yet: the decode side retries, then names them.
+
+    ``missing`` names at most :data:`MAX_NAMED` ranks; ``count`` is how many are missing in all."""
+
+    def __init__(self, message: str, missing: list[Coords], count: int | None = None) -> None:
         super().__init__(message)
         self.missing = missing
+        self.count = len(missing) if count is None else count
