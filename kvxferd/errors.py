@@ -61,6 +61,13 @@ class PlanRefusal(KvxferError):
         return wire
 
 
+class ClaimRefused(PlanRefusal):
+    """A peer claimed a daemon address, instance or ranks that it cannot show to be its own (or that
+    another live daemon holds): its handshake is refused like an incompatible plan, with this code."""
+
+    code = "claim_refused"
+
+
 class ProtocolError(KvxferError):
     """A message did not match its schema (wrong type, missing field, out of bounds)."""
 

@@ -219,8 +219,9 @@ class Cluster:
         else:
             route = Route(kind, ("127.0.0.1", 9), node.identity, node.address, token)
             try:
+                held = tuple(r.coords for r in node.registry if r.instance == decode and r.role == "decode")
                 plan = source.handle(events.HandshakeAsked(node.identity, prefill, decode, prefill_spec, hello.spec,
-                                                           "direct", True, route, hello.integrity))
+                                                           "direct", True, route, hello.integrity, held or None))
             except PlanRefusal as refusal:
                 source.handle(events.HandshakeRefusedHere(node.identity, prefill, decode))
                 answer = messages.HandshakeRefused(refusal.to_wire())

@@ -310,8 +310,10 @@ def test_replayed_and_reordered_control_messages_do_not_corrupt_or_double_comple
         for _ in range(3):
             sock.send(msgpack.packb(hs))
         replies = drain_replies(sock, 3)
-        # the pair is bound to B's live link: the stranger is told to wait, and takes nothing over
-        assert [r["op"] for r in replies] == ["handshake_retry"] * 3, replies
+        # the stranger cannot show it is B (B's address is called back, and the replay carries no
+        # token of B's links): refused, and it takes nothing over
+        assert [r["op"] for r in replies] == ["handshake_refused"] * 3, replies
+        assert all(r["error"]["code"] == "claim_refused" for r in replies), replies
         rng = random.Random(3)
         results = []
         for i in range(3):

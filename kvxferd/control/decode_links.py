@@ -65,8 +65,12 @@ class PeerLink:
             self.sock.curve_serverkey = server_key.encode()
             self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
         self.sock.connect(f"tcp://{host}:{port}")
-        # ties our data connections to this authenticated link; sent inside the handshake
+        # ties our data connections to this authenticated link; sent inside the handshake, proven by
+        # each data connection the source opens to this daemon (kvxferd.transport.tcp_proof)
         self.token = os.urandom(16)
+        links.transports.link_keys.add(self.token)
+        #: what a source daemon asks, calling this daemon back, to confirm a handshake came from here
+        self.token_digest = auth.token_digest(self.token)
         self.seq = 0
         self.waiting: dict[int, asyncio.Future[dict[str, Any]]] = {}
         #: when each numbered message (ping, handshake) left, until answered: an answer that shows a
@@ -142,16 +146,47 @@ class PeerLink:
             self.sent_at.pop(seq, None)
 
     async def _read(self, links: "DecodeLinks") -> None:
+        """What the source says, part by part: a source of any version sends one message, or the
+        parts of one (answers of one turn). Each part is handled as it is read, so none is kept;
+        a message past ``limits.max_batch_bytes`` or twice ``limits.max_peer_batch_parts`` (no
+        answers of one turn come to that) is dropped unread from there on, counted and logged."""
         received = links.metrics.peer_parts.labels("received")
+        limits = links.cfg.limits
+        hard_parts, budget = 2 * limits.max_peer_batch_parts, limits.max_batch_bytes
+        raw = zmq.Socket.shadow(self.sock.underlying)  # read without a future; awaited only when idle
         while True:
-            try:  # a source of any version: one message, or the parts of one (answers of one turn)
-                frames = await self.sock.recv_multipart(copy=True)
-            except (zmq.ZMQError, asyncio.CancelledError):
+            try:
+                data = raw.recv(zmq.NOBLOCK, copy=True)
+            except zmq.Again:
+                try:
+                    await self.sock.poll(flags=zmq.POLLIN)
+                except (zmq.ZMQError, asyncio.CancelledError):
+                    return
+                continue
+            except zmq.ZMQError:
                 return
-            links.received.add(len(frames))
-            received.observe(len(frames))
-            for data in frames:
+            parts, nbytes, over = 1, len(data), ""
+            self._one(links, data)
+            while raw.getsockopt(zmq.RCVMORE):
+                if over:
+                    raw.recv(zmq.NOBLOCK, copy=False)  # dropped unread: never copied into the daemon
+                    parts += 1
+                    continue
+                data = raw.recv(zmq.NOBLOCK, copy=True)
+                parts += 1
+                nbytes += len(data)
+                if nbytes > budget or parts > hard_parts:
+                    over = "bytes" if nbytes > budget else "parts"
+                    continue
                 self._one(links, data)
+            links.received.add(parts)
+            received.observe(parts)
+            if over:
+                links.metrics.oversized_messages.labels("source", over).inc()
+                log.warning("event=source_message_dropped source=%s reason=%s parts=%d bytes=%d note=%s", self.address,
+                            over, parts, nbytes, q("a source daemon's message past limits.max_batch_bytes or twice "
+                                                   "limits.max_peer_batch_parts: the rest of it was dropped unread"))
+            await asyncio.sleep(0)  # a burst of answers does not hold the loop
 
     def _one(self, links: "DecodeLinks", data: bytes) -> None:
         try:
@@ -193,7 +228,8 @@ class DecodeLinks:
     def __init__(self, cfg: Config, ctx: zmq.asyncio.Context, me: Advertised, *, keys: auth.KeyPair | None,
                  peer_keys: dict[str, str], refused_by: auth.RefusalBook, metrics: Metrics,
                  dispatch: Callable[[Any], Any], transports: Transports, inbox: Inbox, handshakes: Handshakes,
-                 book: Links, peers_changed: Callable[[], None]) -> None:
+                 book: Links, peers_changed: Callable[[], None],
+                 held_ranks: Callable[[str], list[list[int]]] | None = None) -> None:
         self.cfg = cfg
         self.ctx = ctx
         self.me = me
@@ -208,8 +244,15 @@ class DecodeLinks:
         self.book = book  # the core's links to source daemons: their state, read here only
         self.peers_changed = peers_changed  # a link came, went, or changed state: the peer gauges count again
         self.links: dict[str, PeerLink] = {}
+        #: a decode instance -> its ranks registered here ([tp, pp] each), named in its hellos
+        self.held_ranks = held_ranks
         self.sent = PartCounts()  # multipart messages to source daemons, and the messages they carried
         self.received = PartCounts()
+
+    def owns_token(self, digest: bytes) -> bool:
+        """Whether one of this daemon's links holds the token of that digest: a source daemon
+        confirming that a handshake naming this daemon came from it."""
+        return any(link.token_digest == digest for link in self.links.values())
 
     def is_up(self, address: str) -> bool:
         return self.book.is_up(address)
@@ -273,7 +316,8 @@ class DecodeLinks:
         hello = messages.Handshake(
             PROTOCOL_VERSION, self.me.address, self.me.data_address, effect.prefill, effect.decode,
             effect.spec.to_dict(), self.cfg.peer.mode, self.transports.offered(), link.token, self.me.incarnation,
-            integrity=effect.integrity, extra=self.transports.handshake_fields(link.address, effect.prefill, effect.decode))
+            integrity=effect.integrity, extra=self.transports.handshake_fields(link.address, effect.prefill, effect.decode),
+            ranks=(self.held_ranks(effect.decode) or None) if self.held_ranks is not None else None)
         link.ask(hello, (effect.prefill, effect.decode))
 
     def answered(self, link: PeerLink, pair: tuple[str, str], msg: dict[str, Any], asked: float | None) -> None:

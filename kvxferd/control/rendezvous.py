@@ -15,7 +15,7 @@ import logging
 import time
 from typing import Any, Awaitable, Callable
 
-from ..directory.holders import Coords, Directory, RankSetIncomplete
+from ..directory.holders import MAX_NAMED, Coords, Directory, RankSetIncomplete
 from ..errors import KvxferError, RequestError
 from ..lifecycle.registry import Rank, Registry
 from ..model import dp
@@ -50,8 +50,12 @@ class Rendezvous:
         #: the last refusal a rendezvous answered, per (instance, role) (shown by status)
         self.refusals: dict[tuple[str, str], str] = {}
         self._pending: set[tuple[str, str]] = set()  # announcements waiting for their answer
+        self.metrics = metrics
+        self._values_ok = metrics.directory_values.labels("announce", "ok")
+        #: the last refusal of an announcement per (daemon, instance, role): logged when it changes
+        self._refused_here: dict[tuple[str, str, str], str] = {}
         #: directory.backend = "etcd": ranks are written to and read from etcd instead of announced
-        self.etcd = (EtcdDirectory(self, cfg, me, registry, metrics.directory_errors.inc)
+        self.etcd = (EtcdDirectory(self, cfg, me, registry, metrics.directory_errors.inc, metrics.directory_values)
                      if cfg.directory.backend == "etcd" else None)
 
     async def close(self) -> None:
@@ -145,22 +149,53 @@ class Rendezvous:
         self.refusals[key] = message
 
     # -- this daemon as the rendezvous -------------------------------------------------------------
-    def on_announce(self, msg: messages.Announce) -> messages.Message:
+    def on_announce(self, msg: messages.Announce, owner: Any = None,
+                    live: Callable[[Any], bool] = lambda _owner: True) -> messages.Message:
+        """Record (or withdraw: no ranks) a daemon's ranks announced over the peer link ``owner``;
+        ``live`` says whether another link that announced them first still lives (then refused)."""
         now = time.monotonic()
         local = self.local(msg.instance, msg.role)
+        taken = self.directory.owner_refusal(msg.instance, msg.role, msg.daemon, owner, live, now)
+        if taken is not None:
+            op = "announce" if msg.ranks else "withdraw"
+            self.metrics.peer_claims_refused.labels(op, "not_owner").inc()
+            log.warning("event=claim_refused op=%s reason=not_owner daemon=%s instance=%s", op, msg.daemon,
+                        msg.instance)
+            raise RequestError(f"this peer link may not {op} ranks of daemon {msg.daemon}: {taken}",
+                               field="daemon", code="claim_refused",
+                               fix=f"{op} ranks only over the daemon's own link; a restarted daemon's announcements "
+                               "are taken once its old link is gone")
         if not msg.ranks:
             self.directory.withdraw(msg.instance, msg.role, msg.daemon,
                                     list(self.directory.remote(msg.instance, msg.role, now)))
             return messages.AnnounceOk(msg.instance)
-        spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.spec, "spec"))
         known = set(self.directory.remote(msg.instance, msg.role, now))
-        self.directory.announce(msg.instance, msg.role, spec, [tuple(c) for c in msg.ranks], msg.daemon,
-                                msg.incarnation, now, local, msg.dp_size,
-                                self.local_dp(dp.split(msg.instance)[0], msg.role))
+        try:  # the geometry bounds every input gets, before anything sized by the spec is built
+            spec = InstanceSpec.from_dict(protocol.bounded_geometry(msg.spec, "spec"))
+            self.directory.announce(msg.instance, msg.role, spec, [tuple(c) for c in msg.ranks], msg.daemon,
+                                    msg.incarnation, now, local, msg.dp_size,
+                                    self.local_dp(dp.split(msg.instance)[0], msg.role), owner)
+        except KvxferError as exc:
+            self._announce_refused(msg, exc)
+            raise
+        self._values_ok.inc()
         if known != set(self.directory.remote(msg.instance, msg.role, now)):
             log.info("event=ranks_announced instance=%s daemon=%s ranks=%s", msg.instance, msg.daemon,
                      ",".join(f"{tp}.{pp}" for tp, pp in msg.ranks))
         return messages.AnnounceOk(msg.instance)
+
+    def _announce_refused(self, msg: messages.Announce, exc: KvxferError) -> None:
+        """Count a refused announcement; log it when it differs from the last one of its sender and instance."""
+        self.metrics.directory_values.labels("announce", "refused").inc()
+        key = (msg.daemon, msg.instance, msg.role)
+        text = str(exc)[:300]
+        if self._refused_here.get(key) == text:
+            return  # renewed every heartbeat: logged once
+        if len(self._refused_here) >= self.cfg.limits.max_ranks:
+            self._refused_here.clear()
+        self._refused_here[key] = text
+        log.warning("event=announce_refused_here daemon=%s instance=%s field=%s msg=%s", msg.daemon, msg.instance,
+                    exc.field, q(text))
 
     def rank_map(self, instance: str, role: str) -> dict[Coords, str]:
         """Every rank -> its daemon; raises PlanRefusal, or RequestError naming missing ranks."""
@@ -197,14 +232,19 @@ class Rendezvous:
     def _dp_ranks(self, base: str, role: str, dp_size: int) -> messages.Ranks:
         complete: list[list[Any]] = []
         missing: list[str] = []
+        incomplete = 0
         for k in range(dp_size):
             try:
                 held = self.directory.ranks(dp.dp_instance(base, k), role, time.monotonic(),
                                             self.local(dp.dp_instance(base, k), role))
             except (RankSetIncomplete, KvxferError) as exc:
-                missing.append(f"DP rank {k}: {exc}"[:300])
+                incomplete += 1
+                if len(missing) < MAX_NAMED:  # the answer names a few and counts the rest
+                    missing.append(f"DP rank {k}: {exc}"[:300])
                 continue
             complete.append([k, [[tp, pp, a] for (tp, pp), a in sorted(held.items())]])
+        if incomplete > len(missing):
+            missing.append(f"and {incomplete - len(missing)} more DP ranks incomplete")
         spec = next((self._spec(dp.dp_instance(base, k), role) for k, _ in complete), None)
         return messages.Ranks(base, [], dp_size, complete, missing or None, spec)
 

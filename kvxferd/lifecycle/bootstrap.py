@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 
 from ..directory.holders import spec_difference
-from ..errors import KvxferError, PlanRefusal
+from ..errors import ClaimRefused, KvxferError, PlanRefusal
 from ..model.geometry import InstanceSpec, rank_id
 from ..model.plan_wire import plan_from_wire
 from ..model.planner import make_plan
@@ -138,7 +138,7 @@ class BootstrapSide(LifecycleBase):
 
     def _refuse(self, entry: DestEntry, refusal: PlanRefusal) -> None:
         self.metrics.refusals.labels(refusal.field or "unknown").inc()
-        self._bootstrap_failed(events.BootstrapFailed(entry, "incompatible", str(refusal)))
+        self._bootstrap_failed(events.BootstrapFailed(entry, refusal.code, str(refusal)))
 
     def _bootstrap_local(self, entry: DestEntry) -> None:
         """The source instance is on this daemon: the plan is made here, once it registered."""
@@ -191,9 +191,11 @@ class BootstrapSide(LifecycleBase):
             self.metrics.handshakes.labels("refused").inc()
             log.warning("event=handshake_refused peer=%s field=%s msg=%s", hs.address, err.get("field"),
                         q(str(err.get("message"))[:300]))
-            self._handshake_failed(hs, PlanRefusal(str(err.get("message", "refused")),
-                                                   field=str(err.get("field") or "unknown"),
-                                                   prefill=err.get("prefill"), decode=err.get("decode")))
+            # a refused claim keeps its code (the destination fails claim_refused); any other is incompatible
+            kind = ClaimRefused if err.get("code") == ClaimRefused.code else PlanRefusal
+            self._handshake_failed(hs, kind(str(err.get("message", "refused")),
+                                            field=str(err.get("field") or "unknown"),
+                                            prefill=err.get("prefill"), decode=err.get("decode")))
             return
         assert isinstance(answer, HandshakeOk)
         try:

@@ -21,6 +21,7 @@ from .decode import DecodeSide
 from .inbox import DestEntry
 from .links import UP, Link, Links
 from .prefill import PrefillSide
+from .quotas import PeerRequests
 from .registry import Rank
 
 
@@ -29,6 +30,8 @@ class Lifecycle(DecodeSide, PrefillSide):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)  # the books: :class:`~.base.LifecycleBase`
+        #: prefill side: the requests each decode daemon's link bound here (its quota, :mod:`.quotas`)
+        self.peer_requests = PeerRequests()
         self._handlers: dict[type, Callable[[Any], Any]] = {
             events.ExpectCalled: self._expect, events.SendCalled: self._send,
             events.AbortCalled: self._abort_called, events.RankGone: self._rank_gone,

@@ -163,6 +163,8 @@ class HandshakeAsked:
     decode_tensors: bool
     route: Route
     integrity: int | None = None  # the decode instance's standing integrity period (None: off)
+    #: the decode ranks the hello claims its daemon holds (None: every rank of the instance)
+    ranks: tuple[tuple[int, int], ...] | None = None
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..errors import KvxferError, PeerHungUp, RequestError, TransferError
+from ..errors import ClaimRefused, KvxferError, PeerHungUp, RequestError, TransferError
 from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
 from ..model.plan import Plan, group_key
@@ -24,7 +24,8 @@ from . import effects, events, states
 from .base import LifecycleBase
 from .jobs import ChunkJob
 from .outbox import Binding, Chunk, Route, SrcEntry, Target
-from .routes import DecodeEnd
+from .quotas import Quota, share_of
+from .routes import DecodeEnd, Holder as RouteHolder, all_ranks
 
 log = logging.getLogger("kvxferd.lifecycle")
 
@@ -37,8 +38,64 @@ class PrefillSide(LifecycleBase):
         plan = make_plan(ev.spec, ev.decode_spec, mode=ev.mode, decode_tensors=ev.decode_tensors,
                          require_same_page_size=self.require_same_page_size)
         self.routes.check_pair(ev.prefill, ev.decode, plan, ev.route.daemon)
-        self.routes.set_pair(ev.prefill, ev.decode, plan, ev.route, stricter(ev.integrity, self.standing(ev.prefill)))
+        claimed = {tuple(c) for c in ev.ranks} if ev.ranks is not None else all_ranks(plan)
+        holder = self.routes.held_elsewhere(ev.prefill, ev.decode, ev.route.daemon, claimed, self.decode_live)
+        if holder is not None:
+            # two decode instances given one name, or a peer naming a live instance as its own: the
+            # live holder keeps the pair; the newcomer gets in once that holder's link is gone
+            self.metrics.peer_claims_refused.labels("handshake", "instance_held").inc()
+            raise ClaimRefused(f"decode daemon {ev.route.daemon} claims ranks of decode instance {ev.decode!r} "
+                               f"for prefill instance {ev.prefill!r}, but {holder.describe(ev.decode)} over a live "
+                               "peer link", field="decode_instance", prefill=holder.daemon, decode=ev.route.daemon,
+                               fix=f"give each decode instance its own name (decode daemons {holder.daemon} and "
+                               f"{ev.route.daemon} both name {ev.decode!r}); a restarted decode daemon gets in once "
+                               "its old link is gone")
+        self.routes.set_pair(ev.prefill, ev.decode, plan, ev.route, stricter(ev.integrity, self.standing(ev.prefill)),
+                             claimed)
         return plan
+
+    # -- claims and quotas of decode daemons -----------------------------------------------------
+    def decode_live(self, identity: bytes) -> bool:
+        """Whether a decode daemon's link is live (heard within the peer timeout, not gone)."""
+        return self.decode_daemons.get(identity) is not None
+
+    def expect_claim(self, prefill: str, decode: str, route: Route, dst: tuple[int, int]) -> RouteHolder | None:
+        """An expect for decode rank ``dst`` over ``route``: another live decode daemon of the pair that
+        holds that rank (the expect is refused), else None, and the rank is the route's daemon's now."""
+        holder = self.routes.held_elsewhere(prefill, decode, route.daemon, {dst}, self.decode_live)
+        if holder is None:
+            self.routes.claim(prefill, decode, route.daemon, dst)
+        else:
+            self.metrics.peer_claims_refused.labels("expect", "instance_held").inc()
+        return holder
+
+    def _share(self, total: int) -> int:
+        """One decode daemon's part of a shared limit: all of it while it is the only one linked here
+        (nobody to leave room for: a single-peer deployment keeps its whole capacity), else its share."""
+        return total if len(self.decode_daemons) <= 1 else share_of(total, self.limits.peer_share)
+
+    def request_quota(self, identity: bytes) -> tuple[Quota, int] | None:
+        """The quota a new request of this decode daemon's link would pass, and what it holds (None: within)."""
+        limit = self._share(self.limits.max_inflight_requests)
+        held = self.peer_requests.count(identity, limit, lambda rid: rid in self._by_request)
+        if held < limit:
+            return None
+        self.metrics.peer_claims_refused.labels("expect", "quota").inc()
+        return Quota("requests in flight", limit, "limits.peer_share x limits.max_inflight_requests"), held
+
+    def pair_quota(self, identity: bytes, prefill: str, decode: str) -> tuple[Quota, int] | None:
+        """The quota a new instance pair of this link would pass (None: within, or the pair is its already)."""
+        if self.routes.route_of(prefill, decode, identity) is not None:
+            return None
+        limit = self._share(self.limits.max_peer_pairs)
+        held = self.routes.pairs_of(identity)
+        if held < limit and self.routes.pair_count() < self.limits.max_peer_pairs:
+            return None
+        self.metrics.peer_claims_refused.labels("handshake", "quota").inc()
+        if held < limit:
+            return Quota("of all decode daemons' instance pairs", self.limits.max_peer_pairs,
+                         "limits.max_peer_pairs"), self.routes.pair_count()
+        return Quota("instance pairs", limit, "limits.peer_share x limits.max_peer_pairs"), held
 
     def sources_of(self, request_id: str) -> list[SrcEntry]:
         return list(self._by_request.get(request_id, {}).values())
@@ -107,6 +164,8 @@ class PrefillSide(LifecycleBase):
             return
         binding = self._binding_for(ev)
         binding.routes.setdefault(ev.dst, ev.route)  # the destination rank's daemon: its expect's link
+        if ev.route.identity is not None:
+            self.peer_requests.add(ev.route.identity, ev.request_id)  # counted against its quota
         for w in ev.plan.writers_of(*ev.dst):  # the cache groups' writers included
             if ev.writers is not None and w.src not in ev.writers:
                 continue  # held by another daemon of the instance
@@ -248,6 +307,7 @@ class PrefillSide(LifecycleBase):
         request's other decode daemons too)."""
         for route in self.routes.drop_peer(ev.identity):
             self.emit(effects.PeerGone(route.kind, route.nixl, route.data_address, ev.message))
+        self.peer_requests.forget(ev.identity)
         for request_id, waiters in list(self.fence_waiters.items()):
             waiters.discard(ev.identity)
             if not waiters:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from ..directory.holders import spec_difference
 from ..errors import PlanRefusal
@@ -45,6 +45,25 @@ class PairRoutes:
     routes: dict[str, Route] = field(default_factory=dict)
     #: the integrity period agreed at the pair's handshake (the shorter of both sides'; None: off)
     integrity: int | None = None
+    #: decode daemon -> the decode ranks it holds of the instance: those its handshake named (all of
+    #: them where it named none), and those its expects named since
+    claimed: dict[str, set[Coords]] = field(default_factory=dict)
+
+
+Coords = tuple[int, int]
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Another live decode daemon that holds ranks of a pair a handshake or expect claims."""
+
+    daemon: str
+    ranks: list[Coords]
+
+    def describe(self, decode: str) -> str:
+        shown = ", ".join(f"{tp}.{pp}" for tp, pp in self.ranks[:8])
+        more = f" and {len(self.ranks) - 8} more" if len(self.ranks) > 8 else ""
+        return f"decode daemon {self.daemon} holds ranks {shown}{more} of decode instance {decode!r}"
 
 
 class RouteBook:
@@ -102,15 +121,50 @@ class RouteBook:
                           f"daemon {others[0]} in mode {found.plan.mode!r}", field="mode",
                           prefill=found.plan.mode, decode=plan.mode, fix=fix)
 
-    def set_pair(self, prefill: str, decode: str, plan: Plan, route: Route, integrity: int | None = None) -> None:
+    def set_pair(self, prefill: str, decode: str, plan: Plan, route: Route, integrity: int | None = None,
+                 ranks: set[Coords] | None = None) -> None:
         """Record a handshake (call :meth:`check_pair` first): a new plan replaces the pair's, and
-        its last handshake's agreed integrity period the one before."""
+        its last handshake's agreed integrity period the one before; ``ranks``: the decode ranks
+        the handshake claims (None: every rank of the plan's decode instance)."""
         found = self._pairs.get((prefill, decode))
         if found is None or found.plan != plan:
             keep = {d: r for d, r in found.routes.items() if d != route.daemon} if found is not None else {}
-            found = self._pairs[(prefill, decode)] = PairRoutes(plan, keep)
+            claimed = {d: c for d, c in found.claimed.items() if d in keep} if found is not None else {}
+            found = self._pairs[(prefill, decode)] = PairRoutes(plan, keep, claimed=claimed)
         found.routes[route.daemon] = route
+        found.claimed[route.daemon] = set(ranks) if ranks is not None else all_ranks(plan)
         found.integrity = integrity
+
+    def held_elsewhere(self, prefill: str, decode: str, daemon: str, ranks: set[Coords],
+                       live: Callable[[bytes], bool]) -> Holder | None:
+        """Another decode daemon whose live link holds one of ``ranks`` of the pair (None: none does).
+        A decode instance over several daemons holds disjoint ranks at each; two instances given one
+        name, or a stranger naming a live instance, claim the same ranks. A holder whose link is gone
+        (a restarted or dead decode daemon) holds nothing."""
+        found = self._pairs.get((prefill, decode))
+        if found is None:
+            return None
+        for other, route in found.routes.items():
+            if other == daemon or route.identity is None or not live(route.identity):
+                continue
+            both = sorted(found.claimed.get(other, set()) & ranks)
+            if both:
+                return Holder(other, both)
+        return None
+
+    def claim(self, prefill: str, decode: str, daemon: str, dst: Coords) -> None:
+        """An expect of ``daemon`` for rank ``dst`` (registered there after its handshake): it holds it now."""
+        found = self._pairs.get((prefill, decode))
+        if found is not None and daemon in found.routes:
+            found.claimed.setdefault(daemon, set()).add(dst)
+
+    def pairs_of(self, identity: bytes) -> int:
+        """Instance pairs a decode daemon's link handshook (its share of ``limits.max_peer_pairs``)."""
+        return sum(1 for found in self._pairs.values() for r in found.routes.values() if r.identity == identity)
+
+    def pair_count(self) -> int:
+        """Instance pairs with a route to a decode daemon's link (local pairs cost no peer anything)."""
+        return sum(1 for found in self._pairs.values() if any(r.identity is not None for r in found.routes.values()))
 
     def integrity(self, prefill: str, decode: str) -> int | None:
         """The pair's agreed integrity period (None: off, or no handshake)."""
@@ -161,6 +215,7 @@ class RouteBook:
             for daemon, route in list(found.routes.items()):
                 if route.identity == identity:
                     del found.routes[daemon]
+                    found.claimed.pop(daemon, None)
                     gone.append(route)
             if not found.routes:
                 del self._pairs[key]
@@ -170,6 +225,11 @@ class RouteBook:
         for refusal in [k for k in self._refused if k[2] == identity]:
             del self._refused[refusal]
         return gone
+
+
+def all_ranks(plan: Plan) -> set[Coords]:
+    """Every rank of a plan's decode instance: what a handshake that names no ranks claims."""
+    return {(tp, pp) for tp in range(plan.decode.tp_size) for pp in range(plan.decode.pp_size)}
 
 
 def _remember(book: OrderedDict[Any, Any], key: Any, value: Any, bound: int) -> None:

@@ -9,6 +9,8 @@ must carry.
 
 from __future__ import annotations
 
+import fnmatch
+import hashlib
 import os
 import time
 from collections import OrderedDict
@@ -82,6 +84,77 @@ def parse_peer_keys(entries: list[str]) -> dict[str, str]:
             raise ConfigError(f"auth.peer_keys entry {entry[:60]!r} is not host:port=KEY", field="auth.peer_keys",
                               fix="write entries like \"10.0.0.2:5557=<public key>\"")
         out[address.strip()] = check_key("auth.peer_keys", key.strip())
+    return out
+
+
+def token_digest(token: bytes) -> bytes:
+    """What a source daemon sends to the address a handshake claimed, to ask whether that
+    daemon sent it: a digest of the handshake's data token, so the question never carries the
+    token itself to whatever listens there."""
+    return hashlib.blake2b(token, digest_size=16, person=b"kvxferd-claim").digest()
+
+
+#: what a key may speak for: ``"KEY=ADDRESS[,ADDRESS...];INSTANCE[,INSTANCE...]"`` (globs allowed)
+CLAIMS_FORMAT = '"<40-character key>=host:port[,host:port...];instance[,instance...]"'
+
+
+@dataclass(frozen=True)
+class KeyClaims:
+    """The daemon addresses and instance names one allowed key may speak for (``auth.key_claims``).
+
+    A peer's key is proven by CURVE, but a key says nothing of which daemon and instances it is:
+    without claims, any admitted key may name any decode daemon and instance in a handshake,
+    expect, announce or withdrawal. Patterns are shell globs (``fnmatch``, case-sensitive)."""
+
+    key: str
+    addresses: tuple[str, ...]
+    instances: tuple[str, ...]
+
+    def covers_daemon(self, address: str) -> bool:
+        return any(fnmatch.fnmatchcase(address, p) for p in self.addresses)
+
+    def covers_instance(self, instance: str) -> bool:
+        return any(fnmatch.fnmatchcase(instance, p) for p in self.instances)
+
+    def describe(self) -> str:
+        return f"{','.join(self.addresses)};{','.join(self.instances)}"
+
+    def refusal(self, daemon: str, instance: str | None) -> tuple[str, str] | None:
+        """Why this key may not speak for ``daemon`` (and ``instance``): (what, message), or None."""
+        if not self.covers_daemon(daemon):
+            return "daemon", f"daemon address {daemon!r} is not among {list(self.addresses)}"
+        if instance is not None and not self.covers_instance(instance):
+            return "instance", f"instance {instance!r} is not among {list(self.instances)}"
+        return None
+
+
+def parse_key_claims(entries: list[str], allowed: list[str] | None = None) -> dict[str, KeyClaims]:
+    """``auth.key_claims`` entries -> {key: its claims}. Each key appears once and, where
+    ``allowed`` is given, is one of ``auth.allowed_keys`` (a claim for a key never admitted
+    is a typo that would leave the real key unscoped)."""
+    out: dict[str, KeyClaims] = {}
+    for entry in entries:
+        entry = entry.strip()
+        key, sep, rest = entry[:40], entry[40:41], entry[41:]  # Z85 keys may contain "=": cut by length
+        addresses, semi, instances = rest.partition(";")
+        addr = tuple(a.strip() for a in addresses.split(",") if a.strip())
+        inst = tuple(i.strip() for i in instances.split(",") if i.strip())
+        if sep != "=" or not semi or not addr or not inst:
+            raise ConfigError(f"auth.key_claims entry {entry[:60]!r} is not KEY=ADDRESSES;INSTANCES",
+                              field="auth.key_claims", fix=f"write entries like {CLAIMS_FORMAT}")
+        check_key("auth.key_claims", key)
+        bad = [a for a in addr if ":" not in a]
+        if bad:
+            raise ConfigError(f"auth.key_claims address {bad[0]!r} of key {key[:12]}... is not host:port (a glob "
+                              "may stand for either part)", field="auth.key_claims",
+                              fix="write addresses like 10.0.0.2:5557 or 10.0.0.*:5557")
+        if key in out:
+            raise ConfigError(f"auth.key_claims names key {key[:12]}... twice", field="auth.key_claims",
+                              fix="give each key one entry, listing all its addresses and instances")
+        if allowed is not None and key not in allowed:
+            raise ConfigError(f"auth.key_claims names key {key[:12]}..., which is not in auth.allowed_keys",
+                              field="auth.key_claims", fix="add the key to auth.allowed_keys, or fix the claim's key")
+        out[key] = KeyClaims(key, addr, inst)
     return out
 
 

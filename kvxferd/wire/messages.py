@@ -230,6 +230,9 @@ class Handshake(Message):
     #: left out: off); the pair agrees the shorter of both sides' (kvxferd.model.sampling)
     integrity: int | None = wire(integer(1, MAX_PERIOD), None)
     extra: dict[str, Any] = extras(NIXL_OFFER)  # the transports' offer (NIXL agent, regions)
+    #: the decode instance's ranks registered at the sending daemon ([tp, pp] each; left out: all of
+    #: them): another live decode daemon holding one of them is refused (two instances, one name)
+    ranks: list[list[int]] | None = wire(list_of(pair, MAX_INSTANCE_RANKS), None)
 
 
 @dataclass(frozen=True)
@@ -378,6 +381,9 @@ class PeerPing(Message):
     op: ClassVar[str] = "ping"
     daemon: str = wire(ADDRESS)
     incarnation: str | None = wire(INCARNATION, None)
+    #: a source daemon asks whether this daemon sent a handshake: the digest of the data token it
+    #: carried (:func:`kvxferd.wire.auth.token_digest`); the pong says ``confirmed``
+    confirm: bytes | None = wire(blob(64), None)
 
 
 @dataclass(frozen=True)
@@ -386,6 +392,7 @@ class Pong(Message):
     daemon: str = wire(ADDRESS)
     incarnation: str | None = wire(INCARNATION, None)
     batch: int | None = wire(BATCH_PARTS, None)  # as in HandshakeOk
+    confirmed: bool | None = wire(boolean, None)  # the answer to a ping's ``confirm``
 
 
 @dataclass(frozen=True)
