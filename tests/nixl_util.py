@@ -21,7 +21,9 @@ from kvxferd.transport.nixl import api as nixl_api
 
 #: UCX on loopback TCP only: no RDMA devices, no shared-memory shortcut between the daemons
 UCX_ENV = {"UCX_NET_DEVICES": "lo", "UCX_TLS": "tcp"}
-NIXL_ENV = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl"}
+#: the NIXL tests of the in-place routes (direct WRITEs, ``place``) ask for them outright: a decode
+#: daemon keeps its engines' memory private by default (tests/test_isolation_nixl.py covers that)
+NIXL_ENV = {**UCX_ENV, "KVXFERD_PEER_TRANSPORT": "nixl", "KVXFERD_PEER_NIXL_ENGINE_MEMORY": "exposed"}
 NUM_PAGES = 64
 
 

@@ -357,7 +357,12 @@ def test_negotiation_refuses_a_pair_without_a_common_transport():
     chosen, _, fallback = no_ring.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a",
                                           "nixl_md": [b"x"]}, spec(), "staged")
     assert (chosen, fallback.code) == ("tcp", "no_landing_ring") and "landing ring" in fallback.detail
-    assert tcp_only.describe() == {"preference": ["nixl", "tcp"], "nixl": "simulated"}
+    # a decode daemon that keeps its engines' memory private and gave no ring: NIXL cannot carry the pair
+    chosen, _, fallback = no_ring.choose({"daemon": "d:1", "transports": ["nixl", "tcp"], "nixl_agent": "a",
+                                          "nixl_md": [], "nixl_private": True}, spec(), "auto")
+    assert (chosen, fallback.code) == ("tcp", "private_no_ring") and "peer.nixl_engine_memory" in fallback.detail
+    assert tcp_only.describe() == {"preference": ["nixl", "tcp"], "nixl_engine_memory": "private",
+                                   "nixl": "simulated"}
 
 
 def test_a_rank_nixl_would_not_register_moves_its_pairs_to_tcp_saying_why():

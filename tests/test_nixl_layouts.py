@@ -35,21 +35,25 @@ NUM_PAGES = 24
 _ids = itertools.count()
 
 
+#: this file's direct and in-place rows write into the decode pages: engine memory exposed outright
+EXPOSED_NIXL = {**ONLY_NIXL, "KVXFERD_PEER_NIXL_ENGINE_MEMORY": "exposed"}
+
+
 @pytest.fixture(scope="module")
 def cluster(request):
     if NIXL_MISSING:
         pytest.skip(f"NIXL unusable here: {NIXL_MISSING}")
     yield from module_cluster(
-        request, Node("decode-nx", env=ONLY_NIXL),
+        request, Node("decode-nx", env=EXPOSED_NIXL),
         # no landing ring: nothing to stage into, so every chunk is one direct WRITE of its runs
-        Node("decode-no-ring", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
-        Node("prefill-direct", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "direct"}),
-        Node("prefill-staged", env={**ONLY_NIXL, "KVXFERD_PEER_MODE": "staged"}),
+        Node("decode-no-ring", env={**EXPOSED_NIXL, "KVXFERD_LIMITS_NIXL_LANDING_SLOTS": "0"}),
+        Node("prefill-direct", env={**EXPOSED_NIXL, "KVXFERD_PEER_MODE": "direct"}),
+        Node("prefill-staged", env={**EXPOSED_NIXL, "KVXFERD_PEER_MODE": "staged"}),
         # auto: the daemon decides per chunk (short runs through a slot)
-        Node("prefill-auto", env=ONLY_NIXL),
+        Node("prefill-auto", env=EXPOSED_NIXL),
         # whole-row sides of sliced chunks used in place at any run length (this file's pages are small);
         # auto, which writes to a decode daemon without a landing ring too
-        Node("prefill-in-place", env={**ONLY_NIXL, "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "64"}))
+        Node("prefill-in-place", env={**EXPOSED_NIXL, "KVXFERD_LIMITS_NIXL_IN_PLACE_BYTES": "64"}))
 
 
 #: mode -> (prefill daemon, decode daemon): direct WRITEs of every run, or staged blocks

@@ -25,7 +25,7 @@ t = NixlTransport("overlay", Inbox(lambda entry: None), timeout_s=5, max_header_
 full = torch.zeros(1 << 16, dtype=torch.uint8)
 regions = {(layer, kind): SimpleNamespace(flat=full, nbytes=full.numel(), layer=layer, kind=kind)
            for layer in range(2) for kind in ("kv", "swa0.kv")}  # every region the same memory
-rank = SimpleNamespace(id="hybrid/tp0/pp0", regions=regions)
+rank = SimpleNamespace(id="hybrid/tp0/pp0", role="prefill", regions=regions)  # registered whatever engine memory says
 t.register_rank(rank)
 assert t.registrations()
 t.deregister_rank(rank)

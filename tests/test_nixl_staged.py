@@ -22,6 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import digest_oracles
 from e2e_util import Cluster, Node, close, cluster_run, finished, module_cluster, spec, untouched_bytes
 from kvxferd.datapath.staging import Piece, StagingPool, block_pieces, pack
 from kvxferd.errors import ConfigError, ProtocolError, RequestError, TransferError
@@ -220,6 +221,7 @@ def test_digests_said_to_trail_must_come_in_a_staged_chunks_last_block(cluster, 
         header = {"op": "data", "request_id": "trail", "decode_instance": name, "dst": [0, 0], "src": [0, 0],
                   "start": 0, "end": 8, "last": True, "nbytes": 8 * 8 * 2 * 16 * 2, "token": hs["data_token"],
                   "trailer": True, **extra, **({"ring": ring} if "slot" in extra else {})}
+        header["header_digest"] = digest_oracles.header(header)  # the header itself is as sent
         fake.agent.send_notif(hs["nixl_agent"], msgpack.packb(header, use_bin_type=True))
         ev = finished(decode[0], "trail", timeout=15)
         assert ev["state"] == "failed" and ev["code"] == "peer_refused" and says in ev["reason"], ev
@@ -350,7 +352,7 @@ class _Inbox:
     def __init__(self):
         self.begun, self.finished, self.headers = [], [], []
 
-    def begin(self, header, rid):
+    def begin(self, header, rid, transport=""):
         self.begun.append((header["start"], header["end"]))
         self.headers.append(header)
         return Sink(_Entry(), _Writer(), header["start"], header["end"], header["last"], header["nbytes"],
@@ -440,7 +442,7 @@ class _CheckingInbox(_Inbox):
         super().__init__()
         self.frees, self.rank, self.at_finish = frees, _PagesRank(), []
 
-    def begin(self, header, rid):
+    def begin(self, header, rid, transport=""):
         self.begun.append((header["start"], header["end"]))
         entry = type("Entry", (), {"rank": self.rank})()
         return Sink(entry, _PagesWriter(), header["start"], header["end"], header["last"], header["nbytes"],

@@ -122,7 +122,10 @@ def _start(cluster: Cluster, transport: str, mode: str) -> tuple[Any, Any]:
     env = {"KVXFERD_PEER_MODE": mode}
     if transport == "nixl":  # both daemons offer NIXL; UCX stays on loopback unless told otherwise
         env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_NET_DEVICES=os.environ.get("UCX_NET_DEVICES", "lo"),
-                   UCX_TLS=os.environ.get("UCX_TLS", "tcp"))
+                   UCX_TLS=os.environ.get("UCX_TLS", "tcp"),
+                   # one tenant, the demo's own: the mode asked is shown as asked, in-place WRITEs included
+                   # (the daemon's default, private, lands every chunk in its ring)
+                   KVXFERD_PEER_NIXL_ENGINE_MEMORY=os.environ.get("KVXFERD_PEER_NIXL_ENGINE_MEMORY", "exposed"))
     if transport == "local":
         pd = cluster.daemon("node", env=env)
         return pd, pd
@@ -131,7 +134,7 @@ def _start(cluster: Cluster, transport: str, mode: str) -> tuple[Any, Any]:
 
 #: why a chunk may leave in another mode than the one asked outright: not the daemon's choice
 #: (:mod:`kvxferd.transport.chunk_modes`)
-_NOT_CHOSEN = (chunk_modes.DEVICE_MEMORY, chunk_modes.NO_LANDING_RING)
+_NOT_CHOSEN = (chunk_modes.DEVICE_MEMORY, chunk_modes.NO_LANDING_RING, chunk_modes.PRIVATE_DESTINATION)
 
 
 def _moved_as_asked(pd: Any, transport: str, mode: str, failed: list[dict[str, Any]]) -> dict[str, Any]:

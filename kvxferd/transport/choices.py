@@ -20,6 +20,8 @@ MAX_PAIRS = 4096
 UNAVAILABLE_HERE = "unavailable_here"  # the library is missing or would not start on this daemon
 NOT_OFFERED = "not_offered"  # the decode daemon did not offer it
 NO_LANDING_RING = "no_landing_ring"  # a staged plan needs a landing ring the decode daemon did not give
+#: the decode daemon keeps its engines' memory private (every chunk lands in a ring) and gave no ring
+PRIVATE_NO_RING = "private_no_ring"
 NO_AGENT = "no_agent"  # the offer carried no agent metadata
 PEER_FAILED = "peer_failed"  # loading the peer's agent failed
 REGISTER_FAILED = "register_failed"  # a rank of the pair's instances could not be registered with it

@@ -27,19 +27,27 @@ SHORT_RUNS = "short_runs"
 DEVICE_MEMORY = "device_memory"
 #: a chunk that would be staged found no landing ring at the decode daemon (NIXL): it is written in place
 NO_LANDING_RING = "no_landing_ring"
+#: the decode daemon exposes no engine memory (``peer.nixl_engine_memory = "private"``): every chunk
+#: lands in its landing ring, whatever the pair asked
+PRIVATE_DESTINATION = "private_destination"
 
-WHYS = (PLAN, SHORT_RUNS, DEVICE_MEMORY, NO_LANDING_RING)
+WHYS = (PLAN, SHORT_RUNS, DEVICE_MEMORY, NO_LANDING_RING, PRIVATE_DESTINATION)
 
 
-def pick(plan_mode: str, pinned: bool, device_memory: bool, short_runs: bool) -> tuple[str, str]:
+def pick(plan_mode: str, pinned: bool, device_memory: bool, short_runs: bool,
+         private_destination: bool = False) -> tuple[str, str]:
     """The mode one chunk moves in and why.
 
     ``plan_mode``: the pair's planned mode (``direct`` or ``staged``); ``pinned``: the operator
     asked that mode outright rather than ``auto``; ``device_memory``: either side's pages of this
     chunk are on a GPU; ``short_runs``: the chunk's runs are short enough that a slot beats
-    moving them in place (each transport's own measure)."""
+    moving them in place (each transport's own measure); ``private_destination``: the destination
+    pages may not be written in place at all (a decode daemon that keeps its engines' memory
+    private), so even an operator's ``direct`` stages."""
     if plan_mode == STAGED:
         return STAGED, PLAN
+    if private_destination:
+        return STAGED, PRIVATE_DESTINATION
     if device_memory:
         return STAGED, DEVICE_MEMORY
     if pinned:

@@ -22,6 +22,8 @@ from .choices import PairTransport, TransportChoices
 from .local import LocalTransport
 from .nixl.support import NixlSupport
 from .tcp import TcpDataServer, TcpTransport
+from .tcp_guard import Deadlines
+from .tcp_proof import LinkKeys
 
 
 class Transports:
@@ -30,11 +32,13 @@ class Transports:
     def __init__(self, inbox: Inbox, staging: StagingPool, *, daemon_name: str, preference: list[str],
                  timeout_s: float, max_header_bytes: int, max_pages: int, data_connections: int,
                  landing_slots: int, landing_bytes: int, in_place_bytes: int = 256 * 1024,
-                 nixl_block_bytes: int | None = None,
+                 nixl_block_bytes: int | None = None, nixl_engine_memory: str = "private",
                  on_received: Callable[[str, Sink, Moved], None],
                  on_refused: Callable[[DestEntry, str, str], None],
                  on_invalid: Callable[[str], None],
-                 on_fallback: Callable[[PairTransport], None] = lambda choice: None) -> None:
+                 on_fallback: Callable[[PairTransport], None] = lambda choice: None,
+                 on_nixl_registered: Callable[[str, int], None] | None = None,
+                 on_nixl_refused: Callable[[str], None] | None = None) -> None:
         self.inbox = inbox
         #: each instance pair's transport as its handshake chose it, for ``status``
         self.choices = TransportChoices()
@@ -44,21 +48,29 @@ class Transports:
         self.on_received = on_received
         self.on_invalid = on_invalid
         self.local = LocalTransport(inbox, lambda sink, moved: on_received("local", sink, moved))
+        #: the data token of each link to a source daemon (the control side adds them as it makes
+        #: links): what a tcp data connection proves before its first chunk (:mod:`.tcp_proof`)
+        self.link_keys = LinkKeys()
         self.tcp = TcpTransport(timeout_s=timeout_s, max_reply_bytes=1 << 16, staging=staging,
                                 connections_per_peer=data_connections)
         self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
             daemon_name, preference, inbox, timeout_s=timeout_s, max_header_bytes=max_header_bytes,
             max_pages=max_pages, landing_slots=landing_slots, landing_bytes=landing_bytes,
             staging=staging if nixl_block_bytes is None else staging.sibling(nixl_block_bytes),
-            in_place_bytes=in_place_bytes, on_received=lambda sink, moved: on_received("nixl", sink, moved),
-            on_refused=on_refused, on_invalid=on_invalid)
+            in_place_bytes=in_place_bytes, engine_memory=nixl_engine_memory,
+            on_received=lambda sink, moved: on_received("nixl", sink, moved),
+            on_refused=on_refused, on_invalid=on_invalid, on_registered=on_nixl_registered,
+            on_nixl_refused=on_nixl_refused)
 
-    def listen(self, host: str, port: int) -> TcpDataServer:
-        """Start receiving over tcp (the data port)."""
+    def listen(self, host: str, port: int, *, deadlines: Deadlines = Deadlines(), max_connections: int = 64,
+               on_conn_refused: Callable[[str], None] | None = None,
+               on_accept_error: Callable[[], None] | None = None) -> TcpDataServer:
+        """Start receiving over tcp (the data port): connections prove a link in :attr:`link_keys`."""
         return self.tcp.listen(host, port, self.inbox, max_header_bytes=self.max_header_bytes,
-                               timeout_s=self.timeout_s,
+                               timeout_s=self.timeout_s, max_connections=max_connections,
                                on_received=lambda sink, moved: self.on_received("tcp", sink, moved),
-                               on_invalid=self.on_invalid)
+                               on_invalid=self.on_invalid, keys=self.link_keys, deadlines=deadlines,
+                               on_conn_refused=on_conn_refused, on_accept_error=on_accept_error)
 
     def find(self, kind: str) -> Transport | None:
         """The transport a route or destination recorded by name; NIXL once its agent started."""

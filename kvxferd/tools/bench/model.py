@@ -151,6 +151,9 @@ class Scenario:
     #: the same requests to a plain one ("off": neither)
     integrity: str = "off"
     rounds: int = 3  # the timed requests in this many rounds: the row's figure is its best round
+    #: NIXL rows: the decode daemon's peer.nixl_engine_memory. "exposed" measures in-place WRITEs into
+    #: the decode pages; "private" (the daemon's default) lands every chunk in the ring and scatters it
+    engine_memory: str = "exposed"
 
     @property
     def gate(self) -> bool:

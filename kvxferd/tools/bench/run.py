@@ -159,7 +159,7 @@ def _kvxferd_rows(scenarios: list[Scenario], size: str, seed: int) -> list[Row]:
     root = Path(tempfile.mkdtemp(prefix="kvxferd-bench-"))
     pool = DaemonPool(root, recycle_bytes=(8 * GiB) if size == "full" else (4 * GiB))
     try:
-        for sc in sorted(scenarios, key=lambda s: (s.transport, s.mode, s.order)):
+        for sc in sorted(scenarios, key=lambda s: (s.transport, s.mode, s.engine_memory, s.order)):
             if sc.order not in results:
                 results[sc.order] = run_with_retry(sc, pool, seed, size)
     finally:

@@ -27,7 +27,8 @@ class _Adder:
         self.out: list[Scenario] = []
 
     def __call__(self, kind: str, transport: str, mode: str, wl: Workload, requests: int | None = None,
-                 window: int | None = None, verify: int = 2, client: str = "sync", integrity: str = "off") -> None:
+                 window: int | None = None, verify: int = 2, client: str = "sync", integrity: str = "off",
+                 engine_memory: str = "exposed") -> None:
         if requests is None:
             budget = {"full": 6 * GiB, "quick": 1536 * MiB, "smoke": 48 * MiB}[self.size]
             requests = max(6 if self.size == "full" else 4, min(64, -(-budget // wl.nbytes)))
@@ -37,13 +38,14 @@ class _Adder:
         if integrity != "off":  # plain and checked rounds in turn: twice the requests in twice the rounds
             requests, rounds = 2 * requests, 6
         if kind == "throughput":
-            name = f"{transport} {mode} {wl.label}" + (f" integrity {integrity}" if integrity != "off" else "")
+            name = f"{transport} {mode} {wl.label}" + (f" integrity {integrity}" if integrity != "off" else "") + (
+                " private" if transport == "nixl" and engine_memory == "private" else "")
         elif kind == "latency":
             name = f"latency 1 page {transport} {wl.model}"
         else:
             name = f"small requests {transport} {wl.model} {client} client"
         self.out.append(Scenario(name, kind, transport, mode, wl, requests, window, verify, len(self.out), client,
-                                 integrity, rounds))
+                                 integrity, rounds, engine_memory))
 
 
 def _full(add: _Adder) -> None:
@@ -66,11 +68,15 @@ def _full(add: _Adder) -> None:
                 add("throughput", t, m, wl)
     # kvxferd's NIXL transport (UCX over TCP), next to the raw NIXL agent row; sliced plans
     # (TP mismatch: head slices) against the matched plan of the same model
+    # (in-place WRITEs into the decode pages: peer.nixl_engine_memory = "exposed"), and the same
+    # plans with the decode daemon's default, "private": every chunk through its landing ring
     add("throughput", "nixl", "direct", Workload("8B", 4096))
     add("throughput", "nixl", "direct", Workload("70B", 2048))
     for p_tp, d_tp in ((2, 1), (1, 2)):
         for m in modes:
             add("throughput", "nixl", m, Workload("70B", 2048, p_tp, d_tp))
+    for wl in (Workload("8B", 4096), Workload("70B", 2048), Workload("70B", 2048, 2, 1)):
+        add("throughput", "nixl", "direct" if wl.p_tp == wl.d_tp else "staged", wl, engine_memory="private")
     # vLLM's GPU layouts over NIXL: token-major (NHD_kv) and head-major pages (HND_kv), matched and sliced
     for layout in ("NHD_kv", "HND_kv"):
         for p_tp, d_tp in ((1, 1), (2, 1)):
@@ -148,25 +154,26 @@ class DaemonPool:
         from ..sim import Cluster
         self.cluster = Cluster(root=root)
         self.recycle_bytes = recycle_bytes
-        self.key: tuple[str, str] | None = None
+        self.key: tuple[str, str, str] | None = None
         self.prefill: Any = None
         self.decode: Any = None
         self.held = 0
         self.count = 0
 
-    def get(self, transport: str, mode: str, nbytes: int) -> tuple[Any, Any]:
-        if self.key != (transport, mode) or self.held + nbytes > self.recycle_bytes:
+    def get(self, transport: str, mode: str, nbytes: int, engine_memory: str = "exposed") -> tuple[Any, Any]:
+        if self.key != (transport, mode, engine_memory) or self.held + nbytes > self.recycle_bytes:
             self.stop()
             env = {"KVXFERD_PEER_MODE": mode, "KVXFERD_DAEMON_LOG_LEVEL": "info", "KVXFERD_DAEMON_HOP_TRACE": "1024",
                    "KVXFERD_PEER_HEARTBEAT_INTERVAL_S": "1.0", "KVXFERD_PEER_PEER_TIMEOUT_S": "10"}
             if transport == "nixl":  # the same UCX setup as the raw NIXL peer row
-                env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN")
+                env.update(KVXFERD_PEER_TRANSPORT="nixl", UCX_TLS="tcp", UCX_NET_DEVICES="lo", NIXL_LOG_LEVEL="WARN",
+                           KVXFERD_PEER_NIXL_ENGINE_MEMORY=engine_memory)
             self.count += 1
             say(f"starting {'one daemon' if transport == 'local' else 'a daemon pair'} (mode={mode})")
             self.prefill = self.cluster.daemon(f"b{self.count}-prefill", env=env)
             self.decode = self.prefill if transport == "local" else self.cluster.daemon(f"b{self.count}-decode",
                                                                                             env=env)
-            self.key = (transport, mode)
+            self.key = (transport, mode, engine_memory)
             self.held = 0
         self.held += nbytes
         return self.prefill, self.decode
@@ -272,7 +279,7 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
     # an integrity row's checked instance asks for its mode at register: the daemons stay off,
     # and its plain rounds run on them between its checked ones (engine_layout.Layout)
     pairs = 2 if sc.integrity != "off" else 1
-    pd, dd = pool.get(sc.transport, sc.mode, pairs * wl.nbytes * (sc.window + sc.verify + 1))
+    pd, dd = pool.get(sc.transport, sc.mode, pairs * wl.nbytes * (sc.window + sc.verify + 1), sc.engine_memory)
     before, checked_before = chunk_counts(pd.metrics_url), checked_chunks(dd.metrics_url)
     waited = wait_quiet(quiet_wait) if quiet_wait > 0 else 0.0
     adjacent = _adjacent_limit(sc)

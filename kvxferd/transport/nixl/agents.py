@@ -40,10 +40,16 @@ class RemoteAgents:
     _unreleased: list[Any]
 
     def add_peer(self, agent: str, metadata: list[bytes], regions: list[list[Any]], spec: InstanceSpec,
-                 landing: list[int] | None = None) -> NixlPeer:
-        """A decode agent as one route sees it; ``spec`` is the decode instance's."""
+                 landing: list[int] | None = None, private: bool = False) -> NixlPeer:
+        """A decode agent as one route sees it; ``spec`` is the decode instance's; ``private``: it
+        described no engine memory, only its landing ring (every chunk lands there)."""
+        if private and regions:
+            raise ProtocolError(f"NIXL agent {agent!r} says its engine memory is private yet describes "
+                                f"{len(regions)} regions", field="nixl_regions",
+                                fix="describe no engine region with nixl_private")
         self.load(agent, metadata, regions, landing)
         peer = NixlPeer(agent, spec)
+        peer.private = private
         peer.update(regions)
         if landing is not None:
             info = RingInfo.from_wire(landing)

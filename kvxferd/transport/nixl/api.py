@@ -25,6 +25,8 @@ log = logging.getLogger("kvxferd.nixl")
 #: distributions that ship the NIXL Python API, tried in this order
 MODULES = ("nixl_cu12", "nixl_cu13", "nixl")
 BACKEND = "UCX"
+#: ``peer.nixl_engine_memory``: sources write only landing rings (the default), or engines' pages in place too
+PRIVATE, EXPOSED = "private", "exposed"
 _import_error: str | None = None
 _api: Any = None
 
@@ -116,6 +118,7 @@ class _Registered:
     reg_descs: Any  # nixlRegDList, for deregistration and partial metadata
     addresses: dict[tuple[int, str], int]
     metadata: bytes | None = None
+    nbytes: int = 0  # bytes registered (each range once)
 
 
 class NixlPeer:
@@ -136,6 +139,9 @@ class NixlPeer:
         self.units: dict[str, InstanceSpec] = {"": spec, **{g.name: spec.group_spec(g.name) for g in spec.groups}}
         self.dead = ""  # set by the daemon when the peer stops answering heartbeats
         self.credits: Credits | None = None  # the peer's landing ring for staged blocks, if it gave one
+        #: the peer keeps its engines' memory private (``nixl_private``): no region of it is described,
+        #: and every chunk lands in its landing ring
+        self.private = False
         self._regions: dict[tuple[int, int, int, str], tuple[int, int, int, int]] = {}
         self._bases: dict[tuple[Any, ...], tuple[np.ndarray, int, int]] = {}
         #: page stride of each decode rank's regions of a group, by (tp, pp, group); 0: dense

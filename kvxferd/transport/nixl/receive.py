@@ -10,7 +10,7 @@ from typing import Any
 
 from ...wire import protocol
 from ...datapath.copier import scatter, settle
-from ...errors import KvxferError, ProtocolError, RequestError
+from ...errors import IntegrityError, KvxferError, ProtocolError, RequestError
 from ...lifecycle.inbox import DestEntry, Sink
 from ...ops.logutil import q
 from ...model.geometry import rank_id
@@ -31,6 +31,12 @@ def _hashes(sink: Sink) -> bool:
     return sink.sample is not None or sink.entry.integrity is not None
 
 
+def _code(exc: KvxferError) -> str:
+    """What a refused header fails its request with: ``integrity`` where it differs from what its
+    source sent (the inbox failed the request so already), else ``peer_refused``."""
+    return exc.code if isinstance(exc, IntegrityError) else "peer_refused"
+
+
 def _why(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {text}"[:300]
@@ -41,6 +47,8 @@ class NixlReceiver:
 
     agent: Any
     inbox: Any
+    private: bool
+    on_nixl_refused: Any
 
     # -- receiving -------------------------------------------------------------------
     def _poll_loop(self) -> None:
@@ -94,6 +102,17 @@ class NixlReceiver:
         if "slot" in header or "ring" in header:
             self._land(sender, header)
             return
+        if self.private and ("block" in header or header["nbytes"] > 0):
+            # nothing of the engines' memory was described to any source: a chunk said to be written
+            # in place never was by a source this daemon trusts, and is not taken as landed
+            if self.on_nixl_refused:
+                self.on_nixl_refused("in_place_private")
+            self._refuse(sender, header, rank_id(header["decode_instance"], *header["dst"]), "peer_refused",
+                         f"{'block' if 'block' in header else 'chunk'} [{header['start']}, {header['end']}) from "
+                         f"{list(header['src'])} says it was written in place, but this daemon keeps its engines' "
+                         f"memory private (peer.nixl_engine_memory): every block must land in the link's "
+                         f"landing ring")
+            return
         if "block" in header:
             self._placed(sender, header)
             return
@@ -126,9 +145,9 @@ class NixlReceiver:
     def _begin(self, sender: str, header: dict[str, Any], dest_rank: str) -> Sink | None:
         """The inbox checks of a data header, plus: only the request's own source agent may send it."""
         try:
-            sink = self.inbox.begin(header, dest_rank)
+            sink = self.inbox.begin(header, dest_rank, "nixl")
         except KvxferError as exc:
-            self._refuse(sender, header, dest_rank, "peer_refused",
+            self._refuse(sender, header, dest_rank, _code(exc),
                          f"chunk [{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return None
         source = sink.entry.daemon_of(tuple(sink.writer.src))
@@ -151,6 +170,8 @@ class NixlReceiver:
         if ring is None or header.get("ring") != ring.ring or not 0 <= slot < ring.count:
             problem = (f"staged block names ring {header.get('ring')} slot {slot}; agent {sender!r} holds "
                        f"{f'ring {ring.ring} of {ring.count} slots' if ring else 'no ring here'}")
+            if self.on_nixl_refused:
+                self.on_nixl_refused("foreign_ring")
         elif "block" not in header or not 0 < header.get("pack", 0) <= ring.slot_bytes:
             problem = f"staged block without block index, or pack {header.get('pack')} outside (0, {ring.slot_bytes}]"
         elif not ring.claim(slot):
@@ -175,7 +196,7 @@ class NixlReceiver:
             asm, pieces = self.assemblies.start_block(header, dest_rank, sender, lambda sink: self._check_source(
                 sender, sink))
         except KvxferError as exc:
-            self._refuse(sender, header, dest_rank, "peer_refused", f"block {header['block']} of chunk "
+            self._refuse(sender, header, dest_rank, _code(exc), f"block {header['block']} of chunk "
                          f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
             return
         moved = Moved(block_bytes(pieces, asm.sink.writer.slice_bytes), 1, "staged")
@@ -202,7 +223,7 @@ class NixlReceiver:
                 asm, pieces = self.assemblies.start_block(header, dest_rank, sender, lambda sink: self._check_source(
                     sender, sink))
             except KvxferError as exc:
-                self._refuse(sender, header, dest_rank, "peer_refused", f"staged block {header['block']} of chunk "
+                self._refuse(sender, header, dest_rank, _code(exc), f"staged block {header['block']} of chunk "
                              f"[{header['start']}, {header['end']}) from {list(header['src'])} refused: {exc}")
                 return
             sink = asm.sink

@@ -193,6 +193,12 @@ class LandingRings:
         return len(self._retired)
 
     @property
+    def bytes_registered(self) -> int:
+        """Memory of live rings: what is registered with NIXL now (a retired ring is deregistered)."""
+        with self._lock:
+            return sum(r.nbytes for r in self._rings.values())
+
+    @property
     def bytes_held(self) -> int:
         """Memory of live and quarantined rings: what counts against the budget."""
         with self._lock:
@@ -270,6 +276,9 @@ class Assembly:
     busy: int = 0  # blocks being scattered now
     failed: bool = False
     regions: list[Any] = field(default_factory=list)
+    #: its first block's header digest, which the inbox checked: every later block's header must be
+    #: that header (the chunk's fields are the same in every block)
+    header_digest: int | None = None
 
 
 class Assemblies:
@@ -303,7 +312,7 @@ class Assemblies:
                 if asm is None:
                     # a trailer chunk's digests ride in its last block, which need not be the first in
                     sink = self.inbox.begin({k: v for k, v in header.items() if k != "digests"}
-                                            if header.get("trailer") else header, dest_rank)
+                                            if header.get("trailer") else header, dest_rank, transport="nixl")
                     try:
                         check(sink)
                         per_slot = slices_per_slot(sink.writer.slice_bytes, header["pack"])
@@ -317,12 +326,18 @@ class Assemblies:
                         finish_failed = sink
                         raise
                     asm = Assembly(key, sink, sender, header["pack"], per_slot, np.zeros(n_blocks, dtype=bool),
-                                   regions=regions)
+                                   regions=regions, header_digest=header.get("header_digest"))
                     self._open[key] = asm
-                elif asm.sender != sender or asm.pack != header["pack"] or asm.sink.last != header["last"] \
-                        or asm.sink.nbytes != header["nbytes"] or asm.sink.trailer != bool(header.get("trailer")):
-                    raise RequestError("block header disagrees with earlier blocks of its chunk (sender, pack, "
-                                       "last, nbytes or trailer)", field="block", fix="send every block of a chunk alike")
+                else:
+                    if asm.sender == sender and asm.header_digest is not None:
+                        # from the chunk's own sender, a field its header digest covers that differs from the
+                        # first block's (checked by the inbox) fails the request integrity
+                        self.inbox.same_header(asm.sink, header, asm.header_digest, "nixl")
+                    if asm.sender != sender or asm.pack != header["pack"] or asm.sink.last != header["last"] \
+                            or asm.sink.nbytes != header["nbytes"] or asm.sink.trailer != bool(header.get("trailer")):
+                        raise RequestError("block header disagrees with earlier blocks of its chunk (sender, pack, "
+                                           "last, nbytes or trailer)", field="block",
+                                           fix="send every block of a chunk alike")
                 if asm.failed:
                     raise RequestError("chunk already failed", field="block", fix="abort and retry the request")
                 k = header["block"]

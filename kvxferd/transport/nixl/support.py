@@ -22,6 +22,7 @@ from ...datapath.staging import StagingPool
 from .. import choices
 from ...lifecycle.jobs import Moved
 from ..choices import Fallback
+from .api import PRIVATE
 from .transport import NixlPeer, NixlTransport, _why
 
 log = logging.getLogger("kvxferd.nixl")
@@ -37,16 +38,21 @@ class NixlSupport:
     def __init__(self, daemon_name: str, preference: list[str], inbox: Inbox, *, timeout_s: float,
                  max_header_bytes: int, max_pages: int, staging: StagingPool | None = None,
                  landing_slots: int = 0, landing_bytes: int = 0, in_place_bytes: int = 256 * 1024,
+                 engine_memory: str = PRIVATE,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
-                 on_invalid: Callable[[str], None] | None = None) -> None:
+                 on_invalid: Callable[[str], None] | None = None,
+                 on_registered: Callable[[str, int], None] | None = None,
+                 on_nixl_refused: Callable[[str], None] | None = None) -> None:
         self.daemon_name = daemon_name
+        self.engine_memory = engine_memory
         self.preference = list(preference)
         self.max_pages = max_pages
         self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, staging=staging,
                           landing_slots=landing_slots, landing_bytes=landing_bytes, in_place_bytes=in_place_bytes,
-                          on_received=on_received,
-                          on_refused=on_refused, on_invalid=on_invalid)
+                          engine_memory=engine_memory, on_received=on_received,
+                          on_refused=on_refused, on_invalid=on_invalid, on_registered=on_registered,
+                          on_nixl_refused=on_nixl_refused)
         self.inbox = inbox
         self.transport: NixlTransport | None = None
         self.unavailable = "" if "nixl" in preference else "not enabled (peer.transport / peer.transports)"
@@ -72,10 +78,10 @@ class NixlSupport:
     def describe(self) -> dict[str, Any]:
         """For ``status``: the configured preference and the state of NIXL here (starts nothing)."""
         if self.transport is None:
-            return {"preference": list(self.preference),
+            return {"preference": list(self.preference), "nixl_engine_memory": self.engine_memory,
                     "nixl": self.unavailable or "not started (starts with the first rank or handshake)"}
         t = self.transport
-        return {"preference": list(self.preference),
+        return {"preference": list(self.preference), "nixl_engine_memory": self.engine_memory,
                 "nixl": f"ready (agent {t.agent_name}, {len(t.source_agents)} sources)",
                 # decode side: landing rings offered to source links (live and quarantined memory);
                 # prefill side: landing slots of each destination agent written and not yet handed back
@@ -171,8 +177,9 @@ class NixlSupport:
         return self._chosen.get((source, prefill, decode), "tcp")
 
     def expect_fields(self, source: str, entry: DestEntry) -> dict[str, Any]:
-        """What a peer expect adds over NIXL: the page table, and the rank if the peer lacks it."""
-        if entry.transport != "nixl" or self.transport is None:
+        """What a peer expect adds over NIXL: the page table, and the rank if the peer lacks it;
+        nothing where engine memory is private (the source never addresses decode pages)."""
+        if entry.transport != "nixl" or self.transport is None or self.transport.private:
             return {}
         key = (source, entry.source_instance, entry.rank.id)
         extra, generation = self.transport.describe_rank(entry.rank, self._sent.get(key))
@@ -206,6 +213,11 @@ class NixlSupport:
                 where = f"on the decode daemon: {unusable}" if unusable else f"here: {here}"
                 skipped[name] = Fallback(choices.REGISTER_FAILED, f"NIXL cannot carry this pair {where}")
                 continue
+            if msg.get("nixl_private") and not msg.get("nixl_landing"):
+                skipped[name] = Fallback(choices.PRIVATE_NO_RING, "the decode daemon keeps its engines' memory "
+                                         "private (peer.nixl_engine_memory) and gave this link no landing ring "
+                                         "(its limits.nixl_landing_bytes or _slots)")
+                continue
             if mode == "staged" and not msg.get("nixl_landing"):
                 skipped[name] = Fallback(choices.NO_LANDING_RING, "staged mode needs a landing ring the decode "
                                          "daemon did not offer (its limits.nixl_landing_bytes or _slots)")
@@ -217,7 +229,7 @@ class NixlSupport:
             assert transport is not None
             try:
                 peer = transport.add_peer(msg["nixl_agent"], msg["nixl_md"], msg.get("nixl_regions") or [],
-                                          decode_spec, msg.get("nixl_landing"))
+                                          decode_spec, msg.get("nixl_landing"), bool(msg.get("nixl_private")))
             except KvxferError as exc:
                 skipped[name] = Fallback(choices.PEER_FAILED, f"loading the decode daemon's agent failed: "
                                          f"{str(exc)[:300]}")
@@ -239,10 +251,17 @@ class NixlSupport:
                     "nixl_md": [self.transport.connection_metadata()]}
         return {"transport": transport}
 
-    def expect_pages(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> np.ndarray:
-        """Check a peer expect for a NIXL route; return the destination page table."""
+    def expect_pages(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> np.ndarray | None:
+        """Check a peer expect for a NIXL route; return the destination page table (None for a
+        private peer: its chunks land in its ring, addressed by the decode side alone)."""
         if self.transport is None:
             raise TransferError("NIXL route without an agent", field="transport", fix="handshake again")
+        if peer.private:
+            if msg.get("nixl_md") or msg.get("nixl_regions"):
+                raise ProtocolError("an expect of a decode daemon whose engine memory is private describes "
+                                    "NIXL memory", field="nixl_regions",
+                                    fix="describe engine memory only with peer.nixl_engine_memory = exposed")
+            return None
         if msg.get("nixl_md"):
             self.transport.load(peer.agent, msg["nixl_md"], msg.get("nixl_regions") or [])
         if msg.get("nixl_regions"):
@@ -266,7 +285,9 @@ class NixlSupport:
     def expect_groups(self, peer: NixlPeer, dst: tuple[int, int], msg: dict[str, Any]) -> dict[str, np.ndarray]:
         """Check a peer expect's cache-group tables for a NIXL route (after :meth:`expect_pages`):
         one per group of the decode instance, every page (state slot) inside the regions the decode
-        rank described for that group."""
+        rank described for that group. None at all for a private peer (see :meth:`expect_pages`)."""
+        if peer.private:
+            return {}
         raw = msg.get("dst_groups") or {}
         unknown = sorted(set(raw) - set(peer.groups))
         if unknown:

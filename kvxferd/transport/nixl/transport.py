@@ -1,8 +1,17 @@
 """Optional NIXL transport: one-sided WRITEs from prefill regions into decode regions.
 
 One NIXL agent (UCX backend) per daemon, created on first use when the config asks for
-``nixl``. Every KV region the daemon maps is registered with the agent when its rank
-registers, and deregistered when the rank goes.
+``nixl``. What it registers depends on ``peer.nixl_engine_memory``:
+
+- ``private`` (the default): decode ranks' memory is never registered. The agent holds the
+  landing rings (each described only to its own source link) and prefill ranks' memory (read
+  by this daemon's own WRITEs, described to no peer: the metadata a decode daemon gets of this
+  agent is its connection info alone). The offer says ``nixl_private``: a source writes every
+  chunk into its link's ring, where this daemon checks the header against the request before
+  scattering the bytes into the engine's pages with its own page table.
+- ``exposed``: every KV region the daemon maps is registered when its rank registers and
+  deregistered when the rank goes, and decode ranks' regions are described to sources, which
+  WRITE into them in place (faster; every source that handshook may write any of them).
 
 Who knows what:
 
@@ -62,7 +71,7 @@ from ...lifecycle.jobs import ChunkJob, Moved
 from .. import chunk_modes
 from ..framing import SMALL_RUN
 from . import blocks as nixl_blocks
-from .api import BACKEND, NixlPeer, _descs, _mem, _Registered, apply_ucx_defaults, load_api
+from .api import BACKEND, PRIVATE, NixlPeer, _descs, _mem, _Registered, apply_ucx_defaults, load_api
 from .receive import NixlReceiver, _why
 from .agents import RELEASE_SETTLE_S, RemoteAgents
 from .remote import Gate, RemoteBook
@@ -84,10 +93,12 @@ class NixlTransport(RemoteAgents, NixlReceiver):
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
                  staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
-                 in_place_bytes: int = 256 * 1024,
+                 in_place_bytes: int = 256 * 1024, engine_memory: str = PRIVATE,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
-                 on_invalid: Callable[[str], None] | None = None) -> None:
+                 on_invalid: Callable[[str], None] | None = None,
+                 on_registered: Callable[[str, int], None] | None = None,
+                 on_nixl_refused: Callable[[str], None] | None = None) -> None:
         api = load_api()
         applied = apply_ucx_defaults()
         if applied:
@@ -97,6 +108,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         self.max_header_bytes = max_header_bytes
         self.staging = staging
         self.in_place_bytes = in_place_bytes
+        #: "private": decode engines' memory is never registered nor described (see the module doc)
+        self.private = engine_memory == PRIVATE
+        self.on_registered = on_registered
+        self.on_nixl_refused = on_nixl_refused
         self.on_received = on_received
         self.on_refused = on_refused
         self.on_invalid = on_invalid
@@ -109,6 +124,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if BACKEND not in self.agent.backends:
             raise RuntimeError(f"NIXL has no {BACKEND} backend here (plugins: {self.agent.get_plugin_list()})")
         self._ranks: dict[str, _Registered] = {}
+        #: private: decode ranks kept out of NIXL, by rank id (the device a landing ring for them lives on)
+        self._unexposed: dict[str, tuple[Rank, int]] = {}
         self._generation = 0
         self._lock = threading.Lock()
         #: decode side: the agent each source daemon (by control address) writes from
@@ -153,6 +170,14 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if len(devices) != 1:
             raise RuntimeError(f"regions of {rank.id} span devices {sorted(devices)}")
         device = devices.pop()
+        if self.private and rank.role == "decode":  # never registered: no peer can be handed its keys
+            with self._lock:
+                self._unexposed[rank.id] = (rank, device)
+                old = self._ranks.pop(rank.id, None)
+            if old is not None and old.rank is not rank:
+                self._deregister(old)
+            self._report()
+            return
         # each range once: regions may lie over each other (vLLM's sliding-window group reuses the
         # full-attention group's memory), and NIXL's deregistration of a range listed twice crashes
         rows = np.unique(np.array([[r.flat.data_ptr(), r.nbytes, max(device, 0)] for r in regions],
@@ -167,17 +192,38 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             self._generation += 1
             old = self._ranks.get(rank.id)
             self._ranks[rank.id] = _Registered(rank, self._generation, device, reg,
-                                               {(r.layer, r.kind): r.flat.data_ptr() for r in regions})
+                                               {(r.layer, r.kind): r.flat.data_ptr() for r in regions},
+                                               nbytes=int(rows[:, 1].sum()))
         if old is not None and old.rank is not rank:
             self._deregister(old)
+        self._report()
 
     def deregister_rank(self, rank: Rank) -> None:
         with self._lock:
+            unexposed = self._unexposed.get(rank.id)
+            if unexposed is not None and unexposed[0] is rank:
+                del self._unexposed[rank.id]
             reg = self._ranks.get(rank.id)
             if reg is None or reg.rank is not rank:
                 return
             del self._ranks[rank.id]
         self._deregister(reg)
+        self._report()
+
+    def registered_bytes(self) -> dict[str, int]:
+        """Bytes registered with the agent, by what they are (``status`` and a gauge): with private
+        engine memory, ``decode_engine`` stays 0."""
+        with self._lock:
+            regs = list(self._ranks.values())
+        out = {"prefill_engine": 0, "decode_engine": 0, "landing": self.landing.bytes_registered}
+        for reg in regs:
+            out[f"{reg.rank.role}_engine"] = out.get(f"{reg.rank.role}_engine", 0) + reg.nbytes
+        return out
+
+    def _report(self) -> None:
+        if self.on_registered is not None:
+            for memory, nbytes in self.registered_bytes().items():
+                self.on_registered(memory, nbytes)
 
     def _deregister(self, reg: _Registered) -> None:
         try:
@@ -199,16 +245,21 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         ring of the source daemon's link, where there is room for one), and the ranks' generations."""
         with self._lock:
             regs = [r for r in self._ranks.values() if r.rank.instance == decode_instance]
+            unexposed = {device for rank, device in self._unexposed.values() if rank.instance == decode_instance}
         mds, table, sent = [], [], {}
+        if self.private:  # the landing ring is all a source may write: no engine region is described
+            regs = []
         for reg in regs:
             md, rows = self._describe(reg)
             mds.append(md)
             table.extend(rows)
             sent[reg.rank.id] = reg.generation
         fields: dict[str, Any] = {"nixl_agent": self.agent_name, "nixl_md": mds, "nixl_regions": table}
+        if self.private:
+            fields["nixl_private"] = True
         # staged blocks land beside the memory they are scattered into: on the decode ranks' GPU
         # when they all live on one, else in host memory
-        devices = {reg.device for reg in regs}
+        devices = {reg.device for reg in regs} | unexposed
         try:
             ring, why = self.landing.for_source(source, devices.pop() if len(devices) == 1 else -1)
         except Exception as exc:  # noqa: BLE001 - NIXL refused the registration: sliced plans run direct
@@ -218,7 +269,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             fields["nixl_landing"] = ring.info.to_wire()
         elif self.landing.slots_per_ring > 0:
             log.warning("event=nixl_landing_unavailable peer=%s reason=%s fix=%s", q(source), q(why),
-                        q("raise limits.nixl_landing_bytes; until then sliced plans from this peer run direct"))
+                        q("raise limits.nixl_landing_bytes; until then " + (
+                            "pairs from this peer run over tcp (engine memory is private)" if self.private
+                            else "sliced plans from this peer run direct")))
+        self._report()
         return fields, sent
 
     def _register_ring(self, ring: LandingRing) -> None:
@@ -231,6 +285,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
             self.agent.deregister_memory(ring.reg_descs)
         except Exception as exc:  # noqa: BLE001 - the memory stays quarantined either way
             log.warning("event=nixl_deregister_failed ring=%s error=%s", ring.ring, _why(exc))
+        self._report()
 
     def connection_metadata(self) -> bytes:
         """This agent's connection info without any memory: lets a decode daemon send ``free`` notifications
@@ -242,7 +297,10 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         return self._conn_md
 
     def describe_rank(self, rank: Rank, sent_generation: int | None) -> tuple[dict[str, Any], int | None]:
-        """Expect fields for a rank the peer has not seen in this registration, else nothing."""
+        """Expect fields for a rank the peer has not seen in this registration, else nothing (always
+        nothing where engine memory is private: no peer is told of it)."""
+        if self.private:
+            return {}, sent_generation
         with self._lock:
             reg = self._ranks.get(rank.id)
         if reg is None or reg.rank is not rank or reg.generation == sent_generation:
@@ -271,6 +329,8 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                      if job.dst_pages is not None else None)
         kinds = job.kinds
         src_bases, src_limit, src_device = self._local_bases(job.rank, w.layers, kinds)
+        if peer.private:
+            return self._send_private(job, peer, src_device)
         # small runs (head slices of a TP-mismatched plan, one-token pages): a descriptor each would
         # cost UCX more than copying them through a slot (tcp's rule for socket views); a head slice
         # is one run per token, so its size decides before any segment is built. GPU memory is never
@@ -333,6 +393,21 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         if trailing:
             self._notify(peer.agent, notif)
         return Moved(job.nbytes, int(local.shape[0]), chunk_modes.DIRECT, why)
+
+    def _send_private(self, job: ChunkJob, peer: NixlPeer, src_device: int) -> Moved:
+        """A chunk to a decode daemon that keeps its engines' memory private: the peer described no
+        page and sent no page table, so every block lands in this link's landing ring (``read`` or
+        ``land``) and the decode daemon scatters it itself."""
+        w = job.writer
+        _mode, why = chunk_modes.pick(job.mode, job.pinned, src_device >= 0,
+                                      not w.whole_rows and w.slice_bytes < SMALL_RUN, private_destination=True)
+        route = self._route(job, peer, None, src_in_place=src_device < 0, dst_in_place=False)
+        if route is None:
+            raise TransferError(f"NIXL agent {peer.agent} keeps its engines' memory private and gave this "
+                                f"daemon no landing ring to write into", field="peer.nixl_engine_memory",
+                                fix="raise limits.nixl_landing_slots/_bytes on the decode daemon (its pairs then "
+                                    "take the ring), or let the pair run over tcp")
+        return self._send_blocks(job, peer, route, None, why)
 
     def _route(self, job: ChunkJob, peer: NixlPeer, dst_slots: np.ndarray | None,
                src_in_place: bool = True, dst_in_place: bool = True) -> str | None:
@@ -633,8 +708,12 @@ class NixlTransport(RemoteAgents, NixlReceiver):
     def registrations(self) -> dict[str, int]:
         """What this agent holds now, for ``status``: a soak compares it before and after churn."""
         rings = self.landing.ring_count  # outside our lock: the rings have their own
+        registered = self.registered_bytes()
         with self._lock:
-            return {"ranks": len(self._ranks), "staging_slots": len(self._slot_regs),
+            return {"engine_memory": "private" if self.private else "exposed",
+                    "ranks": len(self._ranks), "ranks_unexposed": len(self._unexposed),
+                    **{f"{memory}_bytes": nbytes for memory, nbytes in registered.items()},
+                    "staging_slots": len(self._slot_regs),
                     "device_staging_pools": len(self._device_pools),
                     "landing_rings": rings, "remote_agents": len(self._loaded),
                     "remote_agents_to_drop": len(self._forget_at), "credit_rings": len(self._credits),
