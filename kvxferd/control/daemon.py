@@ -47,10 +47,12 @@ from ..transport.choices import PairTransport
 from ..transport.dataplane import DataPlane
 from ..transport.hub import Transports
 from ..transport.tcp import TcpDataServer
+from ..transport.tcp_guard import Deadlines
 from ..wire import auth
 from . import request_counts, timers
 from .advertised import Advertised
 from .binding import binding
+from .claim_confirm import ClaimConfirmer
 from .decode_links import DecodeLinks
 from .engine_endpoint import EngineEndpoint
 from .prefill_endpoint import PrefillEndpoint
@@ -69,7 +71,8 @@ class Daemon:
         self.auth_refusals = auth.RefusalBook()  # peers this daemon's ZAP handler refused
         self.auth_refused_by = auth.RefusalBook()  # peers that refused this daemon
         self.registry = Registry(cfg.limits.max_ranks)
-        self.mapper = MemoryMapper(cfg.engine.shm_dirs, cfg.integrity.device_digest_on_cpu)
+        self.mapper = MemoryMapper(cfg.engine.shm_dirs, cfg.integrity.device_digest_on_cpu,
+                                   allow_named_files=cfg.engine.allow_named_files)
         self.started = time.time()
         self.me = Advertised(cfg.advertise_host, cfg.peer.control_port, cfg.peer.data_port)
         self.ready = False
@@ -79,7 +82,8 @@ class Daemon:
         self.ctx = zmq.asyncio.Context()
         TRACE.configure(cfg.daemon.hop_trace)
         self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks)
-        self.inbox = Inbox(self.data.dest_changed, check=LandedCheck(self.metrics, cfg.integrity.corrupt_landed_every),
+        self.inbox = Inbox(self.data.dest_changed, check=LandedCheck(self.metrics, cfg.integrity.corrupt_landed_every,
+                                                                     cfg.integrity.corrupt_header),
                            on_refused=self.data.chunk_refused)
         self.staging = StagingPool(cfg.limits.staging_bytes, cfg.limits.staging_slot_bytes,
                                    self._staging_changed, self.metrics.staging_waits.inc)
@@ -93,7 +97,9 @@ class Daemon:
             on_received=lambda kind, sink, moved: self.metrics.bytes_received.labels(kind).inc(moved.nbytes),
             on_refused=self.data.chunk_refused,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc(),
-            on_fallback=self._transport_fallback)
+            on_fallback=self._transport_fallback, nixl_engine_memory=cfg.peer.nixl_engine_memory,
+            on_nixl_registered=lambda memory, nbytes: self.metrics.nixl_registered.labels(memory).set(nbytes),
+            on_nixl_refused=lambda reason: self.metrics.nixl_refusals.labels(reason).inc())
         self.life = Lifecycle(cfg.limits, cfg.timeouts, self.registry, self.inbox, self.metrics,
                               one_sided=lambda kind: getattr(self.transports.find(kind), "one_sided", False),
                               wall_clock=time.time,
@@ -107,12 +113,18 @@ class Daemon:
         self.decode_links = DecodeLinks(
             cfg, self.ctx, self.me, keys=self.keys, peer_keys=self.peer_keys, refused_by=self.auth_refused_by,
             metrics=self.metrics, dispatch=self.dispatch, transports=self.transports, inbox=self.inbox,
-            handshakes=self.life.handshakes, book=self.life.source_daemons, peers_changed=self.count_peers)
+            handshakes=self.life.handshakes, book=self.life.source_daemons, peers_changed=self.count_peers,
+            held_ranks=lambda instance: [list(r.coords) for r in self.registry
+                                         if r.instance == instance and r.role == "decode"])
         self.rendezvous = Rendezvous(cfg, self.me, self.registry, self.directory, self.decode_links.ask, self.metrics)
         self.prefill_endpoint = PrefillEndpoint(
             cfg, self.me, metrics=self.metrics, dispatch=self.dispatch, life=self.life, registry=self.registry,
             rendezvous=self.rendezvous, transports=self.transports, draining=lambda: self.draining,
-            peers_changed=self.count_peers)
+            peers_changed=self.count_peers, owns_token=self.decode_links.owns_token,
+            # auth off: a claimed decode daemon address is called back; auth on: keys say what they speak for
+            confirmer=(ClaimConfirmer(self.ctx, self.me, cfg.peer.peer_timeout_s, cfg.limits.max_message_bytes)
+                       if not cfg.auth.enabled and cfg.peer.confirm_claims else None),
+            key_claims=auth.parse_key_claims(cfg.auth.key_claims, cfg.auth.allowed_keys) if cfg.auth.enabled else None)
         self.engine = EngineEndpoint(
             cfg, self.ctx, self.me, metrics=self.metrics, dispatch=self.dispatch, life=self.life,
             registry=self.registry, mapper=self.mapper, dp_seen=self.rendezvous.dp_seen, add_rank=self.add_rank,
@@ -262,6 +274,11 @@ class Daemon:
             self.authenticator.start()
             self.authenticator.configure_curve_callback(
                 "*", credentials_provider=auth.AllowList(self.cfg.auth.allowed_keys))
+            for key in self.cfg.auth.allowed_keys:
+                if key not in self.prefill_endpoint.key_claims:  # said once: such a key speaks for anyone
+                    log.warning("event=unscoped_peer_key key=%s fix=%s", key, q(
+                        "add an auth.key_claims entry naming the daemon addresses and instances this key may "
+                        "speak for"))
             sock.curve_secretkey = self.keys.secret.encode()
             sock.curve_publickey = self.keys.public.encode()
             sock.curve_server = True
@@ -274,7 +291,13 @@ class Daemon:
             else:
                 sock.bind(f"tcp://{host}:{self.cfg.peer.control_port}")
         with binding("peer.data_port", f"{host}:{self.cfg.peer.data_port}"):
-            self.data_server = self.transports.listen(host, self.cfg.peer.data_port)
+            lim, tmo = self.cfg.limits, self.cfg.timeouts
+            self.data_server = self.transports.listen(
+                host, self.cfg.peer.data_port, max_connections=lim.max_data_connections,
+                deadlines=Deadlines(tmo.data_proof_s, tmo.data_frame_s, float(lim.data_min_bytes_per_s),
+                                    lim.max_unproven_connections),
+                on_conn_refused=lambda reason: self.metrics.connections_refused.labels("data", reason).inc(),
+                on_accept_error=self.metrics.accept_errors.labels("data").inc)
         self.me.data_port = self.data_server.port
         self.directory.own_address = self.me.address  # the advertised address, as peers dial it
         self.life.address = self.me.address
@@ -295,7 +318,11 @@ class Daemon:
             self._bind_peer()
             if self.cfg.metrics.bind:
                 with binding("metrics.bind", self.cfg.metrics.bind):
-                    self.ops = OpsServer(self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready)
+                    self.ops = OpsServer(
+                        self.cfg.metrics.bind, self.metrics.registry, lambda: self.ready,
+                        max_connections=self.cfg.metrics.max_connections, timeout_s=self.cfg.metrics.timeout_s,
+                        on_refused=lambda reason: self.metrics.connections_refused.labels("http", reason).inc(),
+                        on_accept_error=self.metrics.accept_errors.labels("http").inc)
             self.engine.bind()
         except BaseException:
             await self.close()  # no socket, file or port of a failed start outlives it
@@ -370,6 +397,8 @@ class Daemon:
             t.cancel()
         await self.rendezvous.close()  # an etcd directory revokes its lease: the ranks here leave it now
         self.decode_links.close()
+        if self.prefill_endpoint.confirmer is not None:
+            self.prefill_endpoint.confirmer.close()
         self.transports.close()
         self.data.close()
         if self.ops:

@@ -12,12 +12,15 @@ import logging
 import os
 import socket
 import stat
+import time
 from pathlib import Path
 from typing import Any, Callable
 
 import zmq
 import zmq.asyncio
 
+from ..datapath import engine_caller
+from ..datapath.engine_caller import Caller, TrustRefusal
 from ..datapath.regions import MemoryMapper
 from ..errors import KvxferError, ProtocolError, RegistrationError, RequestError
 from ..lifecycle import events
@@ -37,7 +40,8 @@ from ..wire.coalesce import Coalescer
 from .advertised import Advertised
 from .binding import binding
 from .rendezvous import check_rendezvous
-from .zmq_loop import ignore_result
+from .message_bounds import MessageBounds, Oversize
+from .zmq_loop import ignore_result, serve_router
 
 log = logging.getLogger("kvxferd.engine")
 
@@ -65,6 +69,12 @@ class EngineEndpoint:
         self.sock: Any = None
         self.bound = False  # the socket file is ours to remove
         self.outgoing = Coalescer(self._send_parts)
+        #: the routing-id frame of the message being answered: its connection's peer credentials
+        #: (SO_PEERCRED), read from it at most once per message and only where a call needs them
+        self._head: Any = None
+        self._head_caller: Caller | None | bool = False  # False: not read yet for this message
+        #: refusal reason -> (when its last line was logged, refusals since): a flood logs once a second
+        self._refusal_lines: dict[str, tuple[float, int]] = {}
         self._ops: dict[str, Callable[[bytes, Any], dict[str, Any]]] = {
             "ping": lambda identity, msg: messages.reply(),
             "status": lambda identity, msg: messages.reply(status=self.status()),
@@ -111,21 +121,29 @@ class EngineEndpoint:
     async def serve(self) -> None:
         """Every part of a multipart message is one call (a batch from :meth:`EngineClient.batch`);
         their answers leave coalesced, in order (:class:`~kvxferd.wire.coalesce.Coalescer`)."""
-        limit = self.cfg.limits.max_batch_calls
-        while True:
-            frames = await self.sock.recv_multipart(copy=True)
-            calls = len(frames) - 1
-            for i, payload in enumerate(frames[1:]):
-                self.answer(frames[0], payload, calls if i >= limit else 0)
-            await asyncio.sleep(0)  # a ready socket must not starve the loop (and the answers' flush)
+        lim = self.cfg.limits
+        bounds = MessageBounds("engine", lim.max_batch_calls, "limits.max_batch_calls", lim.max_batch_bytes,
+                               lim.drop_sender_s)
+        # a turn of the loop after every message: a ready socket must not starve the answers' flush
+        await serve_router(self.sock, self.answer, bounds, refuse=self._oversized, metrics=self.metrics,
+                           turn_parts=1, head=self._new_message)
+
+    def _new_message(self, frame: Any) -> None:
+        self._head, self._head_caller = frame, False
+
+    def _oversized(self, identity: bytes, over: Oversize) -> None:
+        """The one answer to a message dropped past its bounds (its calls past that point never ran)."""
+        err = RequestError(over.describe(), field="batch", code="message_too_large", fix=over.fix())
+        self.deliver(identity, messages.error_reply(err.to_wire()))
 
     def answer(self, identity: bytes, payload: bytes, over_limit: int = 0) -> None:
         seq = None
+        call = ""
         try:
             raw = protocol.decode(payload, self.cfg.limits.max_message_bytes)
-            seq = raw.get("seq")
+            seq, call = raw.get("seq"), str(raw.get("op", ""))
             if over_limit:
-                raise RequestError(f"a batch of {over_limit} calls exceeds limits.max_batch_calls "
+                raise RequestError(f"call {over_limit} of a batch exceeds limits.max_batch_calls "
                                    f"{self.cfg.limits.max_batch_calls}; this call was not run",
                                    field="batch", code="batch_too_large",
                                    fix="send smaller batches or raise limits.max_batch_calls")
@@ -134,6 +152,9 @@ class EngineEndpoint:
         except KvxferError as exc:
             if isinstance(exc, ProtocolError):
                 self.metrics.invalid_messages.labels("engine").inc()
+            reason = getattr(exc, "reason", None)
+            if reason:
+                self._refused(identity, call, reason, exc)
             log.info("event=engine_error code=%s field=%s msg=%s", exc.code, exc.field, q(str(exc)[:300]))
             reply = messages.error_reply(exc.to_wire())
         except Exception as exc:  # noqa: BLE001 - a bug in one handler must not stop the daemon
@@ -162,10 +183,43 @@ class EngineEndpoint:
                                fix="retry on the restarted daemon")
         return self._ops[msg.op](identity, msg)
 
+    def caller(self, identity: bytes) -> Caller | None:
+        """The peer credentials of the connection the message being answered came on; None where
+        libzmq reports none (a connection that is not a unix socket's)."""
+        if self._head_caller is False:
+            value = None
+            try:
+                if self._head is not None and self._head.bytes == identity:
+                    value = self._head.get(engine_caller.PEER_PROPERTY)
+            except zmq.ZMQError:  # no such property on this connection
+                value = None
+            self._head_caller = engine_caller.parse_peer(value)
+        return self._head_caller  # type: ignore[return-value]
+
+    def _refused(self, identity: bytes, call: str, reason: str, exc: KvxferError) -> None:
+        """A call refused because the engine claimed what it cannot show is its own: counted and logged
+        with who asked (the reply carries the error)."""
+        call = call if call in self._ops else "other"
+        self.metrics.engine_refusals.labels(call, reason).inc()
+        now = time.monotonic()
+        last, held_back = self._refusal_lines.get(reason, (float("-inf"), 0))
+        if now - last < 1.0:  # a hostile engine's flood: counted, and logged once a second
+            self._refusal_lines[reason] = (last, held_back + 1)
+            return
+        self._refusal_lines[reason] = (now, 0)
+        who = self.caller(identity)
+        log.warning("event=engine_refused call=%s reason=%s pid=%s uid=%s field=%s suppressed=%d msg=%s", call,
+                    reason, who.pid if who else "unknown", who.uid if who else "unknown", exc.field, held_back,
+                    q(str(exc)[:300]))
+
     def _mine(self, identity: bytes, rank_id: str, fix: str) -> Rank:
         rank = self.registry.get(rank_id)
-        if rank is None or rank.identity != identity:
-            raise RequestError(f"rank {rank_id!r} is not registered on this connection", field="rank_id", fix=fix)
+        if rank is None or rank.identity != identity or (
+                rank.caller is not None and getattr(self.caller(identity), "peer", None) != rank.caller.peer):
+            err = RequestError(f"rank {rank_id!r} is not registered on this connection", field="rank_id", fix=fix)
+            if rank is not None:  # another connection's rank: a stranger's call, counted
+                err.reason = "not_holder"  # type: ignore[attr-defined]
+            raise err
         return rank
 
     def _owned(self, identity: bytes, rank_id: str, role: str) -> Rank:
@@ -186,17 +240,26 @@ class EngineEndpoint:
             dp.check_same_size(msg.instance, rid, msg.dp_size, self.me.address, self.dp_seen(msg.instance, msg.role))
         if msg.rendezvous:
             check_rendezvous(msg.rendezvous)
-        process = ProcessRef.find(msg.pid) if msg.pid is not None else None
+        caller = self.caller(identity)
+        if caller is None:
+            raise TrustRefusal("no_credentials", "the daemon cannot read this connection's peer credentials "
+                               "(SO_PEERCRED), so it cannot tell whose memory the regions are", field="pid",
+                               fix="connect over the daemon's ipc:// engine socket (engine.socket_path)")
+        pid = engine_caller.engine_pid(msg.pid, caller)  # the peer's own pid, or refused
+        process = ProcessRef.find(pid) if pid is not None else None
+        held = self.registry.get(rank_id(instance, geometry.tp_rank, geometry.pp_rank))
+        if held is not None:  # refused before anything is mapped; the holder keeps its rank untouched
+            self.registry.check_takeover(held, identity, caller, process)
         # memfd regions are opened through the engine's own descriptors, /proc/<pid>/fd/<fd>
         try:
-            regions = self.mapper.map_regions(geometry, msg.regions, msg.pid)
+            regions = self.mapper.map_regions(geometry, msg.regions, pid, caller.uid)
             if process is not None and not process.alive():  # the pid went to another process meanwhile
                 raise RegistrationError(f"engine process {process.pid} exited while registering", field="pid",
                                         fix="register from a live engine process")
         except BaseException:
             self.release_mappings()  # a refused registration keeps nothing mapped
             raise
-        rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size, msg.integrity)
+        rank = Rank(instance, msg.role, geometry, regions, identity, process, msg.dp_size, msg.integrity, caller)
         old = self.registry.get(rank.id)
         if old is not None:
             self.drop_rank(old, "rank re-registered (engine restarted)")

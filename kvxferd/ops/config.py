@@ -98,6 +98,10 @@ class EngineSection:
     socket_mode: str = "0660"
     socket_group: str = ""
     shm_dirs: list[str] = field(default_factory=lambda: ["/dev/shm"])
+    #: named shared-memory files (by path, or a descriptor of one) as KV memory: they cannot be
+    #: sealed, so an engine could shrink one under the daemon's mapping and kill it (SIGBUS); off,
+    #: engines register sealed memfds. On: such engines are trusted not to shrink their files
+    allow_named_files: bool = False
 
 
 @dataclass
@@ -116,10 +120,22 @@ class PeerSection:
     transports: list[str] = field(default_factory=list)  # preference order; empty: from `transport`
     mode: str = "auto"
     require_same_page_size: bool = False
+    #: what NIXL sources may write on this daemon. "private": only the landing ring of their own
+    #: link (this daemon scatters each block into the engine's pages after checking its header
+    #: against the request; decode engines' memory is never registered with NIXL). "exposed": the
+    #: decode engines' KV memory too, written in place (faster; trusts every NIXL source that
+    #: handshook with every page of every engine here, outside CURVE): single-tenant nodes only
+    nixl_engine_memory: str = "private"
+    #: with auth off, a decode daemon's handshake names its control address: confirm it by a call
+    #: back there (one ping per decode daemon link, cached) before accepting, so a peer that only
+    #: claims another daemon's address is refused. false trusts the claim (test rigs only)
+    confirm_claims: bool = True
 
 
 #: transports between daemons that peer.transport(s) may name
 TRANSPORTS = ("tcp", "nixl")
+#: what peer.nixl_engine_memory may say
+NIXL_ENGINE_MEMORY = ("private", "exposed")
 
 
 #: a local copy moves page runs region to region in one index copy per (layer, kind); staging
@@ -143,6 +159,10 @@ def transport_preference(peer: PeerSection) -> list[str]:
 @dataclass
 class MetricsSection:
     bind: str = "127.0.0.1:9400"  # empty disables the HTTP server
+    #: HTTP connections served at once (one thread each); more are closed at once, unanswered
+    max_connections: int = 16
+    #: an HTTP connection's whole request (headers and body) and answer, or it is closed
+    timeout_s: float = 10.0
 
 
 @dataclass
@@ -151,6 +171,11 @@ class LimitsSection:
     max_batch_calls: int = 1024  # calls one multipart message from an engine may carry
     #: peer control messages one multipart message between daemons carries, sent or read (1: none batched)
     max_peer_batch_parts: int = 256
+    #: bytes one multipart message (engine batch or peer batch) may carry in all its parts; past it
+    #: the rest is dropped unread and the sender is dropped for drop_sender_s (at least max_message_bytes)
+    max_batch_bytes: int = 64 * 1024 * 1024
+    #: seconds a sender whose message passed max_batch_bytes, or twice its parts limit, is ignored
+    drop_sender_s: float = 30.0
     max_inflight_requests: int = 4096
     max_pending_chunks: int = 65536
     max_ranks: int = 256
@@ -166,6 +191,18 @@ class LimitsSection:
     #: runs average at least this many bytes; shorter runs are copied through a staging slot
     nixl_in_place_bytes: int = 256 * 1024
     recent_failures: int = 32
+    #: proven tcp data connections this daemon serves at once (a quarter of them per peer host)
+    max_data_connections: int = 64
+    #: tcp data connections not proven yet (no hello with a link's token): a cap of their own, the
+    #: oldest closed past it, so strangers never take a proven peer's slot
+    max_unproven_connections: int = 16
+    #: the slowest a tcp data frame may arrive: each frame gets timeouts.data_frame_s plus its size at this rate
+    data_min_bytes_per_s: int = 1024 * 1024
+    #: the share of max_inflight_requests (expects in flight) and of max_peer_pairs one decode daemon's
+    #: link may hold: past it that peer is told busy, and the others keep the rest (0.5: half each at most)
+    peer_share: float = 0.5
+    #: instance pairs (handshakes, each a plan and a route) all decode daemons' links hold together
+    max_peer_pairs: int = 1024
 
 
 @dataclass
@@ -177,6 +214,11 @@ class TimeoutsSection:
     fence_s: float = 5.0  # a failed NIXL request waits this long for its source to confirm no WRITE is left
     handshake_retry_s: float = 0.5
     cut_reason_s: float = 2.0  # a source the decode daemon hung up on waits this long for its reason
+    #: a new tcp data connection proves its link (challenge and hello) within this, or it is closed
+    data_proof_s: float = 5.0
+    #: a tcp data frame (header, payload, digests) arrives whole within this plus its size at
+    #: limits.data_min_bytes_per_s from its first byte, or its connection is closed
+    data_frame_s: float = 30.0
 
 
 @dataclass
@@ -185,6 +227,10 @@ class AuthSection:
     secret_key_file: str = ""  # from `kvxferd keygen`
     allowed_keys: list[str] = field(default_factory=list)  # client public keys admitted to this daemon
     peer_keys: list[str] = field(default_factory=list)  # "host:port=KEY": server key of each peer daemon
+    #: what each allowed key may speak for: "KEY=host:port[,host:port...];instance[,instance...]"
+    #: (globs allowed). A handshake, expect, announce or withdrawal naming another daemon address
+    #: or instance is refused. A key with no entry may speak for any (logged at start)
+    key_claims: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -194,6 +240,12 @@ class DirectorySection:
     cluster: str = "default"  # key namespace: /kvxferd/<cluster>/ranks/...
     lease_ttl_s: float = 0.0  # 0: peer.peer_timeout_s rounded up (etcd leases are whole seconds, at least 2)
     etcd_timeout_s: float = 2.0  # one etcd call, per endpoint
+    #: an etcd user (etcd with auth enabled): the daemon authenticates and sends its token with every call
+    etcd_username: str = ""
+    etcd_password_file: str = ""  # the user's password, the file's first line (set with etcd_username)
+    etcd_ca_file: str = ""  # https:// endpoints: the CA that signed etcd's certificate (empty: the system's)
+    etcd_cert_file: str = ""  # https:// endpoints: a client certificate, where etcd asks for one
+    etcd_key_file: str = ""  # its private key (empty: in etcd_cert_file)
 
 
 #: directory.backend values
@@ -214,6 +266,10 @@ class IntegritySection:
     #: fault injection for tests: flip one landed byte of every Nth chunk that carries a digest,
     #: before it is checked (0: never). Logged loudly at start; never set it in production.
     corrupt_landed_every: int = 0
+    #: fault injection for tests: flip this field ("aux" or "last") of every data header that
+    #: carries digests as it arrives, before the inbox reads it, as a bit changed in flight would
+    #: ("": never). Logged loudly at start; never set it in production.
+    corrupt_header: str = ""
     #: test setting: host pages are checked with the digest of pages on a GPU (word sums, taken
     #: with torch where the pages lie), so its whole path runs on a machine without one. Slower
     #: than XXH3 on a CPU; never set it in production.
@@ -222,6 +278,8 @@ class IntegritySection:
 
 #: integrity.mode values
 INTEGRITY_MODES = sampling.MODES
+#: integrity.corrupt_header values: the data header fields the test-only fault injection flips
+HEADER_FAULTS = ("", "aux", "last")
 
 
 def lease_ttl(cfg: "Config") -> int:
@@ -407,6 +465,10 @@ def _check_integrity(integrity: IntegritySection) -> None:
     if integrity.corrupt_landed_every < 0:
         raise ConfigError(f"integrity.corrupt_landed_every must be >= 0, got {integrity.corrupt_landed_every}",
                           field="integrity.corrupt_landed_every", fix="leave it 0 outside tests")
+    if integrity.corrupt_header not in HEADER_FAULTS:
+        raise ConfigError(f"integrity.corrupt_header {integrity.corrupt_header!r} is not one of "
+                          f"{', '.join(repr(f) for f in HEADER_FAULTS)}", field="integrity.corrupt_header",
+                          fix='leave it "" outside tests')
 
 
 def _check_limits(cfg: Config) -> None:
@@ -415,6 +477,14 @@ def _check_limits(cfg: Config) -> None:
             if f.name != "nixl_landing_slots":  # 0 turns staged NIXL off
                 _positive(f"{section}.{f.name}", getattr(getattr(cfg, section), f.name))
     lim = cfg.limits
+    if lim.max_batch_bytes < lim.max_message_bytes:
+        raise ConfigError(f"limits.max_batch_bytes {lim.max_batch_bytes} is below limits.max_message_bytes "
+                          f"{lim.max_message_bytes}: one message of the largest size would drop its sender",
+                          field="limits.max_batch_bytes",
+                          fix=f"raise limits.max_batch_bytes to at least {lim.max_message_bytes}")
+    if lim.peer_share > 1:
+        raise ConfigError(f"limits.peer_share must be in (0, 1], got {lim.peer_share}", field="limits.peer_share",
+                          fix="use a share such as 0.5 (one decode daemon holds at most half)")
     if lim.nixl_landing_slots < 0:
         raise ConfigError(f"limits.nixl_landing_slots must be >= 0, got {lim.nixl_landing_slots}",
                           field="limits.nixl_landing_slots", fix="set 0 (no staged NIXL) or a slot count")
@@ -456,6 +526,11 @@ def _check_peer(cfg: Config) -> None:
     if peer.mode not in ("auto", "direct", "staged"):
         raise ConfigError(f"peer.mode {peer.mode!r} is not one of auto, direct, staged",
                           field="peer.mode", fix="use auto, direct or staged")
+    if peer.nixl_engine_memory not in NIXL_ENGINE_MEMORY:
+        raise ConfigError(f"peer.nixl_engine_memory {peer.nixl_engine_memory!r} is not one of "
+                          f"{', '.join(NIXL_ENGINE_MEMORY)}", field="peer.nixl_engine_memory",
+                          fix="use private (NIXL sources write only their link's landing ring) or exposed "
+                              "(in-place WRITEs into engines' pages: single-tenant nodes)")
     if not peer.bind_host:
         raise ConfigError("peer.bind_host is empty", field="peer.bind_host",
                           fix="set an address to listen on, e.g. 127.0.0.1 or 0.0.0.0")
@@ -499,6 +574,8 @@ def _check_engine(cfg: Config) -> None:
 
 
 def _check_metrics_and_auth(cfg: Config) -> None:
+    _positive("metrics.max_connections", cfg.metrics.max_connections)
+    _positive("metrics.timeout_s", cfg.metrics.timeout_s)
     if cfg.metrics.bind:
         _host, sep, port = cfg.metrics.bind.rpartition(":")
         if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
@@ -512,6 +589,7 @@ def _check_metrics_and_auth(cfg: Config) -> None:
         for key in cfg.auth.allowed_keys:
             auth.check_key("auth.allowed_keys", key)
         auth.parse_peer_keys(cfg.auth.peer_keys)
+        auth.parse_key_claims(cfg.auth.key_claims, cfg.auth.allowed_keys)
 
 
 def _check_directory(cfg: Config) -> None:
@@ -541,6 +619,28 @@ def _check_directory(cfg: Config) -> None:
             except ValueError as exc:
                 raise ConfigError(f"directory.etcd_endpoints entry {exc}", field="directory.etcd_endpoints",
                                   fix='write each as http://host:port, e.g. "http://127.0.0.1:2379"') from None
+    _check_etcd_access(d)
+
+
+def _check_etcd_access(d: DirectorySection) -> None:
+    """etcd user and TLS files: given together, readable, and TLS files only for https:// endpoints."""
+    if bool(d.etcd_username) != bool(d.etcd_password_file):
+        given, missing = (("etcd_username", "etcd_password_file") if d.etcd_username
+                          else ("etcd_password_file", "etcd_username"))
+        raise ConfigError(f"directory.{given} is set but directory.{missing} is empty", field=f"directory.{missing}",
+                          fix="set both (an etcd user and the file holding its password), or neither")
+    if d.etcd_key_file and not d.etcd_cert_file:
+        raise ConfigError("directory.etcd_key_file is set but directory.etcd_cert_file is empty",
+                          field="directory.etcd_cert_file", fix="set the client certificate too, or neither")
+    tls_files = [k for k in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file") if getattr(d, k)]
+    if tls_files and d.backend == "etcd" and not any(e.startswith("https://") for e in d.etcd_endpoints):
+        raise ConfigError(f"directory.{tls_files[0]} is set but no directory.etcd_endpoints entry is https://",
+                          field="directory.etcd_endpoints", fix="write the endpoints as https://host:port")
+    for key in ("etcd_password_file", *tls_files):
+        path = getattr(d, key)
+        if path and d.backend == "etcd" and not os.access(path, os.R_OK):
+            raise ConfigError(f"directory.{key} {path!r} is not a readable file", field=f"directory.{key}",
+                              fix="point it at a file the daemon's user can read")
 
 
 def load(path: str | os.PathLike[str] | None = None,

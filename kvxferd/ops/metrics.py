@@ -101,7 +101,7 @@ class Metrics:
             "draft, state); counted for instances that have cache groups.", ["group"], registry=r)
         self.chunks = Counter(
             "kvxferd_chunks", "Chunks moved (one writer to one destination), by transport, the mode each took "
-            "and why (plan, short_runs, device_memory, no_landing_ring).",
+            "and why (plan, short_runs, device_memory, no_landing_ring, private_destination).",
             ["transport", "mode", "why"], registry=r)
         self.latency = Histogram(
             "kvxferd_request_duration_seconds", "Decode-side request latency, expect to done.",
@@ -147,6 +147,36 @@ class Metrics:
         self.invalid_messages = Counter(
             "kvxferd_invalid_messages", "Messages rejected by validation, by endpoint.",
             ["endpoint"], registry=r)
+        self.engine_refusals = Counter(
+            "kvxferd_engine_refusals", "Engine calls refused because the engine named memory or a rank it cannot "
+            "show to be its own (checked against its connection's peer credentials), by call and reason.",
+            ["call", "reason"], registry=r)
+        self.connections_refused = Counter(
+            "kvxferd_connections_refused", "Connections refused or closed unserved, by endpoint (data: the tcp data "
+            "port; http: the metrics port) and reason (data: no_hello, unknown_link, bad_proof, proof_deadline, "
+            "frame_deadline, unproven_cap, too_many_connections, per_host_cap; http: max_connections, timeout).",
+            ["endpoint", "reason"], registry=r)
+        self.accept_errors = Counter(
+            "kvxferd_accept_errors", "Errors of an accept loop (it pauses briefly and goes on), by endpoint.",
+            ["endpoint"], registry=r)
+        self.oversized_messages = Counter(
+            "kvxferd_oversized_messages", "ZeroMQ multipart messages dropped unread past their bound (reason bytes: "
+            "limits.max_batch_bytes; parts: twice the endpoint's parts limit), their sender dropped for "
+            "limits.drop_sender_s; by endpoint (engine, peer; source: a source daemon's message to this decode "
+            "daemon, whose rest is dropped) and reason.", ["endpoint", "reason"], registry=r)
+        self.dropped_sender_messages = Counter(
+            "kvxferd_dropped_sender_messages", "Messages dropped unread because their sender (a ZeroMQ routing id) "
+            "was dropped for an oversized message, by endpoint.", ["endpoint"], registry=r)
+        self.directory_values = Counter(
+            "kvxferd_directory_values", "Directory values (etcd keys, embedded announces) this daemon parsed, by "
+            "source (etcd, announce) and outcome (ok, refused); an unchanged etcd value is parsed once.",
+            ["source", "outcome"], registry=r)
+        self.peer_claims_refused = Counter(
+            "kvxferd_peer_claims_refused", "Peer messages refused for what they claim, by op (handshake, expect, "
+            "announce, withdraw) and reason (key: outside auth.key_claims of the sender's key; unconfirmed: the "
+            "claimed daemon address did not confirm the handshake; instance_held: another live decode daemon "
+            "holds the instance's ranks; not_owner: ranks announced over another live link; quota: the peer's "
+            "share of limits.max_inflight_requests or limits.max_peer_pairs).", ["op", "reason"], registry=r)
         self.peer_parts = Histogram(
             "kvxferd_peer_message_parts", "Peer control messages per ZeroMQ multipart message between daemons "
             "(sent: leaving this daemon; received: read by it); above 1, messages of one loop turn left together.",
@@ -159,6 +189,16 @@ class Metrics:
             "kvxferd_staging_slots_in_use", "Staging (bounce) slots currently held.", registry=r)
         self.staging_bytes = Gauge(
             "kvxferd_staging_bytes_in_use", "Bytes of staging (bounce) memory currently held.",
+            registry=r)
+        self.nixl_registered = Gauge(
+            "kvxferd_nixl_registered_bytes", "Memory registered with this daemon's NIXL agent, by what it is "
+            "(prefill_engine: engines' pages read by this daemon's own WRITEs, never described to a peer; "
+            "decode_engine: engines' pages NIXL sources may write in place, 0 unless peer.nixl_engine_memory is "
+            "exposed; landing: landing rings, each described only to its own link).", ["memory"], registry=r)
+        self.nixl_refusals = Counter(
+            "kvxferd_nixl_refusals", "NIXL notifications refused because they claim bytes this daemon never let "
+            "their sender write (reason in_place_private: an in-place chunk or block while engines' memory is "
+            "private; foreign_ring: a landing ring or slot that is not the sender's link's).", ["reason"],
             registry=r)
         self.fences = Counter(
             "kvxferd_fences", "Failed NIXL requests held back until the source confirmed that no WRITE of theirs "
