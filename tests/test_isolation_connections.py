@@ -7,7 +7,7 @@ never asserts how long anything took):
 - 64 connections trickling a byte at a time and 150 idle ones at a decode daemon's data port,
   and 150 half-sent HTTP requests at its metrics port, are all closed by the daemon; meanwhile
   a real prefill daemon's new data connection proves itself and its request lands byte-exact;
-  afterwards the daemon's threads are back at their baseline and it keeps serving.
+  afterwards the daemon's threads and resident memory are back at their baseline and it keeps serving.
 - A hello that replays another connection's proof, one with a wrong token, one naming a link
   nobody was handed, and a connection whose first frame is no hello are each refused with a
   ``token`` error, counted in ``kvxferd_connections_refused_total`` and logged; a proven
@@ -52,12 +52,24 @@ WAIT_S = 120.0  # the generous overall deadline for what the daemon must close w
 THREAD_MARGIN = 4
 
 
-def threads_of(pid: int) -> int:
+MEMORY_MARGIN = 16 << 20  # bytes: the allocator need not hand back every page a flood touched
+
+
+def _status_field(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/status") as fh:
         for line in fh:
-            if line.startswith("Threads:"):
+            if line.startswith(name + ":"):
                 return int(line.split()[1])
-    raise AssertionError(f"no Threads: line for pid {pid}")
+    raise AssertionError(f"no {name}: line for pid {pid}")
+
+
+def threads_of(pid: int) -> int:
+    return _status_field(pid, "Threads")
+
+
+def rss_of(pid: int) -> int:
+    """Resident bytes of a process."""
+    return _status_field(pid, "VmRSS") * 1024
 
 
 def wait_until(predicate: Callable[[], Any], what: str, timeout: float = WAIT_S) -> Any:
@@ -153,7 +165,7 @@ def test_floods_of_idle_trickling_and_half_sent_connections_are_closed_and_a_pro
 
         move(p1, "warm-0", first.address)  # the daemon's threads as they are once it has served
         pid = dd.proc.pid
-        baseline = threads_of(pid)
+        baseline, rss_before = threads_of(pid), rss_of(pid)
         data_before, http_before = refused(dd, "data"), refused(dd, "http")
 
         flood = Flood()
@@ -182,6 +194,9 @@ def test_floods_of_idle_trickling_and_half_sent_connections_are_closed_and_a_pro
         # the threads it took are gone (the second prefill daemon's pooled connections may stay)
         wait_until(lambda: threads_of(pid) <= baseline + 2 + THREAD_MARGIN,
                    f"threads back to {baseline} (+ margin), now {threads_of(pid)}")
+        # and so is its memory (the connections' buffers and threads' stacks went with them)
+        wait_until(lambda: rss_of(pid) <= rss_before + MEMORY_MARGIN,
+                   f"resident memory back to {rss_before >> 20} MiB (+ margin), now {rss_of(pid) >> 20} MiB")
         # and it keeps serving
         move(p1, "after-0", first.address)
         move(p2, "after-1", second.address)
