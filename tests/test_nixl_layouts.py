@@ -135,6 +135,8 @@ def test_an_explicit_direct_is_kept_for_small_head_slices(cluster):
     sent, whys = _moved_as(cluster, "prefill-direct", case)
     assert sent == {"direct": request_bytes(CASES[case][1], 0, CASES[case][2]), "staged": 0}
     assert set(whys) == {("direct", "plan")}
+    # the operator hears what the choice costs, at the handshake
+    assert "event=direct_short_runs" in cluster.daemons["prefill-direct"].log()
 
 
 def test_auto_stages_short_runs_per_chunk_and_says_why(cluster):

@@ -154,6 +154,7 @@ class PeerLink:
         limits = links.cfg.limits
         hard_parts, budget = 2 * limits.max_peer_batch_parts, limits.max_batch_bytes
         raw = zmq.Socket.shadow(self.sock.underlying)  # read without a future; awaited only when idle
+        taken = 0
         while True:
             try:
                 data = raw.recv(zmq.NOBLOCK, copy=True)
@@ -186,7 +187,10 @@ class PeerLink:
                 log.warning("event=source_message_dropped source=%s reason=%s parts=%d bytes=%d note=%s", self.address,
                             over, parts, nbytes, q("a source daemon's message past limits.max_batch_bytes or twice "
                                                    "limits.max_peer_batch_parts: the rest of it was dropped unread"))
-            await asyncio.sleep(0)  # a burst of answers does not hold the loop
+            taken += parts
+            if taken >= limits.max_peer_batch_parts:  # a long burst gives the loop a turn now and then, not
+                taken = 0  # after every message: what one turn hears is answered together
+                await asyncio.sleep(0)
 
     def _one(self, links: "DecodeLinks", data: bytes) -> None:
         try:

@@ -28,6 +28,7 @@ from ..ops.config import Config
 from ..ops.hops import TRACE
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
+from ..transport import chunk_modes
 from ..transport.hub import Transports
 from ..wire import auth, messages, protocol
 from ..wire.coalesce import Coalescer, PartCounts
@@ -320,6 +321,13 @@ class PrefillEndpoint:
         self.metrics.handshakes.labels("ok").inc()
         log.info("event=handshake_accepted peer=%s prefill=%s decode=%s mode=%s transport=%s", msg.daemon,
                  prefill, msg.decode_instance, plan.mode, transport)
+        short = chunk_modes.short_slices(plan, asked)
+        if short:
+            log.warning("event=direct_short_runs peer=%s prefill=%s decode=%s slice_bytes=%d note=%s", msg.daemon,
+                        prefill, msg.decode_instance, short,
+                        q("peer.mode = direct is kept: each head slice moves as a run of its own (a socket view "
+                          "or a NIXL descriptor per token, layer and kind), several times slower than auto, "
+                          "which stages them"))
         return messages.HandshakeOk(spec.to_dict(), plan.mode, plan_to_wire(plan), self.me.incarnation,
                                     self.transports.answer(choice), ranks, self.max_parts,
                                     self.life.standing(prefill))

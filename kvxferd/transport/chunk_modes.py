@@ -16,6 +16,10 @@ Each transport asks :func:`pick` with what it knows of the chunk and reports the
 
 from __future__ import annotations
 
+from typing import Any
+
+from .framing import SMALL_RUN
+
 DIRECT = "direct"
 STAGED = "staged"
 
@@ -32,6 +36,15 @@ NO_LANDING_RING = "no_landing_ring"
 PRIVATE_DESTINATION = "private_destination"
 
 WHYS = (PLAN, SHORT_RUNS, DEVICE_MEMORY, NO_LANDING_RING, PRIVATE_DESTINATION)
+
+
+def short_slices(plan: Any, asked: str) -> int:
+    """The smallest head slice of a plan that ``direct``, asked outright, will move as runs of their
+    own although ``auto`` would stage them (0: none): what an operator should hear at the handshake."""
+    if asked != DIRECT or not plan.sliced:
+        return 0
+    smallest = min(w.slice_bytes for d in plan.destinations for w in d.writers if not w.whole_rows)
+    return smallest if smallest < SMALL_RUN else 0
 
 
 def pick(plan_mode: str, pinned: bool, device_memory: bool, short_runs: bool,
