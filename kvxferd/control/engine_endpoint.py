@@ -41,7 +41,7 @@ from .advertised import Advertised
 from .binding import binding
 from .rendezvous import check_rendezvous
 from .message_bounds import MessageBounds, Oversize
-from .zmq_loop import ignore_result, serve_router
+from .zmq_loop import LogGate, ignore_result, serve_router
 
 log = logging.getLogger("kvxferd.engine")
 
@@ -73,8 +73,8 @@ class EngineEndpoint:
         #: (SO_PEERCRED), read from it at most once per message and only where a call needs them
         self._head: Any = None
         self._head_caller: Caller | None | bool = False  # False: not read yet for this message
-        #: refusal reason -> (when its last line was logged, refusals since): a flood logs once a second
-        self._refusal_lines: dict[str, tuple[float, int]] = {}
+        #: refusal reason -> its log gate: a flood is counted, and logged once a second per reason
+        self._refusal_lines: dict[str, LogGate] = {}
         self._ops: dict[str, Callable[[bytes, Any], dict[str, Any]]] = {
             "ping": lambda identity, msg: messages.reply(),
             "status": lambda identity, msg: messages.reply(status=self.status()),
@@ -201,12 +201,10 @@ class EngineEndpoint:
         with who asked (the reply carries the error)."""
         call = call if call in self._ops else "other"
         self.metrics.engine_refusals.labels(call, reason).inc()
-        now = time.monotonic()
-        last, held_back = self._refusal_lines.get(reason, (float("-inf"), 0))
-        if now - last < 1.0:  # a hostile engine's flood: counted, and logged once a second
-            self._refusal_lines[reason] = (last, held_back + 1)
+        gate = self._refusal_lines.setdefault(reason, LogGate())  # reasons are a bounded set
+        if not gate.open(time.monotonic()):
             return
-        self._refusal_lines[reason] = (now, 0)
+        held_back = gate.take_suppressed()
         who = self.caller(identity)
         log.warning("event=engine_refused call=%s reason=%s pid=%s uid=%s field=%s suppressed=%d msg=%s", call,
                     reason, who.pid if who else "unknown", who.uid if who else "unknown", exc.field, held_back,
