@@ -97,11 +97,13 @@ def test_refused_key_is_logged_counted_and_fails_the_request_promptly(tmp_path):
         assert f"refused by {pd.address}" in _human_status(sd)
         assert s_pair.public in _human_status(pd)
 
-        # a second request fails the same way (a fresh attempt, also refused), promptly
+        # a second request fails the same way, promptly: a fresh attempt refused again, or, once the
+        # refused link went silent past peer.peer_timeout_s, at once for the backoff with the refusal
         outsider[0].command(cmd="expect", request_id="auth-y", pages=[3, 4], n=5, source_instance="ap",
                             source_address=pd.address)
         ev = finished(outsider[0], "auth-y", timeout=BOOTSTRAP_S / 2)
         assert ev["state"] == "failed" and ev["code"] == "auth_failed", ev
+        assert s_pair.public in ev["reason"] and "allowed_keys" in ev["reason"], ev
 
         # the allowed daemon is served all along, byte-exact
         dec, pre = transfer(prefill, decode, "auth-ok", 13, src_pages=[1, 2, 3, 4], dst_pages=[5, 6, 7, 8],

@@ -193,6 +193,33 @@ def test_a_source_that_never_answers_fails_its_waiters_then_backs_off_doubling_a
     assert dn.outcome("r4", d).state == "done" and link.state == UP and link.tries == 0
 
 
+def test_a_source_that_refused_the_key_and_then_went_down_fails_requests_as_auth_failed_until_heard():
+    c, pn, dn, p, d = _pair()
+    c.cut_links.add(pn.address)  # a refused key: nothing of this daemon's ever reaches the source
+    c.hold_hellos = True
+    dn.handle(events.LinkOpened(pn.address))
+    dn.expect(d, "r1", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    refusal = f"source daemon {pn.address} refused this daemon's key (add it to its auth.allowed_keys)"
+    dn.handle(events.SourceLost(pn.address, "auth_failed", refusal))
+    c.run()
+    assert dn.outcome("r1", d).code == "auth_failed"
+    c.now += 2 * TIMEOUT  # no answer ever comes on the refused link: it goes down
+    dn.handle(events.Heartbeat(TIMEOUT))
+    link = dn.life.source_daemons.get(pn.address)
+    assert link.state == DOWN and link.refused == refusal
+    # backed off: a new request fails at once, and says it is the key, not reachability
+    dn.expect(d, "r2", pages(4, 4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    r2 = dn.outcome("r2", d)
+    assert r2.code == "auth_failed" and r2.reason.startswith(refusal) and "the next try in" in r2.reason, r2
+    # a try that is heard forgets the refusal: a later silence is plain unreachability again
+    c.now = link.retry_at
+    dn.expect(d, "r3", pages(4, 8), "p", num_tokens=16, source_node=pn)
+    dn.handle(events.SourceHeard(pn.address, pn.incarnation))
+    assert link.state == UP and link.refused == ""
+
+
 def test_the_backoff_is_capped():
     book = Links("prefill", backoff_s=1.0, backoff_max_s=8.0)
     link = book.open("a:1", "a:1", 0.0)

@@ -52,8 +52,7 @@ class BootstrapSide(LifecycleBase):
         link = self.source_daemons.get(address)
         if link is not None and link.state == DOWN:
             if self.now < link.retry_at:
-                self._bootstrap_failed(events.BootstrapFailed(
-                    entry, "peer_unreachable", self._unreachable_text(entry, address, link.tries, link.retry_at)))
+                self._bootstrap_failed(events.BootstrapFailed(entry, *self._down_failure(entry, address)))
                 return None
             self._moved(self.source_daemons, link, "retry")  # its backoff ran out: this request tries it
         key: Key = (address, entry.source_instance, entry.rank.instance)
@@ -64,6 +63,15 @@ class BootstrapSide(LifecycleBase):
         if hs.state != AGREED:
             entry.waiting_for = self._waiting_text(entry, hs)
         return hs
+
+    def _down_failure(self, entry: DestEntry, address: str) -> tuple[str, str]:
+        """Why a request naming the down daemon at ``address`` fails: (code, message). A daemon
+        that refused this one's key is reported as such on every request until it is heard."""
+        link = self.source_daemons.get(address)
+        tries, retry_at = (link.tries, link.retry_at) if link is not None else (1, self.now)
+        if link is not None and link.refused:
+            return "auth_failed", f"{link.refused}; the next try in {max(0.0, retry_at - self.now):.1f}s"
+        return "peer_unreachable", self._unreachable_text(entry, address, tries, retry_at)
 
     def _unreachable_text(self, entry: DestEntry, address: str, tries: int, retry_at: float) -> str:
         what = f"source daemon {address}"
@@ -78,13 +86,10 @@ class BootstrapSide(LifecycleBase):
 
     def _source_unreachable(self, address: str) -> None:
         """The daemon at ``address`` never answered: destinations waiting for a handshake with it fail."""
-        link = self.source_daemons.get(address)
-        tries, retry_at = (link.tries, link.retry_at) if link is not None else (1, self.now)
         for hs in self.handshakes.at(address):
             for entry in list(hs.waiting):
                 if entry.failure is None:
-                    self._bootstrap_failed(events.BootstrapFailed(
-                        entry, "peer_unreachable", self._unreachable_text(entry, address, tries, retry_at)))
+                    self._bootstrap_failed(events.BootstrapFailed(entry, *self._down_failure(entry, address)))
             if hs.state != AGREED:  # the next try asks afresh, at once
                 self.handshakes.move(hs, "abandoned", self.now)
 

@@ -260,6 +260,8 @@ class DecodeSide(BootstrapSide):
                 self._bootstrap(entry)
 
     def _source_lost(self, ev: events.SourceLost) -> None:
+        if ev.code == "auth_failed" and (link := self.source_daemons.get(ev.address)) is not None:
+            link.refused = ev.message
         self._source_handshakes(ev.address, ev.code)
         for entry in self.inbox.all():
             if not entry.from_source(ev.address):

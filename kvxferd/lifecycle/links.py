@@ -64,6 +64,9 @@ class Link:
     incarnation: str = ""  # the peer process's, once a message named it
     tries: int = 0  # tries in a row that found the peer silent (0 once it is heard)
     retry_at: float = 0.0  # DOWN: when it may be tried again
+    #: the peer's last refusal of this daemon's key, until it is heard: a request that finds the
+    #: link down fails with it (``auth_failed``), not as if the peer were merely unreachable
+    refused: str = ""
 
 
 class Links:
@@ -112,7 +115,7 @@ class Links:
         if happened in ("opened", "heard", "retry"):
             link.last_seen = now
         if happened == "heard":
-            link.tries = 0
+            link.tries, link.refused = 0, ""
         elif state == DOWN:
             link.tries += 1
             wait = min(self.backoff_max_s, self.backoff_s * 2 ** (link.tries - 1))
