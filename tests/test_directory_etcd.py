@@ -132,3 +132,48 @@ def test_no_endpoint_answering_raises_a_typed_error_naming_each_endpoint():
         client.get_prefix(b"/kvxferd/")
     assert err.value.code == "directory_unreachable" and err.value.field == "directory.etcd_endpoints"
     assert all(url in str(err.value) for url in dead)
+
+
+class _Fed:
+    """The rendezvous side an EtcdDirectory feeds: nothing local, nothing managed."""
+
+    def __init__(self) -> None:
+        self.directory = Directory("127.0.0.1:1", 5.0)
+        self.refusals: dict[tuple[str, str], str] = {}
+
+    def local(self, instance, role):
+        return {}
+
+    def local_dp(self, base, role):
+        return None
+
+
+def test_an_unreachable_etcd_stays_named_through_rounds_that_had_nothing_to_send():
+    import asyncio
+
+    from kvxferd.control.advertised import Advertised
+    from kvxferd.control.rendezvous_etcd import EtcdDirectory
+    from kvxferd.lifecycle.registry import Registry
+
+    cfg = config.Config()
+    cfg.directory.backend = "etcd"
+    cfg.directory.etcd_endpoints = [f"http://127.0.0.1:{free_port()}"]  # nothing listens
+    errors: list[int] = []
+
+    async def go() -> EtcdDirectory:
+        d = EtcdDirectory(_Fed(), cfg, Advertised("127.0.0.1", 1, 2), Registry(8), lambda: errors.append(1))
+        await d.read("far", "prefill")  # real requests (this read, and the round its ask starts), refused
+        while d._busy:
+            await asyncio.sleep(0.01)
+        assert d.error and cfg.directory.etcd_endpoints[0] in d.error, d.error
+        failed = len(errors)
+        d._asked.clear()  # the ask is forgotten (as after ASKED_ROUNDS): a round has nothing to send
+        d.kick()
+        while d._busy:
+            await asyncio.sleep(0.01)
+        assert len(errors) == failed  # no request went out, so none failed
+        await d.close()
+        return d
+
+    d = asyncio.run(go())
+    assert d.error is not None and d.rounds == 0, (d.error, d.rounds)

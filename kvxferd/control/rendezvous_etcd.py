@@ -149,8 +149,9 @@ class EtcdDirectory:
                 except EtcdError as exc:
                     self._failed(exc)
                 else:
-                    self._ok()
-                    for (instance, role), got in kvs.items():
+                    if kvs is not None:  # a round with nothing to say proves nothing about etcd
+                        self._ok()
+                    for (instance, role), got in (kvs or {}).items():
                         self._feed(instance, role, got)
                 if not self._again:
                     break
@@ -171,9 +172,14 @@ class EtcdDirectory:
         return sorted(managed | set(self._asked))
 
     def _io(self, want: dict[bytes, bytes],
-            watched: list[tuple[str, str]]) -> dict[tuple[str, str], list[tuple[bytes, bytes, int]]]:
-        """In the etcd thread: lease, writes, reads. Raises EtcdError; what got written stays known."""
+            watched: list[tuple[str, str]]) -> dict[tuple[str, str], list[tuple[bytes, bytes, int]]] | None:
+        """In the etcd thread: lease, writes, reads. Raises EtcdError; what got written stays known.
+
+        None when there was nothing to keep alive, write or read: no request went out, so the round
+        says nothing about whether etcd answers (an unreachable directory stays named as such)."""
         client = self.client
+        if not (self.lease or want or self._written or watched):
+            return None
         if self.lease and client.keepalive(self.lease) <= 0:
             log.warning("event=directory_lease_lost lease=%x keys=%d", self.lease, len(self._written))
             self.lease = 0
