@@ -188,6 +188,9 @@ class Cluster:
                                                       message.decode_instance, message.code, message.reason))
         elif isinstance(message, messages.Fence):
             self.later(source, _Fence(decode, message.request_id))
+        elif isinstance(message, messages.Landed):
+            self.later(source, events.DownstreamLanded(decode.identity, message.request_id, message.decode_instance,
+                                                       (message.dst[0], message.dst[1])))
 
     def _to_decode(self, source: Node, decode: Node, message: messages.Message) -> None:
         if isinstance(message, messages.PeerAbort):

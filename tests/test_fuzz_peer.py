@@ -70,7 +70,7 @@ class PeerFuzzer:
     def base(self) -> dict[str, Any]:
         r = self.rng
         op = r.choice(("handshake", "handshake", "expect", "expect", "expect", "expect", "abort", "abort", "ended",
-                       "ping", "pong"))
+                       "landed", "ping", "pong"))
         msg: dict[str, Any] = {"op": op}
         if op == "handshake":
             spec_ = dict(self.decode_spec)
@@ -101,6 +101,10 @@ class PeerFuzzer:
             msg.update(request_id=r.choice(self.request_ids), reason=r.choice(("fuzz", "", "r" * 600)))
             if r.random() < 0.5:
                 msg["code"] = r.choice(("aborted", "", "c" * 65, "peer_dead"))
+        elif op == "landed":  # a stranger saying a request landed must not finish anyone's source
+            msg.update(request_id=r.choice(self.request_ids),
+                       decode_instance=r.choice(("fz-dec", "fz-dec", "fz-dec2", "nobody")),
+                       dst=r.choice(([0, 0], [1, 0], [-1, 0], [0], "00")))
         elif op == "ended":
             msg.update(request_id=r.choice(self.request_ids),
                        prefill_instance=r.choice((self.prefill,) * 5 + ("ghost",)),
@@ -248,7 +252,7 @@ def test_peer_endpoint_survives_10k_hostile_messages(nodes):
         "seconds": seconds, "categories": dict(categories), "error_codes": dict(codes)})
 
 
-PEER_OPS = ("handshake", "expect", "abort", "ended", "ping", "pong", "handshake_ok", "error")
+PEER_OPS = ("handshake", "expect", "abort", "ended", "landed", "ping", "pong", "handshake_ok", "error")
 PEER_FIELDS = ("v", "daemon", "data_address", "prefill_instance", "decode_instance", "decode_spec", "mode",
                "transports", "decode_tensors", "request_id", "dst", "num_tokens", "reason", "code", "seq")
 HYPOTHESIS_COUNT = {"messages": 0, "invalid": 0, "internal": 0, "seconds": 0.0}

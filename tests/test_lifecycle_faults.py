@@ -107,6 +107,49 @@ def test_one_sided_failure_waits_for_the_fence():
     assert dn.told.index(dn.outcome("r", d)) == 0
 
 
+def test_a_one_sided_source_is_done_only_once_its_decode_rank_says_the_request_landed():
+    """A WRITE completes before the decode daemon reads its header: the source's chunk is sent,
+    yet the source rank is done only on the decode rank's ``landed``, and only that link's."""
+    c, pn, dn, p, d = _pair(kind="nixl")
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.cut_links.add(pn.address)  # the decode side's word is held back
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r", d).state == "done"
+    assert pn.outcome("r", p) is None and pn.life.sources[("r", p.id)].awaiting_landed()
+    # a word about another decode instance, or from another link, confirms nothing
+    pn.handle(events.DownstreamLanded(dn.identity, "r", "other", d.coords))
+    pn.handle(events.DownstreamLanded(b"stranger", "r", "d", d.coords))
+    assert pn.outcome("r", p) is None
+    pn.handle(events.DownstreamLanded(dn.identity, "r", "d", d.coords))
+    assert pn.outcome("r", p).state == "done"
+
+
+def test_a_one_sided_source_never_told_landed_fails_at_its_transfer_timeout():
+    c, pn, dn, p, d = _pair(kind="nixl")
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.cut_links.add(pn.address)
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r", d).state == "done" and pn.outcome("r", p) is None
+    c.tick(pn.cfg.timeouts.transfer_s + 1)
+    out = pn.outcome("r", p)
+    assert out.state == "failed" and out.code == "transferring_timeout", out
+    assert "waiting for decode rank [0, 0] of 'd' to say the request landed" in out.reason, out
+
+
+def test_a_two_sided_source_needs_no_landed_word():
+    c, pn, dn, p, d = _pair(kind="tcp")
+    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
+    c.run()
+    c.cut_links.add(pn.address)
+    pn.send(p, "r", pages(4), 0, 16, True)
+    c.run()
+    assert dn.outcome("r", d).state == "done" and pn.outcome("r", p).state == "done"
+
+
 def _hybrid_half_written():
     """A hybrid request over a NIXL route: the full-attention WRITE returned, the state group's
     (a job of its own) is still in flight."""

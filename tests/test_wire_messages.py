@@ -130,6 +130,7 @@ FULL: list[Message] = [
     messages.PeerEnded("r1", "p", "d", "timeout", "bootstrap took too long"),
     messages.Fence("r1"),
     messages.Fenced("r1"),
+    messages.Landed("r1", "d", (1, 0)),
     messages.Announce("h:2", "inc", "p", "prefill", {"x": 1}, [(0, 0), (1, 0)], 2),
     messages.Lookup("p", "decode"),
     messages.PeerPing("h:1", "inc", b"d" * 16),

@@ -1,6 +1,7 @@
 """The peer endpoint: this daemon as the prefill side, serving decode daemons.
 
-One function per operation a decode daemon may send (ping, handshake, expect, abort, ended, fence).
+One function per operation a decode daemon may send (ping, handshake, expect, abort, ended, fence,
+landed).
 Each checks what only the endpoint can check (which link sent it, whether the pair was
 handshaken over it) and hands the request's part to the lifecycle core.
 """
@@ -75,7 +76,7 @@ class PrefillEndpoint:
         self._received_metric = self.metrics.peer_parts.labels("received")
         self._ops: dict[str, Callable[[bytes, Any], messages.Message | None]] = {
             "ping": self.ping, "handshake": self.handshake, "expect": self.expect, "abort": self.abort,
-            "ended": self.ended, "fence": self.fence, "announce": self.announce,
+            "ended": self.ended, "fence": self.fence, "landed": self.landed, "announce": self.announce,
             "lookup": lambda _identity, msg: self.rendezvous.on_lookup(msg)}
 
     async def serve(self) -> None:
@@ -403,6 +404,11 @@ class PrefillEndpoint:
 
     def fence(self, identity: bytes, msg: messages.Fence) -> messages.Message | None:
         return self.dispatch(events.FenceAsked(identity, msg.request_id))
+
+    def landed(self, identity: bytes, msg: messages.Landed) -> None:
+        """Not answered; the core takes it only for targets routed over this very link."""
+        self.dispatch(events.DownstreamLanded(identity, msg.request_id, msg.decode_instance,
+                                              (msg.dst[0], msg.dst[1])))
 
     # -- liveness and restarts ------------------------------------------------------------------
     def describe(self, now: float) -> list[dict[str, Any]]:

@@ -46,6 +46,7 @@ class Lifecycle(DecodeSide, PrefillSide):
             events.PeerExpected: self._on_expect, events.DownstreamAbort: self._downstream_abort,
             events.DownstreamEnded: self._downstream_ended,
             events.FenceAsked: self._fence_asked, events.DownstreamLost: self._downstream_lost,
+            events.DownstreamLanded: self._downstream_landed,
             events.JobFinished: self._job_finished, events.Tick: self._tick, events.ShutDown: self._shut_down,
             events.LinkOpened: self._link_opened, events.SourceHeard: self._source_heard,
             events.DecodeHeard: self._decode_heard, events.DecodeGone: self._decode_gone,

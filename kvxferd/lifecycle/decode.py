@@ -13,7 +13,7 @@ from typing import Any, Iterator
 from ..model.group_requests import group_origin
 from ..model.sampling import Sample, granule
 from ..ops.logutil import q
-from ..wire.messages import Event, Fence, PeerAbort, PeerEnded
+from ..wire.messages import Event, Fence, Landed, PeerAbort, PeerEnded
 from . import effects, events, states
 from .bootstrap import BootstrapSide
 from .inbox import DestEntry
@@ -168,6 +168,10 @@ class DecodeSide(BootstrapSide):
         self.metrics.transfers.labels("decode", state, mode, entry.transport).inc()
         record = {"state": state, "bytes": entry.bytes_received}
         if state == states.DONE:
+            if entry.source_address and self.one_sided(entry.transport):  # its sources wait for this word
+                for address in entry.source_addresses():
+                    self.emit(effects.SendUpstream(address, Landed(entry.request_id, entry.rank.instance,
+                                                                   list(entry.rank.coords))))
             self.metrics.latency.observe(self.now - entry.created)
             self.metrics.phase_latency.labels("transfer").observe(phase)
             if entry.aux is not None:

@@ -218,6 +218,17 @@ class DownstreamEnded:
 
 
 @dataclass(frozen=True)
+class DownstreamLanded:
+    """A decode daemon says its rank ``dst`` of ``decode`` landed the request whole (one-sided
+    transports): the sources routed there over that link may be done."""
+
+    identity: bytes
+    request_id: str
+    decode: str
+    dst: tuple[int, int]
+
+
+@dataclass(frozen=True)
 class FenceAsked:
     identity: bytes
     request_id: str

@@ -4,7 +4,8 @@ Pure bookkeeping, touched only on the daemon's event loop. A :class:`SrcEntry` i
 request at one prefill rank: the chunks the engine sent, the destinations the plan gives
 this rank (known as decode daemons' ``expect`` messages arrive), and which chunk has been
 confirmed by which destination. Source pages are free only when every chunk has been
-confirmed by every destination, or, after a failure, when no copy reads them any more.
+confirmed by every destination (over a one-sided transport: by the decode rank's word that the
+whole request landed and checked), or, after a failure, when no copy reads them any more.
 """
 
 from __future__ import annotations
@@ -84,6 +85,10 @@ class Target:
     dst_pages: np.ndarray | None = None  # route "nixl": the decode rank's pages, from its expect
     start: int = 0  # the decode side holds tokens before it already: chunks are clipped to >= start
     inflight: int = 0  # jobs towards it not returned yet (a fence waits for those of its daemon)
+    #: a one-sided route: the source's WRITEs complete before the decode daemon checks them, so the
+    #: target is done only once its decode rank says it landed the request whole (``landed``)
+    confirm: bool = False
+    landed: bool = False
     #: which granules of its chunks carry their digests (integrity: what its expect asked, or this
     #: daemon or the source's instance where stricter; None: none), and the granule's tokens
     digests: Sample | None = None
@@ -180,4 +185,9 @@ class SrcEntry:
         if set(self.targets) != self.expected_targets():
             return False
         n = len(self.chunks)
-        return all(len(t.acked) == n for t in self.targets.values())
+        return all(len(t.acked) == n and (t.landed or not t.confirm) for t in self.targets.values())
+
+    def awaiting_landed(self) -> list[Target]:
+        """Targets whose every chunk went, still waiting for their decode rank's ``landed``."""
+        n = len(self.chunks)
+        return [t for t in self.targets.values() if t.confirm and not t.landed and len(t.acked) == n]

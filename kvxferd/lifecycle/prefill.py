@@ -187,6 +187,7 @@ class PrefillSide(LifecycleBase):
             # one-sided writes address a group's chunk by the group's own destination table
             dst_pages = (ev.dst_groups or {}).get(w.group) if w.group else ev.dst_pages
             target = Target(ev.dst, w, route=ev.route, dst_pages=dst_pages, start=start,
+                            confirm=not ev.route.local and self.one_sided(ev.route.kind),
                             digests=self._digests(rank_id, ev), granule=granule(ev.plan, w.group))
             entry.targets.setdefault(group_key(ev.dst, w.group, w.part), target)
             self._pump(entry)
@@ -242,6 +243,17 @@ class PrefillSide(LifecycleBase):
                 told.add(id(entry.binding))
                 others = [r for r in entry.binding.daemons() if r.identity != identity]
                 self._propagate_downstream(entry.request_id, others, code, message)
+
+    def _downstream_landed(self, ev: events.DownstreamLanded) -> None:
+        """A decode rank landed the request whole: its targets over that link are confirmed. The
+        word of another link, or about another decode instance, confirms nothing."""
+        for entry in self.sources_of(ev.request_id):
+            if entry.decode_instance != ev.decode or entry.state in states.TERMINAL:
+                continue
+            for target in entry.targets.values():
+                if target.dst == ev.dst and target.route is not None and target.route.identity == ev.identity:
+                    target.landed = True
+            self._check_src(entry)
 
     def _downstream_abort(self, ev: events.DownstreamAbort) -> None:
         # a decode daemon may abort the requests routed to it, and those not routed anywhere yet
@@ -472,4 +484,9 @@ class PrefillSide(LifecycleBase):
                 continue
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:
-                self._fail(entry, states.timeout_code(entry.state), f"request spent more than {limit}s in state {entry.state}")
+                awaiting = entry.awaiting_landed()
+                why = (f" (every chunk went; waiting for decode rank{'s' if len(awaiting) > 1 else ''} "
+                       f"{', '.join(sorted({str(list(t.dst)) for t in awaiting}))} of "
+                       f"{entry.decode_instance!r} to say the request landed)" if awaiting else "")
+                self._fail(entry, states.timeout_code(entry.state),
+                           f"request spent more than {limit}s in state {entry.state}{why}")

@@ -61,7 +61,8 @@ SRC: dict[tuple[str, str], str] = {
     (BOOTSTRAPPING, "bound"): WAITING,
     # the first chunk job was posted to a data thread
     (WAITING, "job_started"): TRANSFERRING,
-    # every destination the plan gives the rank confirmed every chunk, no job in flight
+    # every destination the plan gives the rank confirmed every chunk (one-sided ones: and said the
+    # request landed whole), no job in flight
     **{(s, "complete"): DONE for s in ACTIVE},
     # failure recorded, no job in flight
     **{(s, "failed"): FAILED for s in ACTIVE},

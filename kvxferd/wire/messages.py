@@ -333,6 +333,19 @@ class Fenced(Message):
 
 
 @dataclass(frozen=True)
+class Landed(Message):
+    """Decode -> prefill, over a one-sided transport: decode rank ``dst`` of ``decode_instance``
+    holds the whole request, every chunk's bytes and header checked. A source's WRITEs complete
+    before the decode daemon has read their headers, so a source rank is done only once each
+    of its one-sided destinations said this; a header refused here fails the request instead."""
+
+    op: ClassVar[str] = "landed"
+    request_id: str = wire(REQUEST_ID)
+    decode_instance: str = wire(NAME)
+    dst: list[int] = wire(pair)
+
+
+@dataclass(frozen=True)
 class Announce(Message):
     """A daemon -> an instance's rendezvous: the ranks of the instance registered here (all of
     them: a rank left out is withdrawn). Renewed with every heartbeat: a lease."""
@@ -442,7 +455,7 @@ def schema_of(cls: type[Message]) -> Schema:
 ENGINE_TYPES: dict[str, type[Message]] = {
     t.op: t for t in (Register, Unregister, Expect, Send, Poll, Abort, Status, Ping)}
 PEER_TYPES: dict[str, type[Message]] = {
-    t.op: t for t in (Handshake, PeerExpect, PeerAbort, PeerEnded, Fence, Fenced, Announce, Lookup, PeerPing, Pong)}
+    t.op: t for t in (Handshake, PeerExpect, PeerAbort, PeerEnded, Fence, Fenced, Landed, Announce, Lookup, PeerPing, Pong)}
 #: a source daemon's answers to a handshake, as the decode daemon reads them
 HANDSHAKE_ANSWER_TYPES: dict[str, type[Message]] = {t.op: t for t in (HandshakeOk, HandshakeRefused, HandshakeRetry)}
 
