@@ -28,10 +28,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from e2e_util import NUM_PAGES, Node, assert_verified, cluster_run, finished, pages_for, spec, start_nodes, transfer
+from e2e_util import NUM_PAGES, Node, assert_verified, cluster_run, pages_for, spec, start_nodes, transfer
 from kvxferd.datapath.integrity import LandedCheck
 from kvxferd.lifecycle.inbox import Sink
-from kvxferd.model.sampling import FULL
 from kvxferd.ops.metrics import Metrics
 from kvxferd.tools import procstats
 from nixl_util import NIXL_ENV, NIXL_MISSING, metric
