@@ -85,11 +85,13 @@ class Node:
                                                num_tokens, start, address, tables))
 
     def send(self, rank: Rank, request_id: str, pages: list[int], start: int, end: int, last: bool,
-             aux: bytes | None = None, groups: dict[str, list[int]] | None = None) -> str:
+             aux: bytes | None = None, groups: dict[str, list[int]] | None = None,
+             qos_class: str | None = None, budget_s: float | None = None) -> str:
         spec_ = rank.geometry.spec
         slots = unit_slots(spec_, as_pages(pages, rank.geometry.num_pages, "pages"), start, end, start, None)
         tables = {k: np.asarray(v, dtype=np.int64) for k, v in (groups or {}).items()} or None
-        return self.handle(events.SendCalled(rank, request_id, Chunk(start, end, last, slots, aux, tables)))
+        return self.handle(events.SendCalled(rank, request_id, Chunk(start, end, last, slots, aux, tables),
+                                             qos_class, budget_s))
 
     def events_for(self, request_id: str, rank: Rank) -> list[messages.Event]:
         return [e for e in self.told if e.request_id == request_id and e.rank_id == rank.id]

@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 from kvxferd.lifecycle import effects, events
 from kvxferd.lifecycle.jobs import Moved
+from kvxferd.model.qos import Qos
 from kvxferd.ops.metrics import Metrics
 from kvxferd.transport.dataplane import INLINE_BUDGET, INLINE_BYTES, DataPlane
 
@@ -34,7 +35,7 @@ class Recorder:
 
 
 def _start(plane: DataPlane, transport, request_id: str, nbytes: int) -> None:
-    job = SimpleNamespace(request_id=request_id, nbytes=nbytes)
+    job = SimpleNamespace(request_id=request_id, nbytes=nbytes, qos=Qos())
     entry = SimpleNamespace(request_id=request_id)
     plane.start(effects.StartJob(job, "local", entry, None, 0), transport)
 

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvxferd.transport.scheduler import BULK, LATENCY, Qos, Scheduler
+from kvxferd.model.qos import BULK, LATENCY, Qos
+from kvxferd.transport.scheduler import Scheduler
 
 jobs_st = st.lists(st.tuples(st.sampled_from(CLASSES := (LATENCY, BULK)), st.sampled_from("abc"),
                              st.integers(1, 1 << 20), st.one_of(st.none(), st.floats(0, 100)),

@@ -37,6 +37,7 @@ from ..lifecycle.core import Lifecycle
 from ..lifecycle.inbox import Inbox
 from ..lifecycle.registry import Rank, Registry
 from ..model import sampling
+from ..model.qos import QosPolicy
 from ..ops import sdnotify
 from ..ops.config import LOCAL_MODE_NOTE, Config, transport_preference
 from ..ops.hops import TRACE
@@ -81,7 +82,9 @@ class Daemon:
         self._stop: asyncio.Event | None = None  # created in run(), on the daemon's loop
         self.ctx = zmq.asyncio.Context()
         TRACE.configure(cfg.daemon.hop_trace)
-        self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks)
+        self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks,
+                              qos=cfg.qos.enabled, bulk_floor=cfg.qos.bulk_floor,
+                              latency_threads=cfg.qos.latency_threads)
         self.inbox = Inbox(self.data.dest_changed, check=LandedCheck(self.metrics, cfg.integrity.corrupt_landed_every,
                                                                      cfg.integrity.corrupt_header),
                            on_refused=self.data.chunk_refused)
@@ -107,7 +110,8 @@ class Daemon:
                               remote_ranks=lambda instance: {c: h.daemon for c, h in self.directory.remote(
                                   instance, "prefill", time.monotonic()).items()},
                               integrity=sampling.Policy(cfg.integrity.mode,
-                                                        sampling.period_of(cfg.integrity.sample_share)))
+                                                        sampling.period_of(cfg.integrity.sample_share)),
+                              qos=QosPolicy.parse(cfg.qos.default_class, cfg.qos.instances))
         #: the ranks other daemons announced to this one (or it read from etcd), by instance
         self.directory = Directory("", cfg.peer.peer_timeout_s, cfg.limits.max_ranks)
         self.decode_links = DecodeLinks(
@@ -252,6 +256,8 @@ class Daemon:
             # chunks sent per transport/mode/why: an explicit peer.mode is kept on host memory, auto
             # stages short runs per chunk, GPU pages go through a device slot (transport/chunk_modes.py)
             "chunk_modes": self.metrics.chunk_modes(),
+            # the data threads' QoS: per class and instance what is queued, running and moved
+            "qos": self.data.describe(),
             "copy_path": runcopy.copy_path(),  # native, or torch and why
             # "full" or "sampled": chunks carry digests checked over the landed bytes (all, or a share)
             "integrity": cfg.integrity.mode,

@@ -340,5 +340,6 @@ class EngineEndpoint:
         groups = (send_tables(rank.geometry, msg.groups, start, end, msg.last)
                   if rank.geometry.spec.groups or msg.groups else None)
         chunk = Chunk(start, end, msg.last, chunk_slots, msg.aux, groups)
-        state = self.dispatch(events.SendCalled(rank, msg.request_id, chunk))
+        budget = msg.budget_ms / 1000.0 if msg.budget_ms is not None else None
+        state = self.dispatch(events.SendCalled(rank, msg.request_id, chunk, msg.qos_class, budget))
         return messages.reply(state=state)

@@ -13,6 +13,7 @@ from collections import OrderedDict, deque
 from typing import Any, Callable, Union
 
 from ..errors import RequestError
+from ..model.qos import QosPolicy
 from ..model.sampling import MODES, PageLedger, Policy
 from ..ops.logutil import q
 from ..ops.metrics import Metrics
@@ -37,7 +38,7 @@ class LifecycleBase:
                  one_sided: Callable[[str], bool], source_up: Callable[[str], bool] | None = None,
                  wall_clock: Callable[[], float], peer: Any = None, address: str = "",
                  remote_ranks: Callable[[str], dict[Any, str]] = lambda instance: {},
-                 integrity: Policy | None = None) -> None:
+                 integrity: Policy | None = None, qos: QosPolicy | None = None) -> None:
         self.limits = limits  # config.Limits: max_inflight_requests, max_pending_chunks, recent_failures
         self.timeouts = timeouts  # config.Timeouts: phase limits, fence_s
         self.registry = registry
@@ -61,6 +62,8 @@ class LifecycleBase:
         #: digests, and its prefill ranks send them for (a peer or an instance that asks for more
         #: gets more: the stricter side wins)
         self.integrity = integrity or Policy()
+        #: qos.instances: each instance's transfer class (the highest its requests may ask) and weight
+        self.qos = qos or QosPolicy()
         #: decode side: the writes into each page of each rank since it was last checked (sampled)
         self.ledger = PageLedger()
         #: decode side: handshakes with source daemons (an unanswered hello goes again after a

@@ -41,6 +41,8 @@ class SendCalled:
     rank: Rank
     request_id: str
     chunk: Chunk
+    qos_class: str | None = None  # what the engine asked (None: its instance's class)
+    budget_s: float | None = None  # from this call to the deadline (None: none)
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import numpy as np
 from ..datapath.digest import XXH3, header_digest, region_digests
 from ..datapath.regions import MappedRegion
 from ..model.plan import Writer
+from ..model.qos import Qos
 from ..model.sampling import Sample, chosen, granules_of
 from ..model.segments import chunk_bytes, head_offset_bytes, slot_count
 from .registry import Rank
@@ -44,6 +45,8 @@ class ChunkJob:
     #: the pair asked ``mode`` outright (``peer.mode``), not ``auto``: a transport honours it for host
     #: memory (:func:`kvxferd.transport.chunk_modes.pick`)
     pinned: bool = False
+    #: its request's class, instance, weight and deadline: where the data plane's scheduler puts it
+    qos: Qos = Qos()
 
     # derived once per job (a job's fields are never reassigned): transports ask for them
     # several times per chunk, and for a small chunk deriving them cost more than moving it

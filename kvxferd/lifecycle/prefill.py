@@ -16,6 +16,7 @@ from ..model.geometry import rank_id as make_rank_id
 from ..model.group_requests import group_origin, source_range
 from ..model.plan import Plan, group_key
 from ..model.planner import make_plan
+from ..model.qos import Qos
 from ..model.sampling import Sample, granule, stricter, to_send
 from ..model.segments import clip_slots
 from ..ops.logutil import q
@@ -146,6 +147,10 @@ class PrefillSide(LifecycleBase):
                 why = "failing: the decode daemon hung up on a chunk; the finished event gives its reason"
             raise RequestError(f"request {ev.request_id!r} is {why}", field="request_id",
                                code="request_finished", fix="start a new request")
+        if not entry.chunks:  # the first chunk's ask holds for the request at this rank
+            entry.qos_class, entry.qos_weight = self.qos.resolve(rank.instance, ev.qos_class)
+            if ev.budget_s is not None:
+                entry.deadline = self.now + ev.budget_s
         entry.add_chunk(ev.chunk)
         self.held_chunks += 1
         self._pump(entry)
@@ -365,7 +370,7 @@ class PrefillSide(LifecycleBase):
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
                        digests=target.digests, granule=target.granule, source=entry.serial,
-                       pinned=route.pinned)
+                       pinned=route.pinned, qos=Qos(entry.qos_class, rank.instance, entry.qos_weight, entry.deadline))
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -390,7 +395,7 @@ class PrefillSide(LifecycleBase):
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
                        digests=target.digests, granule=target.granule, source=entry.serial,
-                       pinned=route.pinned)
+                       pinned=route.pinned, qos=Qos(entry.qos_class, rank.instance, entry.qos_weight, entry.deadline))
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -434,6 +439,10 @@ class PrefillSide(LifecycleBase):
                 self._finalize_src(entry, states.FAILED)
             return
         if entry.state not in states.TERMINAL and entry.complete():
+            if entry.deadline is not None and self.now > entry.deadline:  # never done late
+                self._fail(entry, "deadline", f"every byte landed {(self.now - entry.deadline) * 1e3:.1f} ms after "
+                                              "the request's deadline")
+                return
             entry.closed = True
             self._finalize_src(entry, states.DONE)
 
@@ -481,6 +490,10 @@ class PrefillSide(LifecycleBase):
                 if entry.failure is not None:
                     self._propagate_downstream(entry.request_id, entry.routes(), *entry.failure)
                 self._check_src(entry)
+                continue
+            if entry.deadline is not None and entry.failure is None and self.now > entry.deadline:
+                self._fail(entry, "deadline", f"the request's deadline passed in state {entry.state} with "
+                                              f"{entry.bytes_sent} bytes sent; recompute it, or give it a longer budget")
                 continue
             limit = limits.get(entry.state)
             if limit is not None and entry.failure is None and self.now - entry.phase_since > limit:

@@ -20,6 +20,7 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 from ..model import sampling
+from ..model.qos import QosPolicy
 from . import hops
 
 if sys.version_info >= (3, 11):
@@ -282,6 +283,22 @@ INTEGRITY_MODES = sampling.MODES
 HEADER_FAULTS = ("", "aux", "last")
 
 
+@dataclass
+class QosSection:
+    #: false: one queue in arrival order for every tenant (what the daemon did before QoS)
+    enabled: bool = True
+    #: the class of an instance qos.instances does not name ("latency" or "bulk")
+    default_class: str = "bulk"
+    #: "instance=class[:weight]" (instance may be a glob): an instance's class, the highest its
+    #: requests may ask, and its weight inside the class (bytes shared in its ratio while backlogged)
+    instances: list[str] = field(default_factory=list)
+    #: the share of the data threads' time bulk keeps while latency work waits
+    bulk_floor: float = 0.1
+    #: data threads of their own for latency work, on top of daemon.data_threads (0: none): a
+    #: latency chunk never waits behind a bulk chunk already running
+    latency_threads: int = 1
+
+
 def lease_ttl(cfg: "Config") -> int:
     """The etcd lease of a daemon's ranks, in whole seconds (etcd's unit; it grants no less than 2)."""
     return max(2, math.ceil(cfg.directory.lease_ttl_s or cfg.peer.peer_timeout_s))
@@ -298,6 +315,7 @@ class Config:
     auth: AuthSection = field(default_factory=AuthSection)
     directory: DirectorySection = field(default_factory=DirectorySection)
     integrity: IntegritySection = field(default_factory=IntegritySection)
+    qos: QosSection = field(default_factory=QosSection)
 
     def __post_init__(self) -> None:
         # not settings, so not fields: where each setting that is not a default came from (the
@@ -452,7 +470,18 @@ def validate(cfg: Config) -> Config:
     _check_metrics_and_auth(cfg)
     _check_directory(cfg)
     _check_integrity(cfg.integrity)
+    _check_qos(cfg.qos)
     return cfg
+
+
+def _check_qos(qos: QosSection) -> None:
+    QosPolicy.parse(qos.default_class, qos.instances)  # raises naming the entry
+    if not 0.0 < qos.bulk_floor < 1.0:
+        raise ConfigError(f"qos.bulk_floor must lie strictly between 0 and 1, got {qos.bulk_floor}",
+                          field="qos.bulk_floor", fix="set it to the share bulk keeps, e.g. 0.1")
+    if qos.latency_threads < 0:
+        raise ConfigError(f"qos.latency_threads must be 0 or more, got {qos.latency_threads}",
+                          field="qos.latency_threads", fix="set it to 0 (none) or a small count, e.g. 1")
 
 
 def _check_integrity(integrity: IntegritySection) -> None:

@@ -181,6 +181,16 @@ class Metrics:
             "kvxferd_peer_message_parts", "Peer control messages per ZeroMQ multipart message between daemons "
             "(sent: leaving this daemon; received: read by it); above 1, messages of one loop turn left together.",
             ["direction"], buckets=PARTS_BUCKETS, registry=r)
+        self.qos_queue_seconds = Histogram(
+            "kvxferd_transfer_queue_seconds", "Time a chunk job waited for a data thread, by transfer class "
+            "(latency, bulk; qos.instances).", ["class"], buckets=LATENCY_BUCKETS, registry=r)
+        self.qos_bytes = Counter(
+            "kvxferd_transfer_class_bytes", "Bytes of chunk jobs the data threads ran, by transfer class.",
+            ["class"], registry=r)
+        self.qos_deadline_failures = Counter(
+            "kvxferd_deadline_failures", "Chunk jobs failed with code deadline by the data plane, by class and "
+            "when: admission (it could not land in time given what was queued ahead), queue (its deadline "
+            "passed before its turn).", ["class", "when"], registry=r)
         self.handoff_jobs = Histogram(
             "kvxferd_data_handoff_chunks", "Chunk jobs a data thread took in one hand-off (small chunks for one "
             "peer go together: over tcp, back to back on one connection with one round trip).",

@@ -91,9 +91,13 @@ class _Base:
 
     @staticmethod
     def _send_call(rank_id: str, chunk: Mapping[str, Any]) -> tuple[str, dict[str, Any]]:
-        return "send", {"rank_id": rank_id, "request_id": chunk["request_id"], "pages": _pages(chunk["pages"]),
-                        "start": chunk["start"], "end": chunk["end"], "last": chunk.get("last", True),
-                        "aux": chunk.get("aux"), "groups": _groups(chunk.get("groups"))}
+        fields = {"rank_id": rank_id, "request_id": chunk["request_id"], "pages": _pages(chunk["pages"]),
+                  "start": chunk["start"], "end": chunk["end"], "last": chunk.get("last", True),
+                  "aux": chunk.get("aux"), "groups": _groups(chunk.get("groups"))}
+        for name in ("qos_class", "budget_ms"):  # sent only when asked: most requests take their instance's
+            if chunk.get(name) is not None:
+                fields[name] = chunk[name]
+        return "send", fields
 
     @staticmethod
     def _check(reply: dict[str, Any]) -> dict[str, Any]:
@@ -238,11 +242,15 @@ class EngineClient(_Base):
 
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
              last: bool = True, aux: bytes | None = None,
-             groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
+             groups: Mapping[str, Iterable[int] | int] | None = None,
+             qos_class: str | None = None, budget_ms: float | None = None) -> str:
         """``groups``: the chunk's pages per KV group (as ``pages``), each state group's slot with
-        the last chunk."""
+        the last chunk. ``qos_class`` ("latency" or "bulk") and ``budget_ms`` (ms from this call by
+        which the KV must have landed, or the request fails ``deadline``): the first chunk's hold
+        for the request; None takes the instance's class (``qos.instances``) and no deadline."""
         op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
-                                                   last=last, aux=aux, groups=groups))
+                                                   last=last, aux=aux, groups=groups, qos_class=qos_class,
+                                                   budget_ms=budget_ms))
         return self.call(op, **fields)["state"]
 
     def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
@@ -379,9 +387,11 @@ class AsyncEngineClient(_Base):
 
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
                    last: bool = True, aux: bytes | None = None,
-                   groups: Mapping[str, Iterable[int] | int] | None = None) -> str:
+                   groups: Mapping[str, Iterable[int] | int] | None = None,
+                   qos_class: str | None = None, budget_ms: float | None = None) -> str:
         op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
-                                                   last=last, aux=aux, groups=groups))
+                                                   last=last, aux=aux, groups=groups, qos_class=qos_class,
+                                                   budget_ms=budget_ms))
         return (await self.call(op, **fields))["state"]
 
     async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:

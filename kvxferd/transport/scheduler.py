@@ -30,21 +30,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Generic, Hashable, Iterable, TypeVar
 
-LATENCY = "latency"
-BULK = "bulk"
-CLASSES = (LATENCY, BULK)
+from ..model.qos import BULK, CLASSES, LATENCY, Qos
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class Qos:
-    """What a chunk job asks of the scheduler."""
-
-    cls: str = BULK
-    instance: str = ""
-    weight: float = 1.0
-    deadline: float | None = None  # monotonic seconds by which the job must have run; None: none
 
 
 @dataclass(order=True)

@@ -27,6 +27,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ProtocolError
+from ..model.qos import CLASSES, MAX_BUDGET_MS
 from ..model.sampling import MAX_PERIOD, MODES
 from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
                        MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, asked_sample,
@@ -151,6 +152,12 @@ class Send(Message):
     aux: bytes | None = wire(blob(), None)
     #: cache groups: the chunk's pages per KV group, state slots
     groups: dict[str, list[int]] | None = wire(group_tables, None)
+    #: the request's transfer class ("latency" or "bulk"; None: its instance's, qos.instances). The
+    #: first chunk's class and budget hold for the whole request
+    qos_class: str | None = wire(text(16, CLASSES), None)
+    #: ms from this call by which the request's KV must have landed; one that cannot, or did not,
+    #: fails with code "deadline" (None: no deadline)
+    budget_ms: float | None = wire(number(0.001, MAX_BUDGET_MS), None)
 
 
 @dataclass(frozen=True)
