@@ -72,6 +72,15 @@ TARGETS: dict[str, Target] = {t.name: t for t in (
     Target("fleet_fds_per_link", 1.0, False, ""),
     Target("fleet_rss_growth_mib", 20.0, False, "MiB"),
     Target("fleet_storm_s", 10.0, False, "s"),
+    # transfer QoS (kvxferd.tools.bench.qos): a latency instance's one-page p99 under a bulk
+    # stream against its idle p99, the bulk stream's throughput meanwhile, shares by weight, the
+    # bulk floor under a latency flood, and how fast a deadline that cannot be met fails
+    Target("qos_p99_vs_idle", 2.0, False),
+    Target("qos_p99_over_idle_ms", 2.0, False, "ms"),
+    Target("qos_bulk_vs_alone", 0.9, True),
+    Target("qos_weights_3_to_1_error", 0.1, False),
+    Target("qos_flood_bulk_vs_floor", 0.9, True),
+    Target("qos_deadline_fail_ms", 1.0, False, "ms"),
 )}
 
 #: a throughput row below this payload gives no ratio to a limit: per-request costs (the
@@ -163,7 +172,7 @@ class Scenario:
 @dataclass
 class Row:
     name: str
-    group: str  # limit | kvxferd | latency | rate | peer | planner | fleet
+    group: str  # limit | kvxferd | latency | rate | peer | planner | fleet | qos
     bytes: int | None = None
     gbps: float | None = None
     p50_ms: float | None = None

@@ -179,7 +179,31 @@ def targets_report(rows: list[Row], ratios: dict[str, Any]) -> list[dict[str, An
     for r in rows:
         if r.group == "fleet" and not r.skipped and not r.error:
             _fleet_targets(out, r)
+    for r in rows:
+        if r.group == "qos" and r.mode == "qos" and not r.error:
+            _qos_targets(out, r)
     return out
+
+
+def _qos_targets(out: list[dict[str, Any]], r: Row) -> None:
+    """The QoS goals a QoS row reads (the fifo rows beside them are today's figure, not read)."""
+    e, where = r.extra, f"({r.transport})"
+    if e.get("kind") == "under_bulk":
+        _target(out, "qos_p99_vs_idle", f"qos_p99_vs_idle {where}", e.get("vs_idle_p99"))
+        _target(out, "qos_p99_over_idle_ms", f"qos_p99_over_idle_ms {where}", e.get("over_idle_p99_ms"))
+        _target(out, "qos_bulk_vs_alone", f"qos_bulk_vs_alone {where}", e.get("bulk_vs_alone"),
+                "no bulk request completed while the chat requests ran")
+        deadline = e.get("deadline") or {}
+        ok = deadline.get("code") == "deadline"
+        _target(out, "qos_deadline_fail_ms", f"qos_deadline_fail_ms {where}", deadline.get("ms") if ok else None,
+                f"the probe ended {deadline.get('state')} ({deadline.get('code')}), not failed deadline")
+    elif e.get("kind") == "weights":
+        ratio = e.get("ratio")
+        _target(out, "qos_weights_3_to_1_error", f"qos_weights_3_to_1_error {where}",
+                None if ratio is None else round(abs(ratio / 3.0 - 1.0), 3), "the weight-1 instance moved nothing")
+    elif e.get("kind") == "flood":
+        _target(out, "qos_flood_bulk_vs_floor", f"qos_flood_bulk_vs_floor {where}", e.get("vs_floor"),
+                "no bulk request completed during the flood")
 
 
 def _fleet_targets(out: list[dict[str, Any]], r: Row) -> None:
@@ -207,6 +231,8 @@ def _cells(r: Row) -> tuple[str, ...]:
                  f"+{r.extra['rss_growth_mib']:.1f} MiB")
     elif r.ms is not None:
         other = f"{r.ms:.2f} ms"
+    elif r.group == "qos":
+        other = _qos_cell(r.extra)
     if r.moved_as and r.group == "kvxferd" and r.moved_as != r.mode:
         other = (other + " " if other else "") + f"moved {r.moved_as}"
     if r.transport == "nixl" and r.extra.get("fragments_per_chunk") is not None:  # descriptors per WRITE'd chunk
@@ -219,6 +245,22 @@ def _cells(r: Row) -> tuple[str, ...]:
     noise = r.extra.get("others_cpu_pct")
     return (r.name, size_label(r.bytes) if r.bytes else "-", f(r.gbps, ".2f"), lim, f(r.vs_peer, ".2f"),
             f(r.p50_ms, ".3f"), f(r.p99_ms, ".3f"), other, "-" if noise is None else f"{noise:.0f}%", check)
+
+
+def _qos_cell(e: dict[str, Any]) -> str:
+    def f(v: Any, fmt: str) -> str:
+        return "-" if v is None else format(v, fmt)
+
+    if e.get("kind") == "under_bulk":
+        d = e.get("deadline") or {}
+        return (f"p99 {f(e.get('vs_idle_p99'), '.2f')}x idle (+{f(e.get('over_idle_p99_ms'), '.1f')} ms), bulk "
+                f"{f(e.get('bulk_vs_alone'), '.2f')}x alone, 1 ms budget: {d.get('code') or d.get('state')} in "
+                f"{f(d.get('ms'), '.2f')} ms (send {f(d.get('call_ms'), '.2f')} ms)")
+    if e.get("kind") == "weights":
+        return f"bytes {f(e.get('ratio'), '.2f')} : 1"
+    if e.get("kind") == "flood":
+        return f"bulk {f(e.get('vs_floor'), '.2f')}x its floor"
+    return ""
 
 
 def render_table(rows: list[Row]) -> str:

@@ -190,8 +190,11 @@ def run_all(size: str, only: str | None = None, seed: int = 1) -> tuple[dict[str
         rows += _planner_rows(size)
     if (not only and size != "smoke") or (only and re.search(only, "fleet")):
         rows += _fleet_rows(size)
+    if (not only and size == "full") or (only and re.search(only, "qos")):
+        from .qos import qos_rows
+        rows += qos_rows(size, seed)
     ratios = compute(rows, headline, tp_workloads(size))
-    verified = all(r.verified for r in rows if r.group in ("kvxferd", "latency", "rate") and not r.skipped)
+    verified = all(r.verified for r in rows if r.group in ("kvxferd", "latency", "rate", "qos") and not r.skipped)
     report = {"quick": size != "full", "size": size, "machine": machine(),
               "seconds": round(time.perf_counter() - t_all, 1), "verified": verified,
               "rows": [r.to_dict() for r in rows], "ratios": ratios, "targets": targets_report(rows, ratios),

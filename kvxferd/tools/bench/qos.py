@@ -1,0 +1,289 @@
+"""``kvxferd bench --only qos``: a chat instance's one-page requests while a bulk instance keeps
+the same daemons busy, with the daemons' QoS on and off (``qos.enabled``), in one run.
+
+For each transport (``local``: one daemon; ``tcp``: two) and each policy, real daemons start with
+``qos.instances = ["chat*=latency", "bulk*=bulk:3", "bulk2*=bulk:1", "flood*=latency"]``, and one
+engine process (``python -m kvxferd.tools.bench.qos CONFIG_JSON``) registers every instance and
+measures, one phase after another:
+
+- **idle**: the chat instance's one-page requests one at a time, nothing else moving (p50, p99);
+- **bulk alone**: the bulk instance with three requests in flight (GB/s);
+- **under bulk**: the chat requests again while the bulk instance keeps three in flight; the
+  bulk instance's GB/s over the same seconds;
+- **weights** (QoS only): two bulk instances weighted 3 and 1, both backlogged: their bytes;
+- **latency flood** (QoS only): a latency instance with 16 requests in flight against the bulk
+  instance: bulk's GB/s against ``qos.bulk_floor`` of its GB/s alone;
+- **deadline**: a bulk-class request with a 1 ms budget sent while the bulk backlog waits: the
+  time from its ``send`` to its failure, and its code.
+
+Every bulk and chat destination page set is checked against the byte oracle at the end (each
+holds its last request's bytes), with the pages never written. Figures are printed, never
+asserted (BENCHMARKS.md reads them against the issue's goals).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from ..oracle import check_rank, untouched
+from .engine_layout import Layout
+from .model import Row, Workload, pct, say
+
+QOS_INSTANCES = ["chat*=latency", "bulk2*=bulk:1", "bulk*=bulk:3", "flood*=latency", "probe*=bulk"]
+
+
+def _layout(tag: str, wl: Workload, window: int, cfg: dict[str, Any]) -> Layout:
+    return Layout({"workload": wl.__dict__, "window": window, "requests": window, "verify": 0, "tag": tag,
+                   "seed": cfg["seed"], "prefill_socket": cfg["prefill_socket"], "decode_socket": cfg["decode_socket"],
+                   "source_address": cfg.get("source_address"), "gate": True})
+
+
+class _Instance:
+    """One instance pair's ranks, registered, and a driver that keeps ``window`` requests in flight."""
+
+    def __init__(self, tag: str, wl: Workload, window: int, cfg: dict[str, Any]) -> None:
+        from .engine_sync import SyncDriver
+
+        class Counting(SyncDriver):
+            """Notes when each request completed on every decode rank."""
+
+            def landed(self, ev: dict[str, Any], pending: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+                info = super().landed(ev, pending)
+                if info is not None:
+                    done_at.append(time.perf_counter())
+                return info
+
+        done_at: list[float] = []
+        self.done_at = done_at
+        self.lay = _layout(tag, wl, window, cfg)
+        self.ranks = self.lay.allocate()
+        self.result: dict[str, Any] = {"failures": []}
+        self.driver = Counting(self.lay, self.ranks, self.result)
+        self.count = 0
+
+    def plan(self, n: int) -> list[tuple[str, int | None]]:
+        out = [(f"{self.lay.tag}-{self.count + i}", None) for i in range(n)]
+        self.count += n
+        return out
+
+    def run(self, n: int) -> tuple[float, list[float]]:
+        return self.driver.run(self.plan(n))
+
+    def keep_busy(self, stop: threading.Event, moved: list[tuple[float, int]]) -> None:
+        """``window`` requests in flight (a new one as each completes) until ``stop``; each
+        request's (completion time, bytes) in ``moved``."""
+        seen = len(self.done_at)
+        while not stop.is_set():
+            self.driver.run(self.plan(4 * self.lay.window))
+            moved.extend((t, self.lay.wl.nbytes) for t in self.done_at[seen:])
+            seen = len(self.done_at)
+
+    def bad_bytes(self) -> int:
+        lay, bad = self.lay, 0
+        for r in self.ranks:
+            if r.role == "decode":
+                for s in lay.sets[:lay.window]:
+                    bad += check_rank(r.cache, r.geometry, lay.key, s, lay.n)
+                bad += untouched(r.cache, r.geometry, lay.spare)
+        return bad
+
+    def close(self) -> None:
+        self.driver.close()
+        for r in self.ranks:
+            r.cache.close()
+
+
+def _gbps(moved: list[tuple[float, int]], t0: float, t1: float) -> float | None:
+    """Bytes of the rounds that ended inside [t0, t1], over the span from t0 to the last of them."""
+    inside = [(t, n) for t, n in moved if t0 <= t <= t1]
+    if not inside:
+        return None
+    return sum(n for _, n in inside) / (inside[-1][0] - t0) / 1e9
+
+
+def _busy(inst: _Instance) -> tuple[threading.Event, list[tuple[float, int]], threading.Thread]:
+    stop, moved = threading.Event(), []
+    thread = threading.Thread(target=inst.keep_busy, args=(stop, moved), daemon=True)
+    thread.start()
+    return stop, moved, thread
+
+
+def _stop(stop: threading.Event, thread: threading.Thread) -> None:
+    stop.set()
+    thread.join(600)
+
+
+def _deadline_probe(probe: _Instance) -> dict[str, Any]:
+    """One bulk-class request with a 1 ms budget: the time from its send to its failure event."""
+    drv, lay = probe.driver, probe.lay
+    (req, _), = probe.plan(1)
+    for r in drv.decode:
+        r.client.expect(r.rid, req, source_instance=lay.pinst, source_address=lay.source_address,
+                        pages=lay.sets[0], num_tokens=lay.n)
+    drv.wait_known(req)
+    p = drv.prefill[0]
+    t0 = time.perf_counter()
+    p.client.send(p.rid, req, pages=lay.src_pages, start=0, end=lay.n, last=True, budget_ms=1.0)
+    call_ms = (time.perf_counter() - t0) * 1e3  # the send's own round trip to the daemon
+    end = time.monotonic() + 60
+    while time.monotonic() < end:
+        for ev in drv.events(100):
+            if ev.get("request_id") == req and ev.get("rank_id") == p.rid:
+                return {"ms": round((time.perf_counter() - t0) * 1e3, 3), "call_ms": round(call_ms, 3),
+                        "state": ev.get("state"), "code": ev.get("code"), "reason": (ev.get("reason") or "")[:300]}
+    return {"ms": None, "call_ms": round(call_ms, 3), "state": "no event", "code": None, "reason": ""}
+
+
+def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
+    import torch
+    torch.set_num_threads(1)
+    out: dict[str, Any] = {"verified": False}
+    chat_wl, bulk_wl = Workload(**cfg["chat"]), Workload(**cfg["bulk"])
+    insts: dict[str, _Instance] = {}
+    try:
+        insts["chat"] = _Instance("chat", chat_wl, 1, cfg)
+        insts["bulk"] = _Instance("bulk", bulk_wl, 3, cfg)
+        insts["probe"] = _Instance("probe", chat_wl, 1, cfg)
+        if cfg["qos"]:
+            insts["bulk2"] = _Instance("bulk2", bulk_wl, 3, cfg)
+            insts["flood"] = _Instance("flood", chat_wl, 16, cfg)
+        for inst in insts.values():  # warm-up: every destination set written once
+            inst.run(inst.lay.window)
+        n, seconds = cfg["chat_requests"], cfg["seconds"]
+        chat, bulk = insts["chat"], insts["bulk"]
+        _, idle = chat.run(n)
+        out["idle"] = {"p50_ms": pct(idle, 0.5) * 1e3, "p99_ms": pct(idle, 0.99) * 1e3}
+        stop, moved, thread = _busy(bulk)
+        t0 = time.perf_counter()
+        time.sleep(seconds)
+        _stop(stop, thread)
+        out["bulk_alone_gbps"] = _gbps(moved, t0, time.perf_counter())
+        stop, moved, thread = _busy(bulk)
+        time.sleep(0.2)  # the bulk window is full before the first chat request
+        t0 = time.perf_counter()
+        _, loaded = chat.run(n)
+        t1 = time.perf_counter()
+        out["under_bulk"] = {"p50_ms": pct(loaded, 0.5) * 1e3, "p99_ms": pct(loaded, 0.99) * 1e3}
+        out["deadline"] = _deadline_probe(insts["probe"])
+        _stop(stop, thread)
+        out["bulk_during_gbps"] = _gbps(moved, t0, t1)  # None: no bulk request completed while chat ran
+        if cfg["qos"]:
+            heavy, light = _busy(bulk), _busy(insts["bulk2"])
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            t1 = time.perf_counter()
+            _stop(heavy[0], heavy[2])
+            _stop(light[0], light[2])
+            got = [sum(b for t, b in m[1] if t0 <= t <= t1) for m in (heavy, light)]
+            out["weights"] = {"bytes_w3": got[0], "bytes_w1": got[1],
+                              "ratio": round(got[0] / got[1], 3) if got[1] else None}
+            stop_b, moved_b, thread_b = _busy(bulk)
+            stop_f, moved_f, thread_f = _busy(insts["flood"])
+            t0 = time.perf_counter()
+            time.sleep(seconds)
+            t1 = time.perf_counter()
+            _stop(stop_f, thread_f)
+            _stop(stop_b, thread_b)
+            out["flood"] = {"bulk_gbps": _gbps(moved_b, t0, t1), "flood_gbps": _gbps(moved_f, t0, t1)}
+        failures = [f for inst in insts.values() for f in inst.result["failures"]]
+        # the probe's deadline failure is what it measures, not a failure of the run
+        failures = [f for f in failures if not str(f.get("request_id", "")).startswith("probe-") or
+                    f.get("code") != "deadline"]
+        out["failures"] = failures[:5]
+        out["bad_bytes"] = sum(inst.bad_bytes() for inst in insts.values())
+        out["verified"] = out["bad_bytes"] == 0 and not failures
+    except Exception as exc:  # noqa: BLE001 - the orchestrator reports it as a failed row
+        out["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    finally:
+        for inst in insts.values():
+            inst.close()
+    return out
+
+
+# -- the orchestrator ------------------------------------------------------------------------------
+def _run_policy(transport: str, qos: bool, size: str, seed: int) -> dict[str, Any]:
+    from ..sim import Cluster
+    toml = (f'[qos]\nenabled = {"true" if qos else "false"}\n'
+            f'instances = {json.dumps(QOS_INSTANCES)}\n')
+    env = {"KVXFERD_PEER_TRANSPORT": "nixl", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"} \
+        if transport == "nixl" else None  # the bench's other NIXL rows' setup
+    cluster = Cluster()
+    try:
+        a = cluster.daemon("qos-a", extra_toml=toml, env=env)
+        b = a if transport == "local" else cluster.daemon("qos-b", extra_toml=toml, env=env)
+        tokens = {"full": 2048, "quick": 512, "smoke": 64}[size]
+        cfg = {"seed": seed, "qos": qos, "chat": Workload("8B", 16).__dict__, "bulk": Workload("8B", tokens).__dict__,
+               "chat_requests": {"full": 400, "quick": 150, "smoke": 10}[size],
+               "seconds": {"full": 8.0, "quick": 4.0, "smoke": 0.5}[size],
+               "prefill_socket": a.socket_path, "decode_socket": b.socket_path,
+               "source_address": None if transport == "local" else a.address}
+        proc = subprocess.run([sys.executable, "-m", "kvxferd.tools.bench.qos", json.dumps(cfg)],
+                              capture_output=True, text=True, timeout=1800)
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+        if not lines:
+            return {"error": f"engine exited {proc.returncode}: {proc.stderr[-400:]}"}
+        return json.loads(lines[-1])
+    finally:
+        cluster.close()
+
+
+def qos_rows(size: str, seed: int = 1, transports: tuple[str, ...] | None = None) -> list[Row]:
+    """Rows for each transport (all three; NIXL where installed, not in a smoke run) and policy."""
+    from .peers import nixl_unavailable
+    rows: list[Row] = []
+    if transports is None:
+        transports = ("local", "tcp") if size == "smoke" else ("local", "tcp", "nixl")
+    for transport in transports:
+        if transport == "nixl" and (why := nixl_unavailable()):
+            rows.append(Row("qos nixl", "qos", transport="nixl", skipped=why))
+            continue
+        got = {}
+        for policy in ("fifo", "qos"):
+            say(f"qos {transport}: {policy}")
+            got[policy] = res = _run_policy(transport, policy == "qos", size, seed)
+            name = f"qos {transport} {policy}"
+            if res.get("error"):
+                rows.append(Row(f"{name} chat under bulk", "qos", transport=transport, error=res["error"]))
+                continue
+            idle, loaded = res["idle"], res["under_bulk"]
+            alone, during = res.get("bulk_alone_gbps"), res.get("bulk_during_gbps")
+            rows.append(Row(f"{name} chat idle", "qos", transport=transport, mode=policy, p50_ms=idle["p50_ms"],
+                            p99_ms=idle["p99_ms"], verified=res["verified"], workload="8B 16 (one page)"))
+            rows.append(Row(f"{name} chat under bulk", "qos", transport=transport, mode=policy,
+                            p50_ms=loaded["p50_ms"], p99_ms=loaded["p99_ms"], verified=res["verified"],
+                            workload="8B 16 (one page)", extra={
+                                "kind": "under_bulk", "vs_idle_p99": round(loaded["p99_ms"] / idle["p99_ms"], 2),
+                                "over_idle_p99_ms": round(loaded["p99_ms"] - idle["p99_ms"], 2),
+                                "bulk_alone_gbps": alone, "bulk_during_gbps": during,
+                                "bulk_vs_alone": round(during / alone, 3) if alone and during else None,
+                                "deadline": res["deadline"], "bad_bytes": res.get("bad_bytes"),
+                                "failures": res.get("failures")}))
+            if policy == "qos":
+                w, f = res.get("weights") or {}, res.get("flood") or {}
+                rows.append(Row(f"{name} bulk weights 3:1", "qos", transport=transport, mode=policy,
+                                verified=res["verified"], extra={"kind": "weights", **w}))
+                floor = 0.1 * alone if alone else None
+                rows.append(Row(f"{name} bulk under a latency flood", "qos", transport=transport, mode=policy,
+                                gbps=f.get("bulk_gbps"), verified=res["verified"], extra={
+                                    "kind": "flood", **f, "floor_gbps": floor,
+                                    "vs_floor": round(f["bulk_gbps"] / floor, 2) if floor and f.get("bulk_gbps") else None}))
+            for r in rows[-(4 if policy == "qos" else 2):]:
+                say(f"  {r.name}: p50 {r.p50_ms or '-'} p99 {r.p99_ms or '-'} gbps {r.gbps or '-'} {r.extra}")
+    return rows
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1:
+        from ...ops.signals import cleanup_on_signals
+        with cleanup_on_signals():
+            result = engine_main(json.loads(sys.argv[1]))
+        print(json.dumps(result, default=str), flush=True)
+        sys.exit(0 if result.get("verified") else 1)
+    print("usage: python -m kvxferd.tools.bench.qos CONFIG_JSON  (run it with `kvxferd bench --only qos`)",
+          file=sys.stderr)
+    sys.exit(2)
