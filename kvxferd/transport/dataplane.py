@@ -225,6 +225,7 @@ class DataPlane:
         except Exception as exc:  # noqa: BLE001 - the job reports it, as on a thread
             outcome = exc
         TRACE.mark(job.request_id, "data_end")
+        self.metrics.qos_bytes.labels(job.qos.cls).inc(job.nbytes)
         self._post_all([self._outcome(item, outcome, time.monotonic() - item.queued)])
         return True
 

@@ -101,6 +101,9 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
         # an instance with sliding-window layers sends the whole request with its last chunk:
         # SGLang names the window's SWA pages only then, and the window may reach into earlier chunks
         self.held: list[int] = []
+        #: the request's SGLang priority (the plugin's hook on PrefillBootstrapQueue._process_req
+        #: sets it): its first chunk asks the transfer class the manager maps it to
+        self.priority: int | None = None
 
     def _file_dp_rank(self, routed: bool) -> None:
         """Let decode find this request's DP rank, as SGLang's own senders do: with the room as the
@@ -157,8 +160,9 @@ class KvxferdKVSender(_Conclusion, BaseKVSender):
                 pages, start = self.held + pages, 0
             aux = self.kv_mgr.read_aux(self.aux_index) if last and self.aux_index is not None else None
             groups = self.kv_mgr.request_groups(pages, state_indices, with_state=last)
+            qos_class = self.kv_mgr.qos_class(self.priority) if not self.sent else None
             self.kv_mgr.call("send", self.request_id, pages=pages, start=start, end=end, last=last, aux=aux,
-                             **({"groups": groups} if groups else {}))
+                             **({"groups": groups} if groups else {}), **({"qos_class": qos_class} if qos_class else {}))
         except KvxferError as exc:
             self._fail_local(exc.code, str(exc))
             return

@@ -23,7 +23,7 @@ import torch
 
 from sglang.srt.disaggregation.base.conn import BaseKVManager, KVArgs
 
-from ...errors import KvxferError, RegistrationError
+from ...errors import ConfigError, KvxferError, RegistrationError
 from ...model.geometry import RankGeometry
 from ...model.groups import Group, qualified_kind
 from ...ops.config import default_socket_path
@@ -49,6 +49,10 @@ INSTANCE_ENV = "KVXFERD_SGLANG_INSTANCE"
 BOOTSTRAP_HOST_ENV = "KVXFERD_SGLANG_BOOTSTRAP_HOST"
 BOOTSTRAP_WAIT_ENV = "KVXFERD_SGLANG_BOOTSTRAP_WAIT_S"
 RENDEZVOUS_ENV = "KVXFERD_SGLANG_RENDEZVOUS"
+#: requests whose SGLang priority reaches this value (or, under --schedule-low-priority-values-first,
+#: does not exceed it) ask their daemon for the latency transfer class, others bulk; unset: they ask
+#: none and take their instance's class from the daemon's qos.instances
+LATENCY_PRIORITY_ENV = "KVXFERD_SGLANG_LATENCY_PRIORITY"
 FOLLOW_ROOM = "follow_bootstrap_room"
 
 
@@ -104,6 +108,8 @@ class KvxferdKVManager(BaseKVManager):
         self.bootstrap_port = int(self._setting("disagg", "disaggregation_bootstrap_port"))
         self.own_bootstrap_addr = self._bootstrap_address()  # the prefill deployment's own server
         self.instance = os.environ.get(INSTANCE_ENV) or self._default_instance()
+        self.latency_priority = self._latency_priority()
+        self.low_priority_values_first = bool(self._setting("schedule", "schedule_low_priority_values_first"))
         self.socket_path = os.environ.get(SOCKET_ENV) or default_socket_path()
         self._register(tensors)
 
@@ -384,6 +390,25 @@ class KvxferdKVManager(BaseKVManager):
                 f"KVArgs.kv_data_ptrs ({len(theirs)} pointers) are not the KV pool's buffers ({len(ours)})",
                 field="kv_data_ptrs", fix="fill KVArgs after the pool was placed in shared memory (the plugin's "
                                           "hook does this; do not cache pointers before it runs)")
+
+    @staticmethod
+    def _latency_priority() -> int | None:
+        raw = os.environ.get(LATENCY_PRIORITY_ENV)
+        if raw is None or raw == "":
+            return None
+        try:
+            return int(raw)
+        except ValueError:
+            raise ConfigError(f"{LATENCY_PRIORITY_ENV} must be an integer, got {raw!r}", field=LATENCY_PRIORITY_ENV,
+                              fix="set the SGLang priority from which requests are latency-class, e.g. 1") from None
+
+    def qos_class(self, priority: int | None) -> str | None:
+        """The transfer class a request of SGLang ``priority`` asks for (None: its instance's)."""
+        if self.latency_priority is None or priority is None:
+            return None
+        urgent = priority <= self.latency_priority if self.low_priority_values_first else \
+            priority >= self.latency_priority
+        return "latency" if urgent else "bulk"
 
     def _setting(self, bag: str, name: str) -> Any:
         """A published setting (SGLang's runtime config bags), else the ServerArgs field."""

@@ -13,6 +13,8 @@ then applies the hooks:
   pointers are computed after the move) and hand the pools to the manager built inside;
 - AROUND ``DecodePreallocQueue._send_kv_metadata``: the prompt's length for the receiver
   (a sliding-window group's window is its last tokens; ``send_metadata`` has pages only);
+- AROUND ``PrefillBootstrapQueue._process_req``: the request's priority for its sender (SGLang
+  builds senders without the request), which asks its daemon for a transfer class by it;
 - the CLI choice: ``--disaggregation-transfer-backend kvxferd``.
 """
 
@@ -133,6 +135,18 @@ def _send_kv_metadata(original: Any, queue: Any, decode_req: Any, *args: Any, **
     return original(queue, decode_req, *args, **kwargs)
 
 
+def _process_req(original: Any, queue: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Hand a kvxferd sender its request's SGLang priority (``KVXFERD_SGLANG_LATENCY_PRIORITY``
+    maps it to the transfer class its first chunk asks for)."""
+    from .conn import KvxferdKVSender
+
+    sender = getattr(req, "disagg_kv_sender", None)
+    if isinstance(sender, KvxferdKVSender):
+        priority = getattr(req, "priority", None)
+        sender.priority = priority if isinstance(priority, int) and not isinstance(priority, bool) else None
+    return original(queue, req, *args, **kwargs)
+
+
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point."""
     from sglang.srt.arg_groups.choices import DISAGG_TRANSFER_BACKEND_CHOICES, add_disagg_transfer_backend_choices
@@ -151,4 +165,6 @@ def register() -> None:
                           _init_kv_manager, HookType.AROUND)
     HookRegistry.register("sglang.srt.disaggregation.decode.DecodePreallocQueue._send_kv_metadata",
                           _send_kv_metadata, HookType.AROUND)
+    HookRegistry.register("sglang.srt.disaggregation.prefill.PrefillBootstrapQueue._process_req",
+                          _process_req, HookType.AROUND)
     log.info("event=sglang_plugin_registered backend=%s", BACKEND)

@@ -178,7 +178,8 @@ class KvxferdConnector(KVConnectorBase_V1, SupportsHMA):
         try:
             default, groups = self.groups.split(blocks.get_block_ids())
             self.book.after_alloc(request.request_id, request.kv_transfer_params, default,
-                                  request.num_prompt_tokens, num_external_tokens, groups)
+                                  request.num_prompt_tokens, num_external_tokens, groups,
+                                  getattr(request, "priority", None))
         except ConfigError as exc:
             log.error("event=bad_kv_transfer_params request=%s %s", request.request_id, _describe(exc))
 
@@ -449,7 +450,8 @@ class _Worker:
             try:
                 self.client.send(self.ranks["prefill"], s.transfer_id,
                                  pages=pages_for(s.block_ids, start, end, self.page_size), start=start, end=end,
-                                 last=last, groups=group_pages(s.groups, start, end, self.page_size))
+                                 last=last, groups=group_pages(s.groups, start, end, self.page_size),
+                                 qos_class=s.qos_class if start == 0 else None)
             except KvxferError as exc:
                 log.warning("event=vllm_send_failed request=%s transfer=%s %s", s.req_id, s.transfer_id,
                             _describe(exc))

@@ -27,7 +27,8 @@ ROLES_BY_KV_ROLE: dict[str, tuple[str, ...]] = {
     "kv_consumer": ("decode",),
     "kv_both": ("prefill", "decode"),
 }
-EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s", "integrity")
+EXTRA_KEYS = ("socket_path", "instance", "address", "rendezvous", "call_timeout_s", "preempt_wait_s", "integrity",
+              "latency_priority")
 #: what names kvxferd's connector to vLLM (vLLM imports ``kv_connector`` from the module path)
 CONNECTOR = {"kv_connector": "KvxferdConnector", "kv_connector_module_path": "kvxferd.adapters.vllm"}
 
@@ -57,6 +58,16 @@ class ConnectorSettings:
     #: the integrity mode this instance asks its daemon for ("sampled", "full"; the daemon's own
     #: ``integrity.mode`` applies where stricter): a failed check reaches vLLM as load errors
     integrity: str | None = None
+    #: a request whose vLLM ``priority`` is at most this (vLLM: lower is more urgent) asks its
+    #: daemon for the latency class, any other the bulk class (None: it asks none, and takes its
+    #: instance's class from the daemon's ``qos.instances``)
+    latency_priority: int | None = None
+
+    def qos_class(self, priority: int | None) -> str | None:
+        """The transfer class a request of vLLM ``priority`` asks for (None: its instance's)."""
+        if self.latency_priority is None or priority is None:
+            return None
+        return "latency" if priority <= self.latency_priority else "bulk"
 
     @classmethod
     def from_config(cls, extra: Mapping[str, Any] | None, *, kv_role: str | None,
@@ -102,6 +113,11 @@ class ConnectorSettings:
         if integrity is not None and integrity not in MODES:
             raise ConfigError(f"kv_connector_extra_config.integrity must be one of {list(MODES)}, got {integrity!r}",
                               field="kv_connector_extra_config.integrity", fix="use off, sampled or full")
+        latency_priority = extra.get("latency_priority")
+        if latency_priority is not None and (isinstance(latency_priority, bool) or not isinstance(latency_priority, int)):
+            raise ConfigError(f"kv_connector_extra_config.latency_priority must be an integer, got {latency_priority!r}",
+                              field="kv_connector_extra_config.latency_priority",
+                              fix="set the highest vLLM priority value whose requests are latency-class, e.g. 0")
         roles = ROLES_BY_KV_ROLE[kv_role]
         if "prefill" in roles and address is None and rendezvous is None:
             raise ConfigError(f"kv_role {kv_role} produces KV, so decode engines must be told where this node's "
@@ -109,7 +125,7 @@ class ConnectorSettings:
                               field="kv_connector_extra_config.address",
                               fix="set address to host:control_port of this node's kvxferd daemon")
         return cls(instance=instance, roles=roles, socket_path=extra.get("socket_path"), address=address,
-                   rendezvous=rendezvous, dp=dp, integrity=integrity, **timeouts)
+                   rendezvous=rendezvous, dp=dp, integrity=integrity, latency_priority=latency_priority, **timeouts)
 
     @property
     def source_address(self) -> str:
@@ -275,6 +291,8 @@ class SaveSpec:
     num_tokens: int
     #: the other cache groups' block ids, by kvxferd group name (vLLM's hybrid KV cache manager)
     groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    #: the transfer class the request asks its daemon for (from its vLLM priority; None: its instance's)
+    qos_class: str | None = None
 
 
 @dataclass(frozen=True)
@@ -292,6 +310,7 @@ class _Send:
     transfer_id: str
     num_tokens: int
     scheduled: bool = False
+    qos_class: str | None = None
 
 
 @dataclass
@@ -322,7 +341,7 @@ class SchedulerBook:
 
     def after_alloc(self, req_id: str, params: Mapping[str, Any] | None, block_ids: Sequence[int],
                     prompt_len: int, num_external: int,
-                    groups: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> None:
+                    groups: tuple[tuple[str, tuple[int, ...]], ...] = (), priority: int | None = None) -> None:
         if num_external > 0 and req_id not in self.loaded:
             transfer = TransferParams.from_request(params)
             if transfer is not None:
@@ -331,7 +350,7 @@ class SchedulerBook:
                 self._loads.append(LoadSpec(req_id, transfer, tuple(int(b) for b in block_ids),
                                             prompt_len - num_external, groups))
         if self.settings.produces and wants_remote_decode(params) and req_id not in self.sends:
-            self.sends[req_id] = _Send(self.new_id(), prompt_len)
+            self.sends[req_id] = _Send(self.new_id(), prompt_len, qos_class=self.settings.qos_class(priority))
 
     # both sides, once per step
     def plan(self, scheduled: Sequence[tuple[Any, ...]], preempted: Sequence[str] = ()) -> StepPlan:
@@ -344,7 +363,8 @@ class SchedulerBook:
                 continue
             send.scheduled = True
             saves.append(SaveSpec(req_id, send.transfer_id, tuple(int(b) for b in block_ids),
-                                  min(computed, send.num_tokens), send.num_tokens, rest[0] if rest else ()))
+                                  min(computed, send.num_tokens), send.num_tokens, rest[0] if rest else (),
+                                  send.qos_class))
         gone = []
         for req_id in preempted:
             send = self.sends.pop(req_id, None)

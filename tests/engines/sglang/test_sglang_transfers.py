@@ -207,3 +207,39 @@ def test_kv_checksum_flag_fails_a_request_whose_landed_bytes_changed(checksum_cl
     finally:
         close_all(*prefill, *decode)
         server.close()
+
+
+def test_a_requests_priority_reaches_its_sender_and_asks_the_latency_class(cluster, gloo, monkeypatch):
+    """SGLang builds senders without the request: the plugin's hook on PrefillBootstrapQueue._process_req
+    (SGLang's real method, run on a real Req) hands the sender the request's priority, and with
+    KVXFERD_SGLANG_LATENCY_PRIORITY its first chunk asks its daemon for the latency class: the prefill
+    daemon runs every byte of it as latency work, byte-exact at decode."""
+    from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    monkeypatch.setenv("KVXFERD_SGLANG_LATENCY_PRIORITY", "5")
+    model = Model()
+    server, prefill, decode, addr = deployment(cluster, model, seed=7)
+    try:
+        req = Request(room=4701, n_tokens=20)
+        senders = new_senders(prefill, addr, req)
+        queue = object.__new__(PrefillBootstrapQueue)
+        for sender, priority in zip(senders, (7,)):
+            sglang_req = Req(rid="r4701", origin_input_text="", origin_input_ids=list(range(20)),
+                             sampling_params=SamplingParams(max_new_tokens=8), priority=priority)
+            sglang_req.disagg_kv_sender = sender
+            queue._process_req(sglang_req)
+            assert sender.priority == 7 and sglang_req.sampling_params.max_new_tokens == 1  # SGLang's own part ran
+        assert prefill[0].manager.qos_class(7) == "latency" and prefill[0].manager.qos_class(4) == "bulk"
+        pd = cluster.daemons["pd"]
+        latency = metric(pd, "kvxferd_transfer_class_bytes_total", **{"class": "latency"})
+        rng = random.Random(3)
+        receivers = run_decode_until_metadata(decode, addr, req, rng)
+        run_prefill(prefill, senders, req, rng)
+        assert sglang_wait(senders, gloo) == [KVPoll.Success], [s.failure for s in senders]
+        assert sglang_wait([receivers[0][0]], gloo, decode_metadata=decode[0].metadata) == [KVPoll.Success]
+        assert metric(pd, "kvxferd_transfer_class_bytes_total", **{"class": "latency"}) - latency == kv_bytes(decode, req)
+    finally:
+        close_all(*prefill, *decode)
+        server.close()

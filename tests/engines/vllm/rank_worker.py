@@ -44,7 +44,7 @@ def plan_from(data: dict[str, Any]) -> Any:
         loads=tuple(LoadSpec(d["req_id"], TransferParams(**d["params"]), tuple(d["block_ids"]), d["start"],
                              _groups(d)) for d in data.get("loads", ())),
         saves=tuple(SaveSpec(d["req_id"], d["transfer_id"], tuple(d["block_ids"]), d["computed"], d["num_tokens"],
-                             _groups(d)) for d in data.get("saves", ())),
+                             _groups(d), d.get("qos_class")) for d in data.get("saves", ())),
         aborts=tuple(tuple(a) for a in data.get("aborts", ())),
         preempted=tuple(tuple(p) for p in data.get("preempted", ())))
 

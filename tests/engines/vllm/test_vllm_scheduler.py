@@ -218,3 +218,23 @@ def test_a_producer_without_the_daemon_address_is_refused_at_start(model_dir):
     assert err.value.field == "kv_connector_extra_config.adress"
     consumer = vu.scheduler(vu.vllm_config(model_dir, kv=vu.kv_transfer_config("kv_consumer", instance="a")))
     assert type(consumer.connector) is KvxferdConnector
+
+
+def test_a_requests_vllm_priority_becomes_the_transfer_class_it_asks(model_dir):
+    """latency_priority = 0: vLLM's priority 0 (or more urgent, lower) asks latency, any other bulk;
+    the class rides in every save of the request, and the worker sends it with the first chunk."""
+    sched = make(model_dir, latency_priority=0)
+    sched.add_request(vu.request("chat", list(range(1, 21)), kv_transfer_params={"do_remote_decode": True},
+                                 priority=0))
+    sched.add_request(vu.request("batch", list(range(31, 51)), kv_transfer_params={"do_remote_decode": True},
+                                 priority=3))
+    plan, _, _ = step(sched)
+    assert {s.req_id: s.qos_class for s in plan.saves} == {"chat": "latency", "batch": "bulk"}
+    unset = make(model_dir)  # no latency_priority: requests ask no class, the daemon's qos.instances decides
+    unset.add_request(vu.request("x", list(range(1, 21)), kv_transfer_params={"do_remote_decode": True},
+                                 priority=0))
+    plan, _, _ = step(unset)
+    assert [s.qos_class for s in plan.saves] == [None]
+    with pytest.raises(ConfigError) as err:
+        make(model_dir, latency_priority="high")
+    assert err.value.field == "kv_connector_extra_config.latency_priority"

@@ -151,9 +151,10 @@ def load(req_id: str, src: Instance, tid: str, n: int, blocks: list[int], start:
     return {"loads": [{"req_id": req_id, "params": src.params(tid, n), "block_ids": blocks, "start": start}]}
 
 
-def save(req_id: str, tid: str, blocks: list[int], computed: int, n: int) -> dict[str, Any]:
+def save(req_id: str, tid: str, blocks: list[int], computed: int, n: int,
+         qos_class: str | None = None) -> dict[str, Any]:
     return {"saves": [{"req_id": req_id, "transfer_id": tid, "block_ids": blocks, "computed": computed,
-                       "num_tokens": n}]}
+                       "num_tokens": n, "qos_class": qos_class}]}
 
 
 def check(inst: Instance, tid: str, blocks: list[int], n: int, start: int = 0) -> list[dict[str, Any]]:
@@ -161,7 +162,7 @@ def check(inst: Instance, tid: str, blocks: list[int], n: int, start: int = 0) -
 
 
 def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[int], dst_blocks: list[int], *,
-             computed_steps: list[int], transport: str, start: int = 0) -> None:
+             computed_steps: list[int], transport: str, start: int = 0, qos_class: str | None = None) -> None:
     """Decode expects, prefill fills and saves step by step; both sides report; decode bytes checked,
     and the bytes each transport carried: the pages ``[start, n)`` covers, all heads, every layer."""
     wire = Carried([src.daemon], [dst.daemon])
@@ -170,7 +171,7 @@ def transfer(src: Instance, dst: Instance, tid: str, n: int, src_blocks: list[in
     canary_before = [set(c["canary_blocks"]) for c in check(dst, tid, dst_blocks, start, start)]
     step_all(dst, load(f"d-{tid}", src, tid, n, dst_blocks, start))
     for computed in computed_steps:
-        step_all(src, save(f"p-{tid}", tid, src_blocks, computed, n))
+        step_all(src, save(f"p-{tid}", tid, src_blocks, computed, n, qos_class))
     sent = steps_until(src, "sending", f"p-{tid}", finished=(f"p-{tid}",))
     got = steps_until(dst, "recving", f"d-{tid}")
     assert all(r["errors"] == [] for r in got), got
@@ -195,7 +196,13 @@ def test_tp2_prefill_to_tp1_decode_in_chunks(rig):
 
 
 def test_tp1_prefill_to_tp2_decode(rig):
-    transfer(rig["B"], rig["A"], "t12", 70, [1, 6, 4], [8, 12, 2], computed_steps=[70], transport=rig["transport"])
+    """The save asks the latency class (from the request's vLLM priority): the prefill daemon runs
+    every byte of it as latency work."""
+    latency = metric(rig["B"].daemon, "kvxferd_transfer_class_bytes_total", **{"class": "latency"})
+    transfer(rig["B"], rig["A"], "t12", 70, [1, 6, 4], [8, 12, 2], computed_steps=[70], transport=rig["transport"],
+             qos_class="latency")
+    moved = -(-70 // rig["A"].block) * PAGE_BYTES * vu.MODEL["num_hidden_layers"]  # A's two ranks' halves: every page
+    assert metric(rig["B"].daemon, "kvxferd_transfer_class_bytes_total", **{"class": "latency"}) - latency == moved
 
 
 def test_decode_prefix_moves_only_the_rest(rig):

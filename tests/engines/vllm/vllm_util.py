@@ -85,7 +85,7 @@ def scheduler(config: Any, num_blocks: int = 64, kv_cache_config: Any = None) ->
 
 
 def request(request_id: str, prompt: list[int], *, max_tokens: int = 1,
-            kv_transfer_params: dict[str, Any] | None = None) -> Any:
+            kv_transfer_params: dict[str, Any] | None = None, priority: int = 0) -> Any:
     """A request as vLLM's engine core builds it: params from ``extra_args``, block hashes for the prefix cache."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
@@ -96,7 +96,7 @@ def request(request_id: str, prompt: list[int], *, max_tokens: int = 1,
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
                             extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None)
     return Request(request_id=request_id, prompt_token_ids=list(prompt), sampling_params=params,
-                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256))
+                   pooling_params=None, block_hasher=get_request_block_hasher(BLOCK, sha256), priority=priority)
 
 
 def runner_output(sched: Any, out: Any, *, finished_sending: set[str] | None = None,
