@@ -94,7 +94,10 @@ class Daemon:
             self.inbox, self.staging, daemon_name=cfg.daemon.instance_name or socket.gethostname(),
             preference=transport_preference(cfg.peer), timeout_s=cfg.timeouts.transfer_s,
             max_header_bytes=cfg.limits.max_message_bytes, max_pages=cfg.limits.max_pages_per_request,
-            data_connections=cfg.peer.data_connections, landing_slots=cfg.limits.nixl_landing_slots,
+            # the latency lane's threads keep a pooled connection of their own: a latency chunk sent
+            # while bulk chunks hold the others does not pay a new connection and its proof
+            data_connections=cfg.peer.data_connections + (cfg.qos.latency_threads if cfg.qos.enabled else 0),
+            landing_slots=cfg.limits.nixl_landing_slots,
             landing_bytes=cfg.limits.nixl_landing_bytes, in_place_bytes=cfg.limits.nixl_in_place_bytes,
             nixl_block_bytes=cfg.limits.nixl_block_bytes,
             on_received=lambda kind, sink, moved: self.metrics.bytes_received.labels(kind).inc(moved.nbytes),
