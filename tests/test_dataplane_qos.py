@@ -6,6 +6,7 @@ in tests/test_e2e_qos.py)."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 from types import SimpleNamespace
@@ -25,11 +26,13 @@ class Gate:
     def __init__(self) -> None:
         self.order: list[str] = []
         self.threads: dict[str, str] = {}
+        self.nice: dict[str, int] = {}
         self.release = threading.Event()
         self.entered = threading.Event()
 
     def send(self, job) -> Moved:
         self.threads[job.request_id] = threading.current_thread().name
+        self.nice[job.request_id] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
         if job.request_id.startswith("hold"):
             self.entered.set()
             assert self.release.wait(WAIT)
@@ -114,6 +117,22 @@ def test_a_latency_job_runs_on_its_own_thread_while_bulk_holds_every_shared_one(
 
     p.run(script)
     assert p.gate.threads["chat"].startswith("kvxferd-data-latency") and p.gate.threads["hold"] == "kvxferd-data-0"
+
+
+def test_the_shared_threads_run_at_the_bulk_nice_value_and_the_latency_lane_at_the_process_s():
+    p = Plane(latency_threads=1, bulk_nice=7)
+    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    async def script(p: Plane) -> None:
+        p.start(_job("bulk", 1 << 20))
+        p.start(_job("chat", 4096, LATENCY, "chat"))
+        p.gate.release.set()
+        await p.until(lambda: len(p.finished) == 2)
+
+    p.run(script)
+    assert p.gate.nice == {"bulk": max(base, 7), "chat": base}, p.gate.nice
+    assert p.plane.describe()["bulk_nice"] == 7
+    assert DataPlane(1, Metrics(), print, latency_threads=0, bulk_nice=7).bulk_nice == 0  # no lane: no nice
 
 
 def test_a_job_whose_deadline_passed_in_the_queue_fails_deadline_without_moving():

@@ -84,7 +84,7 @@ class Daemon:
         TRACE.configure(cfg.daemon.hop_trace)
         self.data = DataPlane(cfg.daemon.data_threads, self.metrics, self.dispatch, cfg.daemon.data_batch_chunks,
                               qos=cfg.qos.enabled, bulk_floor=cfg.qos.bulk_floor,
-                              latency_threads=cfg.qos.latency_threads)
+                              latency_threads=cfg.qos.latency_threads, bulk_nice=cfg.qos.bulk_nice)
         self.inbox = Inbox(self.data.dest_changed, check=LandedCheck(self.metrics, cfg.integrity.corrupt_landed_every,
                                                                      cfg.integrity.corrupt_header),
                            on_refused=self.data.chunk_refused)

@@ -297,6 +297,9 @@ class QosSection:
     #: data threads of their own for latency work, on top of daemon.data_threads (0: none): a
     #: latency chunk never waits behind a bulk chunk already running
     latency_threads: int = 1
+    #: the nice value of the shared data threads where latency threads exist (0..19; 0: none): a
+    #: latency copy then gets the core over bulk copies running beside it
+    bulk_nice: int = 10
 
 
 def lease_ttl(cfg: "Config") -> int:
@@ -479,6 +482,9 @@ def _check_qos(qos: QosSection) -> None:
     if not 0.0 < qos.bulk_floor < 1.0:
         raise ConfigError(f"qos.bulk_floor must lie strictly between 0 and 1, got {qos.bulk_floor}",
                           field="qos.bulk_floor", fix="set it to the share bulk keeps, e.g. 0.1")
+    if not 0 <= qos.bulk_nice <= 19:
+        raise ConfigError(f"qos.bulk_nice must lie in 0..19, got {qos.bulk_nice}", field="qos.bulk_nice",
+                          fix="set it to a nice value, e.g. 10, or 0 for none")
     if qos.latency_threads < 0:
         raise ConfigError(f"qos.latency_threads must be 0 or more, got {qos.latency_threads}",
                           field="qos.latency_threads", fix="set it to 0 (none) or a small count, e.g. 1")

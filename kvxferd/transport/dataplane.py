@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -80,7 +81,7 @@ class _Flow:
 class DataPlane:
     def __init__(self, threads: int, metrics: Metrics, dispatch: Callable[[Any], Any],
                  batch_jobs: int = 64, *, qos: bool = True, bulk_floor: float = 0.1,
-                 latency_threads: int = 1) -> None:
+                 latency_threads: int = 1, bulk_nice: int = 0) -> None:
         self.metrics = metrics
         self.dispatch = dispatch
         self.batch_jobs = max(1, batch_jobs)
@@ -89,6 +90,9 @@ class DataPlane:
         self._sched: Scheduler[_Queued] = Scheduler(bulk_floor, fifo=not qos)
         self.qos = qos
         self.latency_threads = latency_threads if qos else 0
+        #: the shared threads' nice value, where a latency lane exists: the kernel then gives a latency
+        #: copy the core over bulk copies running beside it (0: as the process)
+        self.bulk_nice = bulk_nice if self.latency_threads else 0
         #: bytes per second one job of each transport has been moving (None until one moved enough)
         self._rates: dict[str, float] = {}
         self._flows: dict[tuple[str, str], _Flow] = {}  # (class, instance) -> what it is doing
@@ -266,6 +270,11 @@ class DataPlane:
                 return pick, taken
 
     def _work(self, allowed: tuple[str, ...]) -> None:
+        if self.bulk_nice and allowed != (LATENCY,):
+            try:  # this thread only (Linux: a thread id names one thread); raising nice needs no privilege
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.bulk_nice)
+            except (OSError, AttributeError) as exc:
+                log.warning("event=bulk_nice_failed nice=%d error=%s", self.bulk_nice, exc)
         while True:
             got = self._take(allowed)
             if got is None:
@@ -330,6 +339,7 @@ class DataPlane:
             queued = {cls: dict(zip(("jobs", "bytes"), self._sched.queued(cls))) for cls in CLASSES}
         return {"policy": "qos" if self.qos else "fifo", "bulk_floor": self._sched.bulk_floor,
                 "bulk_credit_s": round(self._sched.bulk_credit, 6), "latency_threads": self.latency_threads,
+                "bulk_nice": self.bulk_nice,
                 "queued": queued, "flows": flows,
                 "rates_gbps": {kind: round(rate / 1e9, 3) for kind, rate in sorted(self._rates.items())}}
 

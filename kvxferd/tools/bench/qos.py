@@ -1,16 +1,18 @@
 """``kvxferd bench --only qos``: a chat instance's one-page requests while a bulk instance keeps
 the same daemons busy, with the daemons' QoS on and off (``qos.enabled``), in one run.
 
-For each transport (``local``: one daemon; ``tcp``: two) and each policy, real daemons start with
-``qos.instances = ["chat*=latency", "bulk*=bulk:3", "bulk2*=bulk:1", "flood*=latency"]``, and one
-engine process (``python -m kvxferd.tools.bench.qos CONFIG_JSON``) registers every instance and
-measures, one phase after another:
+For each transport (``local``: one daemon; ``tcp`` and ``nixl``: two) and each policy, real daemons
+start with ``qos.instances = ["chat*=latency", "bulkw3*=bulk:3", "bulk*=bulk", "flood*=latency",
+"probe*=bulk"]``. The engine process (``python -m kvxferd.tools.bench.qos CONFIG_JSON``) drives
+the chat instance; every other tenant runs in a process of its own, as another engine would (its
+driver never holds the chat driver's interpreter lock). One phase after another:
 
 - **idle**: the chat instance's one-page requests one at a time, nothing else moving (p50, p99);
 - **bulk alone**: the bulk instance with three requests in flight (GB/s);
 - **under bulk**: the chat requests again while the bulk instance keeps three in flight; the
   bulk instance's GB/s over the same seconds;
-- **weights** (QoS only): two bulk instances weighted 3 and 1, both backlogged: their bytes;
+- **weights** (QoS only): two bulk instances weighted 3 and 1, each with eight requests in flight
+  so both stay backlogged at the daemon: their bytes;
 - **latency flood** (QoS only): a latency instance with 16 requests in flight against the bulk
   instance: bulk's GB/s against ``qos.bulk_floor`` of its GB/s alone;
 - **deadline**: a bulk-class request with a 1 ms budget sent while the bulk backlog waits: the
@@ -34,7 +36,7 @@ from ..oracle import check_rank, untouched
 from .engine_layout import Layout
 from .model import Row, Workload, pct, say
 
-QOS_INSTANCES = ["chat*=latency", "bulk2*=bulk:1", "bulk*=bulk:3", "flood*=latency", "probe*=bulk"]
+QOS_INSTANCES = ["chat*=latency", "bulkw3*=bulk:3", "bulk*=bulk", "flood*=latency", "probe*=bulk"]
 
 
 def _layout(tag: str, wl: Workload, window: int, cfg: dict[str, Any]) -> Layout:
@@ -106,16 +108,73 @@ def _gbps(moved: list[tuple[float, int]], t0: float, t1: float) -> float | None:
     return sum(n for _, n in inside) / (inside[-1][0] - t0) / 1e9
 
 
-def _busy(inst: _Instance) -> tuple[threading.Event, list[tuple[float, int]], threading.Thread]:
-    stop, moved = threading.Event(), []
-    thread = threading.Thread(target=inst.keep_busy, args=(stop, moved), daemon=True)
-    thread.start()
-    return stop, moved, thread
+class _Tenant:
+    """An instance driven from a process of its own, as another tenant's engine is: its driver
+    never shares an interpreter lock with the chat requests being timed. ``busy`` keeps its window
+    of requests in flight until ``stop``, which answers each request's (completion time, bytes)
+    (``time.perf_counter`` reads the same monotonic clock in every process)."""
+
+    def __init__(self, tag: str, wl: Workload, window: int, cfg: dict[str, Any]) -> None:
+        import multiprocessing
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_tenant_main, args=(child, tag, wl.__dict__, window, cfg), daemon=True)
+        self.proc.start()
+        child.close()
+
+    def ready(self) -> None:
+        answer = self.conn.recv()
+        if answer != "ready":
+            raise RuntimeError(f"tenant failed to start: {answer}")
+
+    def busy(self) -> None:
+        self.conn.send("busy")
+
+    def stop(self) -> list[tuple[float, int]]:
+        self.conn.send("stop")
+        return self.conn.recv()
+
+    def close(self) -> dict[str, Any]:
+        try:
+            self.conn.send("close")
+            return self.conn.recv() if self.conn.poll(600) else {"error": "no answer"}
+        except (OSError, EOFError) as exc:
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            self.proc.join(60)
+            if self.proc.is_alive():
+                self.proc.kill()
 
 
-def _stop(stop: threading.Event, thread: threading.Thread) -> None:
-    stop.set()
-    thread.join(600)
+def _tenant_main(conn: Any, tag: str, wl: dict[str, Any], window: int, cfg: dict[str, Any]) -> None:
+    import torch
+    torch.set_num_threads(1)
+    inst = None
+    try:
+        inst = _Instance(tag, Workload(**wl), window, cfg)
+        inst.run(window)  # warm-up: every destination set written once
+        conn.send("ready")
+        stop, thread, moved = threading.Event(), None, []
+        while True:
+            cmd = conn.recv()
+            if cmd == "busy":
+                stop.clear()
+                moved = []
+                thread = threading.Thread(target=inst.keep_busy, args=(stop, moved), daemon=True)
+                thread.start()
+            elif cmd == "stop":
+                stop.set()
+                if thread is not None:
+                    thread.join(600)
+                conn.send(moved)
+            else:
+                conn.send({"bad_bytes": inst.bad_bytes(), "failures": inst.result["failures"][:5]})
+                return
+    except Exception as exc:  # noqa: BLE001 - reported to the engine process
+        conn.send({"error": f"{type(exc).__name__}: {exc}"[:500]})
+    finally:
+        if inst is not None:
+            inst.close()
 
 
 def _deadline_probe(probe: _Instance) -> dict[str, Any]:
@@ -145,64 +204,81 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"verified": False}
     chat_wl, bulk_wl = Workload(**cfg["chat"]), Workload(**cfg["bulk"])
     insts: dict[str, _Instance] = {}
+    tenants: dict[str, _Tenant] = {}
     try:
-        insts["chat"] = _Instance("chat", chat_wl, 1, cfg)
-        insts["bulk"] = _Instance("bulk", bulk_wl, 3, cfg)
-        insts["probe"] = _Instance("probe", chat_wl, 1, cfg)
+        tenants["bulk"] = _Tenant("bulk", bulk_wl, 3, cfg)
         if cfg["qos"]:
-            insts["bulk2"] = _Instance("bulk2", bulk_wl, 3, cfg)
-            insts["flood"] = _Instance("flood", chat_wl, 16, cfg)
+            # deep windows: both stay backlogged at the daemon, so the shares are the scheduler's
+            tenants["bulk2"] = _Tenant("bulk2", bulk_wl, 8, cfg)
+            tenants["bulkw3"] = _Tenant("bulkw3", bulk_wl, 8, cfg)
+            tenants["flood"] = _Tenant("flood", chat_wl, 16, cfg)
+        insts["chat"] = _Instance("chat", chat_wl, 1, cfg)
+        insts["probe"] = _Instance("probe", chat_wl, 1, cfg)
         for inst in insts.values():  # warm-up: every destination set written once
             inst.run(inst.lay.window)
+        for tenant in tenants.values():
+            tenant.ready()
         n, seconds = cfg["chat_requests"], cfg["seconds"]
-        chat, bulk = insts["chat"], insts["bulk"]
+        chat, bulk = insts["chat"], tenants["bulk"]
         _, idle = chat.run(n)
-        out["idle"] = {"p50_ms": pct(idle, 0.5) * 1e3, "p99_ms": pct(idle, 0.99) * 1e3}
-        stop, moved, thread = _busy(bulk)
+        out["idle"] = _latencies(idle)
+        bulk.busy()
         t0 = time.perf_counter()
         time.sleep(seconds)
-        _stop(stop, thread)
-        out["bulk_alone_gbps"] = _gbps(moved, t0, time.perf_counter())
-        stop, moved, thread = _busy(bulk)
+        out["bulk_alone_gbps"] = _gbps(bulk.stop(), t0, time.perf_counter())
+        bulk.busy()
         time.sleep(0.2)  # the bulk window is full before the first chat request
         t0 = time.perf_counter()
         _, loaded = chat.run(n)
         t1 = time.perf_counter()
-        out["under_bulk"] = {"p50_ms": pct(loaded, 0.5) * 1e3, "p99_ms": pct(loaded, 0.99) * 1e3}
+        out["under_bulk"] = _latencies(loaded)
         out["deadline"] = _deadline_probe(insts["probe"])
-        _stop(stop, thread)
-        out["bulk_during_gbps"] = _gbps(moved, t0, t1)  # None: no bulk request completed while chat ran
+        out["bulk_during_gbps"] = _gbps(bulk.stop(), t0, t1)  # None: no bulk request completed while chat ran
         if cfg["qos"]:
-            heavy, light = _busy(bulk), _busy(insts["bulk2"])
+            heavy, light = tenants["bulkw3"], tenants["bulk2"]
+            heavy.busy()
+            light.busy()
+            time.sleep(0.5)  # both backlogged
             t0 = time.perf_counter()
             time.sleep(seconds)
             t1 = time.perf_counter()
-            _stop(heavy[0], heavy[2])
-            _stop(light[0], light[2])
-            got = [sum(b for t, b in m[1] if t0 <= t <= t1) for m in (heavy, light)]
+            got = [sum(b for t, b in tenant.stop() if t0 <= t <= t1) for tenant in (heavy, light)]
             out["weights"] = {"bytes_w3": got[0], "bytes_w1": got[1],
                               "ratio": round(got[0] / got[1], 3) if got[1] else None}
-            stop_b, moved_b, thread_b = _busy(bulk)
-            stop_f, moved_f, thread_f = _busy(insts["flood"])
+            flood = tenants["flood"]
+            bulk.busy()
+            flood.busy()
             t0 = time.perf_counter()
             time.sleep(seconds)
             t1 = time.perf_counter()
-            _stop(stop_f, thread_f)
-            _stop(stop_b, thread_b)
+            moved_f, moved_b = flood.stop(), bulk.stop()
             out["flood"] = {"bulk_gbps": _gbps(moved_b, t0, t1), "flood_gbps": _gbps(moved_f, t0, t1)}
+        ends = {tag: tenant.close() for tag, tenant in tenants.items()}
+        tenants.clear()
+        errors = [f"{tag}: {end['error']}" for tag, end in ends.items() if end.get("error")]
+        if errors:
+            raise RuntimeError("; ".join(errors))
         failures = [f for inst in insts.values() for f in inst.result["failures"]]
+        failures += [f for end in ends.values() for f in end["failures"]]
         # the probe's deadline failure is what it measures, not a failure of the run
         failures = [f for f in failures if not str(f.get("request_id", "")).startswith("probe-") or
                     f.get("code") != "deadline"]
         out["failures"] = failures[:5]
-        out["bad_bytes"] = sum(inst.bad_bytes() for inst in insts.values())
+        out["bad_bytes"] = sum(inst.bad_bytes() for inst in insts.values()) + sum(e["bad_bytes"] for e in ends.values())
         out["verified"] = out["bad_bytes"] == 0 and not failures
     except Exception as exc:  # noqa: BLE001 - the orchestrator reports it as a failed row
         out["error"] = f"{type(exc).__name__}: {exc}"[:500]
     finally:
+        for tenant in tenants.values():
+            tenant.close()
         for inst in insts.values():
             inst.close()
     return out
+
+
+def _latencies(values: list[float]) -> dict[str, Any]:
+    return {"p50_ms": pct(values, 0.5) * 1e3, "p90_ms": pct(values, 0.9) * 1e3, "p99_ms": pct(values, 0.99) * 1e3,
+            "slowest_ms": sorted(round(x * 1e3, 2) for x in values)[-5:]}
 
 
 # -- the orchestrator ------------------------------------------------------------------------------
