@@ -125,6 +125,8 @@ def test_every_key_has_an_env_override():
                 want = False
             if (section, key) == ("peer", "transports"):
                 env[f"KVXFERD_{section}_{key}".upper()], want = "nixl,tcp", ["nixl", "tcp"]  # a fixed vocabulary
+            if (section, key) == ("qos", "bulk_nice"):  # a nice value: 0..19
+                env[f"KVXFERD_{section}_{key}".upper()], want = "5", 5
             if (section, key) == ("qos", "instances"):  # entries of their own shape
                 env[f"KVXFERD_{section}_{key}".upper()], want = "chat=latency,b-*=bulk:3", ["chat=latency", "b-*=bulk:3"]
             assert getattr(getattr(config.load(None, env), section), key) == want, env
