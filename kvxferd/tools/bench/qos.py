@@ -77,13 +77,11 @@ class _Instance:
         return self.driver.run(self.plan(n))
 
     def keep_busy(self, stop: threading.Event, moved: list[tuple[float, int]]) -> None:
-        """``window`` requests in flight (a new one as each completes) until ``stop``; each
-        request's (completion time, bytes) in ``moved``."""
+        """``window`` requests in flight, a new one as each completes, until ``stop``; then the
+        ones in flight finish. Each request's (completion time, bytes) goes to ``moved``."""
         seen = len(self.done_at)
-        while not stop.is_set():
-            self.driver.run(self.plan(4 * self.lay.window))
-            moved.extend((t, self.lay.wl.nbytes) for t in self.done_at[seen:])
-            seen = len(self.done_at)
+        self.driver.run(_Endless(self, stop))  # type: ignore[arg-type]
+        moved.extend((t, self.lay.wl.nbytes) for t in self.done_at[seen:])
 
     def bad_bytes(self) -> int:
         lay, bad = self.lay, 0
@@ -98,6 +96,24 @@ class _Instance:
         self.driver.close()
         for r in self.ranks:
             r.cache.close()
+
+
+class _Endless:
+    """A plan for the driver's ``run`` that goes on until ``stop``: from then on its length is the
+    requests it gave out, so ``run`` issues no more and returns once those completed (a window
+    never drains while the tenant is meant to be busy)."""
+
+    def __init__(self, inst: _Instance, stop: threading.Event) -> None:
+        self.inst, self.stop = inst, stop
+        self.given: list[tuple[str, int | None]] = []
+
+    def __len__(self) -> int:
+        return len(self.given) if self.stop.is_set() else 1 << 40
+
+    def __getitem__(self, i: int) -> tuple[str, int | None]:
+        while len(self.given) <= i:
+            self.given += self.inst.plan(1)
+        return self.given[i]
 
 
 def _gbps(moved: list[tuple[float, int]], t0: float, t1: float) -> float | None:
