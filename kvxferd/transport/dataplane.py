@@ -279,20 +279,22 @@ class DataPlane:
             got = self._take(allowed)
             if got is None:
                 return
-            pick, taken = got
-            seconds = self._run(taken)
-            with self._cond:
-                self._sched.ran(pick, seconds)
-                for item in taken:
-                    job = item.effect.job
-                    flow = self._flow(job.qos.cls, job.qos.instance)
-                    flow.running -= 1
-                    flow.bytes += job.nbytes
-                    if not (flow.running or flow.queued_jobs):
-                        del self._flows[(job.qos.cls, job.qos.instance)]  # bounded by what is queued
+            self._finished(*got, self._run(got[1]))
             # nothing of a finished job may stay referenced while the thread waits for the next:
-            # its regions would keep a departed engine's KV cache mapped
-            del taken, pick, got
+            # its regions would keep a departed engine's KV cache mapped (the books are kept in a
+            # call of their own, so no loop variable outlives it)
+            del got
+
+    def _finished(self, pick: Pick[_Queued], taken: list[_Queued], seconds: float) -> None:
+        with self._cond:
+            self._sched.ran(pick, seconds)
+            for item in taken:
+                qos, nbytes = item.effect.job.qos, item.effect.job.nbytes
+                flow = self._flow(qos.cls, qos.instance)
+                flow.running -= 1
+                flow.bytes += nbytes
+                if not (flow.running or flow.queued_jobs):
+                    del self._flows[(qos.cls, qos.instance)]  # bounded by what is queued
 
     def _learn_rate(self, kind: str, nbytes: int, seconds: float) -> None:
         if nbytes < RATE_MIN_BYTES or seconds <= 0:
