@@ -199,6 +199,10 @@ class EngineFuzzer:
                        last=r.choice((True, False, 1, None)))
             if r.random() < 0.2:
                 msg["aux"] = r.choice((b"tok", b"x" * (1 << 20), b"x" * ((1 << 20) + 1), "text", 5))
+            if r.random() < 0.2:  # a class above its instance's, unknown ones, budgets out of range
+                msg["qos_class"] = r.choice(("latency", "bulk", "urgent", "", 1, None, "l" * 17))
+            if r.random() < 0.2:
+                msg["budget_ms"] = r.choice((0.5, 0.0, -1, 1e12, float("nan"), float("inf"), "5", True))
         elif op in ("poll", "abort"):
             msg.update(rank_id=r.choice((self.decode_rank, self.prefill_rank, *self.foreign, "x")), request_id=rid)
             if op == "abort" and r.random() < 0.3:
@@ -401,7 +405,8 @@ value = st.recursive(scalar, lambda children: st.one_of(st.lists(children, max_s
                                                                         max_size=3)),
                      max_leaves=6)
 FIELDS = ("rank_id", "request_id", "pages", "start", "end", "last", "aux", "source_instance", "source_address",
-          "num_tokens", "timeout_s", "instance", "role", "geometry", "regions", "reason", "seq", "v")
+          "num_tokens", "timeout_s", "instance", "role", "geometry", "regions", "reason", "seq", "v", "qos_class",
+          "budget_ms")
 
 
 @st.composite

@@ -126,13 +126,19 @@ def test_a_one_sided_source_is_done_only_once_its_decode_rank_says_the_request_l
     assert pn.outcome("r", p).state == "done"
 
 
-def test_a_one_sided_source_never_told_landed_fails_at_its_transfer_timeout():
-    c, pn, dn, p, d = _pair(kind="nixl")
+def _sent_with_no_word_back(kind: str):
+    """A whole request sent over ``kind`` while nothing the decode daemon says reaches the source."""
+    c, pn, dn, p, d = _pair(kind=kind)
     dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
     c.run()
     c.cut_links.add(pn.address)
     pn.send(p, "r", pages(4), 0, 16, True)
     c.run()
+    return c, pn, dn, p, d
+
+
+def test_a_one_sided_source_never_told_landed_fails_at_its_transfer_timeout():
+    c, pn, dn, p, d = _sent_with_no_word_back("nixl")
     assert dn.outcome("r", d).state == "done" and pn.outcome("r", p) is None
     c.tick(pn.cfg.timeouts.transfer_s + 1)
     out = pn.outcome("r", p)
@@ -141,12 +147,7 @@ def test_a_one_sided_source_never_told_landed_fails_at_its_transfer_timeout():
 
 
 def test_a_two_sided_source_needs_no_landed_word():
-    c, pn, dn, p, d = _pair(kind="tcp")
-    dn.expect(d, "r", pages(4), "p", num_tokens=16, source_node=pn)
-    c.run()
-    c.cut_links.add(pn.address)
-    pn.send(p, "r", pages(4), 0, 16, True)
-    c.run()
+    c, pn, dn, p, d = _sent_with_no_word_back("tcp")
     assert dn.outcome("r", d).state == "done" and pn.outcome("r", p).state == "done"
 
 

@@ -74,14 +74,12 @@ def test_two_backlogged_instances_share_bytes_by_weight(wa, wb, sizes_kib):
         for _ in range(3):
             refill(inst)
     served = {"a": 0, "b": 0}
-    last_size = {}
     for _ in range(400):
         pick = s.pop()
         assert pick is not None and pick.cls == BULK
         inst = pick.items[0]
         size = sizes[(nxt[inst] - 3) % len(sizes)]
         served[inst] += size
-        last_size[inst] = size
         refill(inst)
     biggest = max(sizes)
     # start-time fair queueing: the normalised bytes of two backlogged flows differ by at most one

@@ -18,6 +18,7 @@ import numpy as np
 
 from ..errors import RequestError
 from ..model.plan import Plan, Writer, group_key
+from ..model.qos import Qos
 from ..model.sampling import Sample
 from . import states
 
@@ -118,11 +119,9 @@ class SrcEntry:
     #: the decode daemon hung up on a chunk: until then its reason, if it sends one, replaces ``failure``
     reason_due: float | None = None
     bytes_sent: int = 0
-    #: the transfer class and weight its instance's requests get (its first chunk's ask, held to
-    #: qos.instances), and the lifecycle time by which it must be done (None: no deadline)
-    qos_class: str = "bulk"
-    qos_weight: float = 1.0
-    deadline: float | None = None
+    #: what its chunk jobs ask of the data plane: class and weight (its first chunk's ask, held to
+    #: qos.instances), instance, and the lifecycle time by which it must be done (None: no deadline)
+    qos: Qos = Qos()
     #: this entry's own number among every source of the daemon's life: what its chunk jobs carry,
     #: so that stopping its sends never reaches a later request that reuses its id at the rank
     serial: int = field(default_factory=lambda: next(_serials))

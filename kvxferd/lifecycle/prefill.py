@@ -148,9 +148,8 @@ class PrefillSide(LifecycleBase):
             raise RequestError(f"request {ev.request_id!r} is {why}", field="request_id",
                                code="request_finished", fix="start a new request")
         if not entry.chunks:  # the first chunk's ask holds for the request at this rank
-            entry.qos_class, entry.qos_weight = self.qos.resolve(rank.instance, ev.qos_class)
-            if ev.budget_s is not None:
-                entry.deadline = self.now + ev.budget_s
+            cls, weight = self.qos.resolve(rank.instance, ev.qos_class)
+            entry.qos = Qos(cls, rank.instance, weight, None if ev.budget_s is None else self.now + ev.budget_s)
         entry.add_chunk(ev.chunk)
         self.held_chunks += 1
         self._pump(entry)
@@ -370,7 +369,7 @@ class PrefillSide(LifecycleBase):
                        start, chunk.end, chunk.last, chunk.aux, chunk_slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl,
                        digests=target.digests, granule=target.granule, source=entry.serial,
-                       pinned=route.pinned, qos=Qos(entry.qos_class, rank.instance, entry.qos_weight, entry.deadline))
+                       pinned=route.pinned, qos=entry.qos)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -395,7 +394,7 @@ class PrefillSide(LifecycleBase):
                        start, end, chunk.last, None, slots, entry.binding.plan.mode,
                        route.data_address, route.token, dst_pages=target.dst_pages, remote=route.nixl, group=group,
                        digests=target.digests, granule=target.granule, source=entry.serial,
-                       pinned=route.pinned, qos=Qos(entry.qos_class, rank.instance, entry.qos_weight, entry.deadline))
+                       pinned=route.pinned, qos=entry.qos)
         entry.inflight += 1
         target.inflight += 1
         if states.may(entry, states.SRC, "job_started"):
@@ -439,8 +438,9 @@ class PrefillSide(LifecycleBase):
                 self._finalize_src(entry, states.FAILED)
             return
         if entry.state not in states.TERMINAL and entry.complete():
-            if entry.deadline is not None and self.now > entry.deadline:  # never done late
-                self._fail(entry, "deadline", f"every byte landed {(self.now - entry.deadline) * 1e3:.1f} ms after "
+            deadline = entry.qos.deadline
+            if deadline is not None and self.now > deadline:  # never done late
+                self._fail(entry, "deadline", f"every byte landed {(self.now - deadline) * 1e3:.1f} ms after "
                                               "the request's deadline")
                 return
             entry.closed = True
@@ -491,7 +491,7 @@ class PrefillSide(LifecycleBase):
                     self._propagate_downstream(entry.request_id, entry.routes(), *entry.failure)
                 self._check_src(entry)
                 continue
-            if entry.deadline is not None and entry.failure is None and self.now > entry.deadline:
+            if entry.qos.deadline is not None and entry.failure is None and self.now > entry.qos.deadline:
                 self._fail(entry, "deadline", f"the request's deadline passed in state {entry.state} with "
                                               f"{entry.bytes_sent} bytes sent; recompute it, or give it a longer budget")
                 continue

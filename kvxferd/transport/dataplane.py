@@ -253,13 +253,13 @@ class DataPlane:
                     flow = self._flow(qos.cls, qos.instance)
                     flow.queued_jobs -= 1
                     flow.queued_bytes -= item.effect.job.nbytes
-                    if not (flow.running or flow.queued_jobs) and qos.deadline is not None and now > qos.deadline:
-                        del self._flows[(qos.cls, qos.instance)]
-                    if qos.deadline is not None and now > qos.deadline:
-                        late.append(item)
-                    else:
+                    if qos.deadline is None or now <= qos.deadline:
                         flow.running += 1
                         taken.append(item)
+                        continue
+                    late.append(item)
+                    if not (flow.running or flow.queued_jobs):
+                        del self._flows[(qos.cls, qos.instance)]  # bounded by what is queued
             if late:
                 self.metrics.qos_deadline_failures.labels(pick.cls, "queue").inc(len(late))
                 self._post_all([self._outcome(item, deadline_error(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, Callable
 
 from .engine_layout import Layout, Rank
 
@@ -45,13 +45,19 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def process_main(run: Callable[[dict[str, Any]], dict[str, Any]], usage: str) -> int:
+    """A bench engine process: ``run`` on the JSON config of argv[1], its result printed as one JSON
+    line; exit 0 only if it verified its bytes."""
+    if len(sys.argv) < 2:
+        print(usage, file=sys.stderr)
+        return 2
+    from ...ops.signals import cleanup_on_signals
+    with cleanup_on_signals():  # SIGTERM from the bench: the run's finally unlinks the caches
+        out = run(json.loads(sys.argv[1]))
+    print(json.dumps(out, default=str), flush=True)
+    return 0 if out.get("verified") else 1
+
+
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        from ...ops.signals import cleanup_on_signals
-        with cleanup_on_signals():  # SIGTERM from the bench: engine_main's finally unlinks the caches
-            out = engine_main(json.loads(sys.argv[1]))
-        print(json.dumps(out, default=str), flush=True)
-        sys.exit(0 if out.get("verified") else 1)
-    print("usage: python -m kvxferd.tools.bench.engine CONFIG_JSON  (run the bench with `kvxferd bench`)",
-          file=sys.stderr)
-    sys.exit(2)
+    sys.exit(process_main(engine_main, "usage: python -m kvxferd.tools.bench.engine CONFIG_JSON  "
+                                       "(run the bench with `kvxferd bench`)"))

@@ -370,12 +370,6 @@ def qos_rows(size: str, seed: int = 1, transports: tuple[str, ...] | None = None
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:
-        from ...ops.signals import cleanup_on_signals
-        with cleanup_on_signals():
-            result = engine_main(json.loads(sys.argv[1]))
-        print(json.dumps(result, default=str), flush=True)
-        sys.exit(0 if result.get("verified") else 1)
-    print("usage: python -m kvxferd.tools.bench.qos CONFIG_JSON  (run it with `kvxferd bench --only qos`)",
-          file=sys.stderr)
-    sys.exit(2)
+    from .engine import process_main
+    sys.exit(process_main(engine_main, "usage: python -m kvxferd.tools.bench.qos CONFIG_JSON  "
+                                       "(run it with `kvxferd bench --only qos`)"))
