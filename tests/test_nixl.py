@@ -32,6 +32,10 @@ from nixl_util import (NIXL_ENV, NIXL_MISSING, NUM_PAGES, SLOW_TIMEOUTS, UCX_ENV
                        metric, needs_nixl, run_case)
 
 
+CUT = 1000
+CUT_ENV = {"KVXFERD_QOS_BULK_BLOCK_BYTES": str(CUT), "KVXFERD_PEER_MODE": "direct"}
+
+
 @pytest.fixture(scope="module")
 def cluster(request):
     if NIXL_MISSING:
@@ -43,6 +47,10 @@ def cluster(request):
             (stubs / name).mkdir(parents=True)
             (stubs / name / "__init__.py").write_text('raise ImportError("simulated: NIXL is not installed")\n')
         start_nodes(c, Node("prefill-nixl", env=NIXL_ENV), Node("decode-nixl", env=NIXL_ENV),
+                    # bulk chunks cut into WRITEs of at most CUT bytes (qos.bulk_block_bytes), direct
+                    # asked outright so that the tests' short page runs are written in place
+                    *(Node(name, env={**NIXL_ENV, **CUT_ENV, **extra}) for name, extra in (
+                        ("prefill-cut", {}), ("prefill-cut-full", {"KVXFERD_INTEGRITY_MODE": "full"}))),
                     Node("prefill-tcp", env=UCX_ENV),  # NIXL not enabled: negotiation must fall back to tcp
                     Node("decode-no-nixl", env={**NIXL_ENV, "PYTHONPATH": os.pathsep.join(
                         [str(stubs), *filter(None, [os.environ.get("PYTHONPATH")])])}))
@@ -82,6 +90,24 @@ def test_pp_and_page_size_mismatch(cluster):
     pspec = spec(num_layers=5, pp_size=2, layer_splits=((0, 1), (1, 5)), page_size=3)
     dspec = spec(num_layers=5, tp_size=2, page_size=8)
     run_case(cluster, pspec, dspec, n_tokens=41, chunks=[[0, 9], [9, 41]], requests=1)
+
+
+@needs_nixl
+@pytest.mark.parametrize("prefill", ["prefill-cut", "prefill-cut-full"])
+def test_a_bulk_chunk_cut_into_many_writes_lands_byte_exact(cluster, prefill):
+    """``qos.bulk_block_bytes``: a bulk chunk's direct WRITE goes as WRITEs of at most that many
+    bytes (rows split where a cut falls inside them), its header (with its digests, where the
+    pair checks every chunk) told after the last: every byte lands where one WRITE put it."""
+    def direct() -> dict:
+        with EngineClient(cluster.daemons[prefill].socket_path, timeout=5) as client:
+            return client.status()["transports"].get("direct", {"chunks": 0, "writes": 0})  # agent not started yet
+
+    before = direct()
+    run_case(cluster, spec(), spec(), prefill=prefill, n_tokens=37)  # two requests, one chunk each
+    after = direct()
+    chunks, writes = after["chunks"] - before["chunks"], after["writes"] - before["writes"]
+    per_chunk = 37 * 4 * 2 * 4 * 16 * 2  # tokens x layers x (k, v) x heads x head_dim x bf16
+    assert chunks == 2 and writes >= chunks * -(-per_chunk // CUT), (chunks, writes)
 
 
 # -- negotiation -----------------------------------------------------------------------

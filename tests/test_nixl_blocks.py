@@ -5,7 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvxferd.transport.nixl.blocks import LAND, PLACE, READ, choose
+from hypothesis import given, settings, strategies as st
+
+from kvxferd.transport.nixl.blocks import LAND, PLACE, READ, choose, cut_rows
 
 LONG = np.arange(64)  # one run of 64 rows: long enough to use in place at 1 KiB a row
 SHUFFLED = np.array([5, 1, 9, 3, 7, 11, 13, 15])  # runs of one row
@@ -53,3 +55,30 @@ def test_a_destination_that_may_not_be_written_in_place_lands_when_the_peer_gave
                    can_land=False) == PLACE
     assert _choose(src_in_place=src_in_place, src_slots=SHUFFLED, dst_slots=dst_slots, dst_in_place=False,
                    can_land=False, dst_whole=False) is None
+
+
+def _byte_map(local: np.ndarray, remote: np.ndarray) -> list[tuple[int, int]]:
+    """The oracle: every (source byte, destination byte) pair the rows move, in stream order."""
+    return [(int(s) + i, int(d) + i) for (s, n, *_), (d, *_) in zip(local.tolist(), remote.tolist())
+            for i in range(int(n))]
+
+
+@settings(max_examples=300, deadline=None)
+@given(lengths=st.lists(st.integers(0, 40), min_size=1, max_size=12), block=st.integers(-1, 64))
+def test_a_cut_write_moves_exactly_the_uncut_bytes_in_blocks_of_at_most_block(lengths, block):
+    """``qos.bulk_block_bytes``: a bulk chunk's direct WRITE cut into several moves the same bytes
+    to the same places, in the same order, no WRITE larger than the block, none empty."""
+    starts_src = np.cumsum([0] + [n + 100 for n in lengths[:-1]])  # rows apart, as regions are
+    local = np.array([[1000 + s, n, 0] for s, n in zip(starts_src, lengths)], dtype=np.uint64)
+    remote = np.array([[9000 + 3 * s, n, 1] for s, n in zip(starts_src, lengths)], dtype=np.uint64)
+    writes = cut_rows(local, remote, block)
+    total = sum(lengths)
+    assert [p for loc, rem in writes for p in _byte_map(loc, rem)] == _byte_map(local, remote)
+    if block <= 0 or total <= block:
+        assert len(writes) == 1 and writes[0][0] is local  # uncut: the rows as they were
+        return
+    sizes = [int(loc[:, 1].sum()) for loc, _ in writes]
+    assert all(0 < n <= block for n in sizes)
+    assert sizes[:-1] == [block] * (len(sizes) - 1)  # every WRITE but the last is a full block
+    for loc, rem in writes:
+        assert (loc[:, 1] == rem[:, 1]).all() and (loc[:, 2] == 0).all() and (rem[:, 2] == 1).all()

@@ -203,7 +203,7 @@ def test_many_small_direct_and_staged_jobs_land_byte_exact_on_one_pooled_connect
         assert modes == {"direct", "staged"}, modes
         for j, o in zip(jobs, outcomes):
             assert o.mode == ("direct" if j.decode_instance == "dird" else "staged")
-        pooled = r.transport._idle[r.address]
+        pooled = r.transport.pooled(r.address)
         assert len(pooled) == 1
         if first_sock is None:
             first_sock = pooled[0]
@@ -230,7 +230,7 @@ def send_and_check(r: Rig, pair: Pair, requests: list[tuple[str, list[int], list
     assert all(isinstance(o, Moved) for o in outcomes), outcomes
     assert_regions(pair, expected_after(pair, [(s, d) for _, s, d in requests]))
     assert r.staging.in_use == 0
-    assert len(r.transport._idle[r.address]) == 1
+    assert len(r.transport.pooled(r.address)) == 1
     return outcomes
 
 
@@ -308,7 +308,7 @@ def test_a_job_that_fails_before_a_byte_of_it_is_written_fails_alone(rig):
             if entry is None:
                 continue
             assert entry.bytes_received == 0 and not any(entry.pending.values()) and not entry.inflight
-    assert len(r.transport._idle[r.address]) == 1  # the stream stayed whole: pooled again
+    assert len(r.transport.pooled(r.address)) == 1  # the stream stayed whole: pooled again
     assert r.staging.in_use == 0
 
 
@@ -338,7 +338,7 @@ def test_a_refused_job_fails_alone_and_the_connection_is_not_pooled(rig):
     for pair in (direct, staged):
         assert_regions(pair, expected_after(pair, [(s, d) for _, s, d in good]))  # page 6: canary
     assert direct.entries[("tok", 0)].bytes_received == 0
-    assert not r.transport._idle.get(r.address)  # closed after a refusal, not pooled
+    assert not r.transport.pooled(r.address)  # closed after a refusal, not pooled
     # the next batch goes on a new connection
     direct.expect("after", [10])
     (outcome,) = r.transport.send_many(direct.jobs("after", [11], r.address))
@@ -404,7 +404,7 @@ def test_a_receiver_that_hangs_up_mid_batch_fails_every_unanswered_job(rig, acks
         else:
             assert isinstance(outcome, KvxferError) and not isinstance(outcome, Moved), (i, outcome)
             assert outcome.field == "transport", outcome
-    assert not r.transport._idle.get(receiver.address)  # a broken connection is never pooled
+    assert not r.transport.pooled(receiver.address)  # a broken connection is never pooled
     assert r.staging.in_use == 0
 
 
@@ -434,7 +434,7 @@ def test_a_data_server_closed_mid_batch_fails_every_unanswered_job(rig):
     assert len(landed) <= 2 and any(isinstance(o, KvxferError) for o in outcomes), outcomes
     for o in outcomes:
         assert isinstance(o, (Moved, KvxferError)), o
-    assert not r.transport._idle.get(r.address)
+    assert not r.transport.pooled(r.address)
     # a job reported moved holds its bytes: its destination rank's pages are the oracle's
     pages_by_rid = {rid: (s, d) for rid, s, d in requests}
     for job, outcome in zip(jobs, outcomes):
@@ -473,5 +473,5 @@ def test_a_job_failing_after_part_of_its_frame_went_out_loses_the_connection(rig
     for outcome in outcomes[2:]:  # it and the jobs behind it: lost with the connection
         assert isinstance(outcome, KvxferError) and outcome.field == "transport", outcome
     assert "gathering block 1" in str(outcomes[2]), outcomes[2]
-    assert not r.transport._idle.get(r.address)
+    assert not r.transport.pooled(r.address)
     assert r.staging.in_use == 0

@@ -100,6 +100,8 @@ class Daemon:
             landing_slots=cfg.limits.nixl_landing_slots,
             landing_bytes=cfg.limits.nixl_landing_bytes, in_place_bytes=cfg.limits.nixl_in_place_bytes,
             nixl_block_bytes=cfg.limits.nixl_block_bytes,
+            bulk_block_bytes=cfg.qos.bulk_block_bytes if cfg.qos.enabled else 0, qos_lanes=cfg.qos.enabled,
+            bulk_nice=cfg.qos.bulk_nice if cfg.qos.enabled and cfg.qos.latency_threads else 0,
             on_received=lambda kind, sink, moved: self.metrics.bytes_received.labels(kind).inc(moved.nbytes),
             on_refused=self.data.chunk_refused,
             on_invalid=lambda code: self.metrics.invalid_messages.labels("data").inc(),

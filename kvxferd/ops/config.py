@@ -300,6 +300,10 @@ class QosSection:
     #: the nice value of the shared data threads where latency threads exist (0..19; 0: none): a
     #: latency copy then gets the core over bulk copies running beside it
     bulk_nice: int = 10
+    #: the most bytes of a bulk chunk put on a shared link at once (NIXL: one WRITE; 0: the whole
+    #: chunk): a latency chunk posted behind it waits for at most this much (plus the one block
+    #: more in flight). tcp sends latency chunks on connections of their own and needs no cut
+    bulk_block_bytes: int = 4 * 1024 * 1024
 
 
 def lease_ttl(cfg: "Config") -> int:
@@ -488,6 +492,9 @@ def _check_qos(qos: QosSection) -> None:
     if qos.latency_threads < 0:
         raise ConfigError(f"qos.latency_threads must be 0 or more, got {qos.latency_threads}",
                           field="qos.latency_threads", fix="set it to 0 (none) or a small count, e.g. 1")
+    if qos.bulk_block_bytes < 0:
+        raise ConfigError(f"qos.bulk_block_bytes must be 0 or more, got {qos.bulk_block_bytes}",
+                          field="qos.bulk_block_bytes", fix="set it to 0 (never cut) or a size, e.g. 4194304")
 
 
 def _check_integrity(integrity: IntegritySection) -> None:

@@ -8,9 +8,14 @@ all land, and return only once the destination has confirmed them.
 
 from __future__ import annotations
 
+import logging
+import os
+import threading
 from typing import Any, Protocol
 
 from ..lifecycle.jobs import ChunkJob, Moved
+
+log = logging.getLogger("kvxferd.transport")
 
 #: a chunk up to this size may travel with others in one hand-off (:mod:`kvxferd.transport.dataplane`):
 #: small enough that the connection it shares is never held long by one
@@ -42,3 +47,15 @@ class Transport(Protocol):
     def stop_receiving(self, entry: Any) -> None: ...
 
     def close(self) -> None: ...
+
+
+def nice_this_thread(nice: int) -> None:
+    """Run the calling thread (only it: on Linux a thread id names one thread) at ``nice``, so the
+    kernel gives a core to latency work over this thread's bulk work beside it. Raising one's own
+    nice needs no privilege; lowering it again would, so a thread once niced stays so."""
+    if nice <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
+    except (OSError, AttributeError) as exc:
+        log.warning("event=bulk_nice_failed nice=%d error=%s", nice, exc)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from ..lifecycle.jobs import Moved
 from ..model.qos import CLASSES, LATENCY
 from ..ops.hops import TRACE
 from ..ops.metrics import Metrics
-from .base import Transport
+from .base import Transport, nice_this_thread
 from .scheduler import Pick, Scheduler
 
 log = logging.getLogger("kvxferd.data")
@@ -270,11 +269,8 @@ class DataPlane:
                 return pick, taken
 
     def _work(self, allowed: tuple[str, ...]) -> None:
-        if self.bulk_nice and allowed != (LATENCY,):
-            try:  # this thread only (Linux: a thread id names one thread); raising nice needs no privilege
-                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.bulk_nice)
-            except (OSError, AttributeError) as exc:
-                log.warning("event=bulk_nice_failed nice=%d error=%s", self.bulk_nice, exc)
+        if allowed != (LATENCY,):
+            nice_this_thread(self.bulk_nice)
         while True:
             got = self._take(allowed)
             if got is None:

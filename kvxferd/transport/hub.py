@@ -33,6 +33,7 @@ class Transports:
                  timeout_s: float, max_header_bytes: int, max_pages: int, data_connections: int,
                  landing_slots: int, landing_bytes: int, in_place_bytes: int = 256 * 1024,
                  nixl_block_bytes: int | None = None, nixl_engine_memory: str = "private",
+                 bulk_block_bytes: int = 0, qos_lanes: bool = False, bulk_nice: int = 0,
                  on_received: Callable[[str, Sink, Moved], None],
                  on_refused: Callable[[DestEntry, str, str], None],
                  on_invalid: Callable[[str], None],
@@ -52,12 +53,13 @@ class Transports:
         #: links): what a tcp data connection proves before its first chunk (:mod:`.tcp_proof`)
         self.link_keys = LinkKeys()
         self.tcp = TcpTransport(timeout_s=timeout_s, max_reply_bytes=1 << 16, staging=staging,
-                                connections_per_peer=data_connections)
+                                connections_per_peer=data_connections, lanes=qos_lanes)
+        self.bulk_nice = bulk_nice
         self.nixl = NixlSupport(  # the agent itself starts on first use, only where nixl is configured
             daemon_name, preference, inbox, timeout_s=timeout_s, max_header_bytes=max_header_bytes,
             max_pages=max_pages, landing_slots=landing_slots, landing_bytes=landing_bytes,
             staging=staging if nixl_block_bytes is None else staging.sibling(nixl_block_bytes),
-            in_place_bytes=in_place_bytes, engine_memory=nixl_engine_memory,
+            in_place_bytes=in_place_bytes, engine_memory=nixl_engine_memory, bulk_block_bytes=bulk_block_bytes,
             on_received=lambda sink, moved: on_received("nixl", sink, moved),
             on_refused=on_refused, on_invalid=on_invalid, on_registered=on_nixl_registered,
             on_nixl_refused=on_nixl_refused)
@@ -70,7 +72,8 @@ class Transports:
                                timeout_s=self.timeout_s, max_connections=max_connections,
                                on_received=lambda sink, moved: self.on_received("tcp", sink, moved),
                                on_invalid=self.on_invalid, keys=self.link_keys, deadlines=deadlines,
-                               on_conn_refused=on_conn_refused, on_accept_error=on_accept_error)
+                               on_conn_refused=on_conn_refused, on_accept_error=on_accept_error,
+                               bulk_nice=self.bulk_nice)
 
     def find(self, kind: str) -> Transport | None:
         """The transport a route or destination recorded by name; NIXL once its agent started."""

@@ -38,10 +38,11 @@ from ..errors import IntegrityError, KvxferError, PeerHungUp, ProtocolError, Req
 from ..lifecycle.inbox import Inbox, Sink
 from ..lifecycle.jobs import ChunkJob, Moved
 from ..model.geometry import rank_id
+from ..model.qos import BULK, LATENCY
 from ..wire import protocol
 from ..wire.auth import RefusalBook
 from . import chunk_modes, tcp_proof
-from .base import SMALL_CHUNK
+from .base import SMALL_CHUNK, nice_this_thread
 from .framing import FrameReader, gather_block, payload_runs, read_frame, sendmsg_all, use_staging
 from .tcp_batch import send_batch
 from .tcp_guard import ConnectionGuard, Deadlines, Watched
@@ -126,8 +127,11 @@ class TcpDataServer:
                  on_invalid: Callable[[str], None] | None = None,
                  keys: tcp_proof.LinkKeys | None = None, deadlines: Deadlines = Deadlines(),
                  on_conn_refused: Callable[[str], None] | None = None,
-                 on_accept_error: Callable[[], None] | None = None) -> None:
+                 on_accept_error: Callable[[], None] | None = None, bulk_nice: int = 0) -> None:
         self.inbox = inbox
+        #: QoS: the nice value a connection's thread takes from its first chunk of the bulk lane on
+        #: (the sender keeps each lane's chunks on connections of their own; 0: none)
+        self.bulk_nice = bulk_nice
         #: the link tokens a connection may prove (none: no connection proves itself)
         self.keys = keys if keys is not None else tcp_proof.LinkKeys()
         self.on_conn_refused = on_conn_refused  # a connection refused or cut, by reason (a metric)
@@ -246,6 +250,7 @@ class TcpDataServer:
         replies = _Replies(conn)
         timeouts = _Timeouts(conn)
         slot = False  # proven, and holding one of the port's slots
+        niced = False
         try:
             token = self._prove(conn, replies, watched)
             slot = token is not None and self._take_slot(watched, replies)
@@ -283,6 +288,9 @@ class TcpDataServer:
                                            "connection proved", field="token",
                                            fix="send each link's chunks on connections proven with its token")
                     header["token"] = token  # every chunk on this connection is the proven link's
+                    if not niced and header.get("lane") == BULK:
+                        nice_this_thread(self.bulk_nice)  # for good: the connection is the bulk lane's
+                        niced = True
                     sink = self.inbox.begin(header, rank_id(header["decode_instance"], *header["dst"]), "tcp")
                     if sink.trailer:  # the digests are still to come, whatever the payload's size
                         timeouts.set(self.timeout_s)
@@ -436,12 +444,16 @@ class TcpTransport:
             self.server.cut(entry)
 
     def __init__(self, *, timeout_s: float, max_reply_bytes: int, staging: StagingPool,
-                 connections_per_peer: int = 2) -> None:
+                 connections_per_peer: int = 2, lanes: bool = False) -> None:
         self.timeout_s = timeout_s
         self.max_reply_bytes = max_reply_bytes
         self.staging = staging
         self.connections_per_peer = connections_per_peer
-        self._idle: dict[tuple[str, int], list[socket.socket]] = {}
+        #: QoS: latency and bulk chunks travel on connections of their own (each header says which), so
+        #: a receiver runs its bulk connections' threads at its ``qos.bulk_nice`` and a latency chunk is
+        #: never queued in a socket behind a bulk one
+        self.lanes = lanes
+        self._idle: dict[tuple[tuple[str, int], str], list[socket.socket]] = {}  # (address, lane) -> idle
         #: connections carrying a large chunk now -> its source entry's serial (``ChunkJob.source``):
         #: what :meth:`stop_sending` cuts
         self._sending: dict[socket.socket, int] = {}
@@ -451,11 +463,18 @@ class TcpTransport:
         self._proven: "weakref.WeakKeyDictionary[socket.socket, bytes | None]" = weakref.WeakKeyDictionary()
         self._lock = threading.Lock()
 
-    def borrow(self, address: tuple[str, int], token: bytes | None = None) -> socket.socket:
-        """A connection to ``address`` proven with the link ``token``: a pooled one, or a new one
-        that answered the receiver's challenge (:func:`.tcp_proof.prove`)."""
+    def lane(self, jobs: list[ChunkJob]) -> str:
+        """The connection lane of ``jobs`` (one chunk, or a batch): latency if any is, else bulk;
+        ``""`` where the sender keeps no lanes (QoS off)."""
+        if not self.lanes:
+            return ""
+        return LATENCY if any(job.qos.cls == LATENCY for job in jobs) else BULK
+
+    def borrow(self, address: tuple[str, int], token: bytes | None = None, lane: str = "") -> socket.socket:
+        """A connection to ``address`` proven with the link ``token``, for ``lane``'s chunks: a pooled
+        one, or a new one that answered the receiver's challenge (:func:`.tcp_proof.prove`)."""
         with self._lock:
-            idle = self._idle.get(address, [])
+            idle = self._idle.get((address, lane), [])
             while idle:
                 sock = idle.pop()
                 if self._proven.get(sock) == token and _alive(sock):
@@ -486,9 +505,14 @@ class TcpTransport:
             return sock
         raise AssertionError("unreachable")
 
-    def give_back(self, address: tuple[str, int], sock: socket.socket) -> None:
+    def pooled(self, address: tuple[str, int]) -> list[socket.socket]:
+        """The idle connections to ``address``, of every lane (for ``status`` and tests)."""
         with self._lock:
-            idle = self._idle.setdefault(address, [])
+            return [s for (addr, _), idle in self._idle.items() if addr == address for s in idle]
+
+    def give_back(self, address: tuple[str, int], sock: socket.socket, lane: str = "") -> None:
+        with self._lock:
+            idle = self._idle.setdefault((address, lane), [])
             if len(idle) < self.connections_per_peer:
                 idle.append(sock)
                 return
@@ -510,33 +534,34 @@ class TcpTransport:
         key = job.source
         if key in self._stopped:  # failed while this job waited for a data thread
             raise _stopped_error(job)
-        sock = self.borrow(job.data_address, job.token)
+        lane = self.lane([job])
+        sock = self.borrow(job.data_address, job.token, lane)
         with self._lock:
             stopped = key in self._stopped
             if not stopped:
                 self._sending[sock] = key
         if stopped:  # ... or while its connection was being made
-            self.give_back(job.data_address, sock)
+            self.give_back(job.data_address, sock, lane)
             raise _stopped_error(job)
         try:
-            moved = self._send_on(sock, job)
+            moved = self._send_on(sock, job, lane)
         finally:
             with self._lock:
                 self._sending.pop(sock, None)
-        self.give_back(job.data_address, sock)  # no longer one stop_sending may cut
+        self.give_back(job.data_address, sock, lane)  # no longer one stop_sending may cut
         return moved
 
-    def _send_on(self, sock: socket.socket, job: ChunkJob) -> Moved:
+    def _send_on(self, sock: socket.socket, job: ChunkJob, lane: str = "") -> Moved:
         """One chunk on ``sock``; closes it on any failure, leaves it open once acknowledged."""
         assert job.data_address is not None
         try:
             if job.can_trail:  # every slot checked: hashed block by block as it leaves, the digests after it
                 running = RunningDigests(len(list(job.regions())))
-                sock.sendall(protocol.frame(tcp_proof.chunk_header(job, trailer=True)))
+                sock.sendall(protocol.frame(tcp_proof.chunk_header(job, trailer=True, lane=lane)))
                 moved = self._send_payload(sock, job, running)
                 sock.sendall(protocol.frame({"op": "digests", "digests": running.digests()}))
             else:
-                sock.sendall(protocol.frame(tcp_proof.chunk_header(job)))
+                sock.sendall(protocol.frame(tcp_proof.chunk_header(job, lane=lane)))
                 moved = self._send_payload(sock, job)
             reply = read_frame(sock, self.max_reply_bytes)
         except (OSError, ConnectionError) as exc:
@@ -627,7 +652,7 @@ class TcpTransport:
     def forget(self, address: tuple[str, int]) -> None:
         """The daemon at ``address`` is gone (restarted): its pooled connections are dead ends."""
         with self._lock:
-            socks = self._idle.pop(address, [])
+            socks = [s for key in [k for k in self._idle if k[0] == address] for s in self._idle.pop(key)]
         for s in socks:
             s.close()
 

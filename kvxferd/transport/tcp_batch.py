@@ -39,9 +39,11 @@ class TcpSender(Protocol):
     timeout_s: float
     max_reply_bytes: int
 
-    def borrow(self, address: tuple[str, int], token: bytes | None = None) -> socket.socket: ...
+    def lane(self, jobs: list[ChunkJob]) -> str: ...
 
-    def give_back(self, address: tuple[str, int], sock: socket.socket) -> None: ...
+    def borrow(self, address: tuple[str, int], token: bytes | None = None, lane: str = "") -> socket.socket: ...
+
+    def give_back(self, address: tuple[str, int], sock: socket.socket, lane: str = "") -> None: ...
 
     def lost(self, address: tuple[str, int], exc: BaseException) -> KvxferError: ...
 
@@ -55,9 +57,10 @@ class _Broken(OSError):
 class _Write:
     """The views of the frames laid out so far, and the staging slot their staged payloads share."""
 
-    def __init__(self, transport: TcpSender, sock: socket.socket) -> None:
+    def __init__(self, transport: TcpSender, sock: socket.socket, lane: str) -> None:
         self.transport = transport
         self.sock = sock
+        self.lane = lane
         self.views: list[memoryview] = []
         self.slot: torch.Tensor | None = None
         self.slot_view: memoryview | None = None
@@ -65,7 +68,7 @@ class _Write:
 
     def add(self, job: ChunkJob) -> Moved:
         """Lay out ``job``'s frame; raises (having written nothing of it) when it cannot be."""
-        head = memoryview(protocol.frame(chunk_header(job)))
+        head = memoryview(protocol.frame(chunk_header(job, lane=self.lane)))
         w = job.writer
         regions = list(job.regions())
         runs = payload_runs(job.src_slots, w.src_row_bytes, job.head_offset, w.slice_bytes)
@@ -123,13 +126,14 @@ def send_batch(transport: TcpSender, jobs: list[ChunkJob]) -> list[Outcome]:
     """One outcome per job, in order; a job is reported moved only on its own positive reply."""
     address = jobs[0].data_address
     assert address is not None
+    lane = transport.lane(jobs)
     try:
-        sock = transport.borrow(address, jobs[0].token)  # a batch is one link's (its batch key)
+        sock = transport.borrow(address, jobs[0].token, lane)  # a batch is one link's (its batch key)
     except KvxferError as exc:
         return [exc] * len(jobs)
     outcomes: list[Outcome | None] = [None] * len(jobs)
     framed: list[tuple[int, Moved]] = []
-    write = _Write(transport, sock)
+    write = _Write(transport, sock, lane)
     lost: KvxferError | None = None
     try:
         for i, job in enumerate(jobs):
@@ -151,7 +155,7 @@ def send_batch(transport: TcpSender, jobs: list[ChunkJob]) -> list[Outcome]:
         if o is None:
             outcomes[i] = lost or transport.lost(address, ConnectionError("no reply"))
     if keep:
-        transport.give_back(address, sock)
+        transport.give_back(address, sock, lane)
     else:
         sock.close()
     return outcomes  # type: ignore[return-value]

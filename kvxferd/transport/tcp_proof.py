@@ -122,9 +122,12 @@ def prove(sock: socket.socket, token: bytes | None, address: tuple[str, int]) ->
     sock.sendall(protocol.frame({"op": "hello", "link": link_id(token), "proof": proof(token, nonce)}))
 
 
-def chunk_header(job: Any, trailer: bool = False) -> dict[str, Any]:
+def chunk_header(job: Any, trailer: bool = False, lane: str = "") -> dict[str, Any]:
     """A chunk job's data header as it crosses a proven connection: without the link's token (the
-    connection proved it once, and the receiver takes every chunk on it as that link's)."""
+    connection proved it once, and the receiver takes every chunk on it as that link's). ``lane``:
+    the QoS class of the connection it travels on (``""``: the sender keeps no lanes)."""
     head: dict[str, Any] = job.header(trailer)
     head.pop("token", None)
+    if lane:
+        head["lane"] = lane
     return head

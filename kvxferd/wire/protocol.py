@@ -406,7 +406,10 @@ DATA_HEADER = Schema(
               "hash": text(8, ("xxh3", "wsum")),
               # with digests (here or trailing): XXH3-64 of this header's own fields that the decode side
               # acts on (kvxferd.datapath.digest.header_digest), checked before any of them is used
-              "header_digest": integer(0, 2**64 - 1)},
+              "header_digest": integer(0, 2**64 - 1),
+              # over tcp, the QoS lane of the connection the chunk travels on (kvxferd.transport.tcp): a
+              # receiver runs a bulk connection's thread at its qos.bulk_nice
+              "lane": text(8, ("latency", "bulk"))},
 )
 
 #: the frame after a data payload whose header said ``trailer``: the source's digests

@@ -7,7 +7,8 @@ start with ``qos.instances = ["chat*=latency", "bulkw3*=bulk:3", "bulk*=bulk", "
 the chat instance; every other tenant runs in a process of its own, as another engine would (its
 driver never holds the chat driver's interpreter lock). One phase after another:
 
-- **idle**: the chat instance's one-page requests one at a time, nothing else moving (p50, p99);
+- **idle**: the chat instance's one-page requests one at a time, paced at one every
+  ``CHAT_PERIOD_S`` (at once when the one before took longer), nothing else moving (p50, p99);
 - **bulk alone**: the bulk instance with three requests in flight (GB/s);
 - **under bulk**: the chat requests again while the bulk instance keeps three in flight; the
   bulk instance's GB/s over the same seconds;
@@ -36,6 +37,8 @@ from ..oracle import check_rank, untouched
 from .engine_layout import Layout
 from .model import Row, Workload, pct, say
 
+#: the chat tenant's pace: one request every 20 ms (50/s), under every policy
+CHAT_PERIOD_S = 0.02
 QOS_INSTANCES = ["chat*=latency", "bulkw3*=bulk:3", "bulk*=bulk", "flood*=latency", "probe*=bulk"]
 
 
@@ -76,6 +79,13 @@ class _Instance:
     def run(self, n: int) -> tuple[float, list[float]]:
         return self.driver.run(self.plan(n))
 
+    def paced(self, n: int, period_s: float) -> list[float]:
+        """``n`` requests, the k-th sent no earlier than ``k * period_s`` after the first (at once
+        when the one before took longer): a tenant whose requests arrive at a rate of their own, the
+        same whatever the daemons' policy, so its load on the host does not grow as QoS serves it
+        faster. Each latency runs from its own send."""
+        return self.driver.run(_Paced(self.plan(n), period_s))[1]  # type: ignore[arg-type]
+
     def keep_busy(self, stop: threading.Event, moved: list[tuple[float, int]]) -> None:
         """``window`` requests in flight, a new one as each completes, until ``stop``; then the
         ones in flight finish. Each request's (completion time, bytes) goes to ``moved``."""
@@ -114,6 +124,26 @@ class _Endless:
         while len(self.given) <= i:
             self.given += self.inst.plan(1)
         return self.given[i]
+
+
+class _Paced:
+    """A plan for the driver's ``run`` whose k-th request is handed out no earlier than
+    ``k * period_s`` after the first (the driver asks for it when it may send it)."""
+
+    def __init__(self, plan: list[tuple[str, int | None]], period_s: float) -> None:
+        self.plan, self.period_s = plan, period_s
+        self.t0: float | None = None
+
+    def __len__(self) -> int:
+        return len(self.plan)
+
+    def __getitem__(self, i: int) -> tuple[str, int | None]:
+        if self.t0 is None:
+            self.t0 = time.perf_counter()
+        wait = self.t0 + i * self.period_s - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        return self.plan[i]
 
 
 def _gbps(moved: list[tuple[float, int]], t0: float, t1: float) -> float | None:
@@ -234,10 +264,9 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
             inst.run(inst.lay.window)
         for tenant in tenants.values():
             tenant.ready()
-        n, seconds = cfg["chat_requests"], cfg["seconds"]
+        n, seconds, period = cfg["chat_requests"], cfg["seconds"], cfg["chat_period_s"]
         chat, bulk = insts["chat"], tenants["bulk"]
-        _, idle = chat.run(n)
-        out["idle"] = _latencies(idle)
+        out["idle"] = _latencies(chat.paced(n, period))
         bulk.busy()
         t0 = time.perf_counter()
         time.sleep(seconds)
@@ -245,9 +274,10 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
         bulk.busy()
         time.sleep(0.2)  # the bulk window is full before the first chat request
         t0 = time.perf_counter()
-        _, loaded = chat.run(n)
+        loaded = chat.paced(n, period)
         t1 = time.perf_counter()
         out["under_bulk"] = _latencies(loaded)
+        out["chat_rate"] = round(n / (t1 - t0), 1)  # requests/s the chat tenant got through under bulk
         out["deadline"] = _deadline_probe(insts["probe"])
         out["bulk_during_gbps"] = _gbps(bulk.stop(), t0, t1)  # None: no bulk request completed while chat ran
         if cfg["qos"]:
@@ -310,7 +340,7 @@ def _run_policy(transport: str, qos: bool, size: str, seed: int) -> dict[str, An
         b = a if transport == "local" else cluster.daemon("qos-b", extra_toml=toml, env=env)
         tokens = {"full": 2048, "quick": 512, "smoke": 64}[size]
         cfg = {"seed": seed, "qos": qos, "chat": Workload("8B", 16).__dict__, "bulk": Workload("8B", tokens).__dict__,
-               "chat_requests": {"full": 400, "quick": 150, "smoke": 10}[size],
+               "chat_requests": {"full": 400, "quick": 150, "smoke": 10}[size], "chat_period_s": CHAT_PERIOD_S,
                "seconds": {"full": 8.0, "quick": 4.0, "smoke": 0.5}[size],
                "prefill_socket": a.socket_path, "decode_socket": b.socket_path,
                "source_address": None if transport == "local" else a.address}
@@ -350,6 +380,7 @@ def qos_rows(size: str, seed: int = 1, transports: tuple[str, ...] | None = None
                             p50_ms=loaded["p50_ms"], p99_ms=loaded["p99_ms"], verified=res["verified"],
                             workload="8B 16 (one page)", extra={
                                 "kind": "under_bulk", "vs_idle_p99": round(loaded["p99_ms"] / idle["p99_ms"], 2),
+                                "chat_per_s": res.get("chat_rate"),
                                 "over_idle_p99_ms": round(loaded["p99_ms"] - idle["p99_ms"], 2),
                                 "bulk_alone_gbps": alone, "bulk_during_gbps": during,
                                 "bulk_vs_alone": round(during / alone, 3) if alone and during else None,

@@ -190,9 +190,10 @@ def run_all(size: str, only: str | None = None, seed: int = 1) -> tuple[dict[str
         rows += _planner_rows(size)
     if (not only and size != "smoke") or (only and re.search(only, "fleet")):
         rows += _fleet_rows(size)
-    if (not only and size == "full") or (only and re.search(only, "qos")):
+    qos_transports = [t for t in ("local", "tcp", "nixl") if only and re.search(only, f"qos {t}")]
+    if (not only and size == "full") or qos_transports:
         from .qos import qos_rows
-        rows += qos_rows(size, seed)
+        rows += qos_rows(size, seed, tuple(qos_transports) if 0 < len(qos_transports) < 3 else None)
     ratios = compute(rows, headline, tp_workloads(size))
     verified = all(r.verified for r in rows if r.group in ("kvxferd", "latency", "rate", "qos") and not r.skipped)
     report = {"quick": size != "full", "size": size, "machine": machine(),

@@ -107,7 +107,7 @@ def _quick(add: _Adder) -> None:
     for t in ("local", "tcp"):
         for integrity in ("sampled", "full"):
             add("throughput", t, "direct", headline, integrity=integrity)
-    for t, model in (("local", "8B"), ("tcp", "8B"), ("tcp", "tiny")):
+    for t, model in (("local", "8B"), ("tcp", "8B"), ("tcp", "tiny"), ("nixl", "8B")):
         add("latency", t, "direct", Workload(model, 16), requests=100, window=1, verify=1)
     for t, client in (("local", "sync"), ("local", "batch"), ("tcp", "sync"), ("tcp", "batch"), ("tcp", "async")):
         add("rate", t, "direct", Workload("tiny", 16), requests=1000, window=64, client=client)

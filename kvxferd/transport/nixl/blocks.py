@@ -72,6 +72,35 @@ def choose(*, src_whole: bool, dst_whole: bool, src_slots: np.ndarray, dst_slots
     return None
 
 
+def cut_rows(local: np.ndarray, remote: np.ndarray, block: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """A direct WRITE's paired descriptor rows cut into WRITEs of at most ``block`` bytes each.
+
+    ``local`` and ``remote`` are ``[n, k]`` rows (address, length, ...) of pairwise equal lengths,
+    in wire order. The bytes are read as one stream and cut every ``block`` bytes, a row split where
+    a cut falls inside it; every WRITE keeps the rows' order, so together they move exactly what
+    the uncut rows did. ``block <= 0``, or rows of no more than ``block`` bytes in all: one WRITE.
+    """
+    lengths = local[:, 1].astype(np.int64)
+    total = int(lengths.sum())
+    if block <= 0 or total <= block:
+        return [(local, remote)]
+    keep = lengths > 0
+    local, remote, lengths = local[keep], remote[keep], lengths[keep]
+    starts = np.cumsum(lengths) - lengths  # each row's first byte in the stream
+    points = np.union1d(starts, np.arange(block, total, block, dtype=np.int64))  # where each piece begins
+    row = np.searchsorted(starts, points, side="right") - 1
+    into = (points - starts[row]).astype(np.uint64)
+    sizes = np.diff(np.append(points, total)).astype(np.uint64)
+    pieces = []
+    for rows in (local, remote):
+        out = rows[row].copy()
+        out[:, 0] += into
+        out[:, 1] = sizes
+        pieces.append(out)
+    bounds = np.flatnonzero(np.diff(points // block)) + 1
+    return list(zip(np.split(pieces[0], bounds), np.split(pieces[1], bounds)))
+
+
 @dataclass(frozen=True)
 class BlockDescs:
     """One block's WRITE: ``local`` and ``remote`` rows of (address, length), pairwise equal lengths."""

@@ -38,7 +38,7 @@ class NixlSupport:
     def __init__(self, daemon_name: str, preference: list[str], inbox: Inbox, *, timeout_s: float,
                  max_header_bytes: int, max_pages: int, staging: StagingPool | None = None,
                  landing_slots: int = 0, landing_bytes: int = 0, in_place_bytes: int = 256 * 1024,
-                 engine_memory: str = PRIVATE,
+                 engine_memory: str = PRIVATE, bulk_block_bytes: int = 0,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None,
@@ -50,7 +50,7 @@ class NixlSupport:
         self.max_pages = max_pages
         self._args = dict(timeout_s=timeout_s, max_header_bytes=max_header_bytes, staging=staging,
                           landing_slots=landing_slots, landing_bytes=landing_bytes, in_place_bytes=in_place_bytes,
-                          engine_memory=engine_memory, on_received=on_received,
+                          engine_memory=engine_memory, bulk_block_bytes=bulk_block_bytes, on_received=on_received,
                           on_refused=on_refused, on_invalid=on_invalid, on_registered=on_registered,
                           on_nixl_refused=on_nixl_refused)
         self.inbox = inbox
@@ -87,7 +87,9 @@ class NixlSupport:
                 # prefill side: landing slots of each destination agent written and not yet handed back
                 "landing": {"rings": t.landing.ring_count, "bytes_held": t.landing.bytes_held,
                             "budget_bytes": t.landing.budget_bytes},
-                "credits_out": t.credits_out(), "registrations": t.registrations()}
+                "credits_out": t.credits_out(), "registrations": t.registrations(),
+                # prefill side: direct chunks and the WRITEs they took (more WRITEs: bulk cut by qos.bulk_block_bytes)
+                "direct": {"chunks": t.direct_chunks, "writes": t.direct_writes}}
 
     def offered(self) -> list[str]:
         """This daemon's transports in preference order, NIXL only where the agent works."""

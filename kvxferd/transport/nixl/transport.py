@@ -68,6 +68,7 @@ from ...datapath.digest import RunningDigests
 from ...model.segments import paired_segments
 from ...datapath.staging import StagingPool, block_bytes, block_count, block_pieces, slices_per_slot
 from ...lifecycle.jobs import ChunkJob, Moved
+from ...model.qos import BULK
 from .. import chunk_modes
 from ..framing import SMALL_RUN
 from . import blocks as nixl_blocks
@@ -82,6 +83,9 @@ log = logging.getLogger("kvxferd.nixl")
 MAX_UNRELEASED = 4096
 #: blocks of one chunk on the wire at once (each holds a landing slot, and a staging slot unless read in place)
 BLOCKS_IN_FLIGHT = 4
+#: a bulk chunk's direct WRITEs on the wire at once (``qos.bulk_block_bytes``): two keep the link busy
+#: while the next is posted, and bound what a latency WRITE to the same agent waits behind
+DIRECT_BLOCKS_IN_FLIGHT = 2
 SCATTER_THREADS = 2  # decode side: staged blocks scattered at once (bounded anyway by the landing slots)
 
 
@@ -93,7 +97,7 @@ class NixlTransport(RemoteAgents, NixlReceiver):
 
     def __init__(self, daemon_name: str, inbox: Inbox, *, timeout_s: float, max_header_bytes: int,
                  staging: StagingPool | None = None, landing_slots: int = 0, landing_bytes: int = 0,
-                 in_place_bytes: int = 256 * 1024, engine_memory: str = PRIVATE,
+                 in_place_bytes: int = 256 * 1024, engine_memory: str = PRIVATE, bulk_block_bytes: int = 0,
                  on_received: Callable[[Sink, Moved], None] | None = None,
                  on_refused: Callable[[DestEntry, str, str], None] | None = None,
                  on_invalid: Callable[[str], None] | None = None,
@@ -108,6 +112,11 @@ class NixlTransport(RemoteAgents, NixlReceiver):
         self.max_header_bytes = max_header_bytes
         self.staging = staging
         self.in_place_bytes = in_place_bytes
+        #: QoS: a bulk chunk's direct WRITE is cut into WRITEs of at most this many bytes (0: never), so a
+        #: latency WRITE to the same agent queues behind at most ``DIRECT_BLOCKS_IN_FLIGHT`` of them
+        self.bulk_block_bytes = bulk_block_bytes
+        #: prefill side: direct chunks sent, and the WRITEs they took (more than one: cut by QoS), for ``status``
+        self.direct_chunks = self.direct_writes = 0
         #: "private": decode engines' memory is never registered nor described (see the module doc)
         self.private = engine_memory == PRIVATE
         self.on_registered = on_registered
@@ -371,23 +380,31 @@ class NixlTransport(RemoteAgents, NixlReceiver):
                                fix="send pages inside both ranks' registered regions")
         local = _descs(src_bases, segs.src, segs.lengths, src_device)
         remote = _descs(dst_bases, segs.dst, segs.lengths, dst_device)
+        cut = self.bulk_block_bytes if job.qos.cls == BULK else 0
+        writes = nixl_blocks.cut_rows(local, remote, cut)
         deadline = time.monotonic() + self.timeout_s
         # with digests, the WRITE goes first and the source's pages are hashed while it moves them;
-        # the header follows once every byte landed (a notification of its own), else with the WRITE
-        trailing = job.digests is not None
+        # the header follows once every byte landed (a notification of its own), else with the WRITE.
+        # A chunk cut into several WRITEs (QoS) tells its header once the last of them is DONE
+        trailing = job.digests is not None or len(writes) > 1
+        notif = b""
+        in_flight: deque[Any] = deque()
         with self._lock:
             self._sending += 1
+            self.direct_chunks += 1
+            self.direct_writes += len(writes)
         try:
-            handle = self._post(local, _mem(src_device), remote, _mem(dst_device), peer.agent,
-                                b"" if trailing else protocol.encode(job.header()))
-            try:
-                notif = protocol.encode(job.header()) if trailing else b""
-                self._wait(handle, peer, deadline)
-            except BaseException:
-                self._release(handle, settle_s=RELEASE_SETTLE_S, agent=peer.agent)  # the fence counts on it
-                raise
-            self._release(handle, agent=peer.agent)
+            for k, (loc, rem) in enumerate(writes):
+                in_flight.append(self._post(loc, _mem(src_device), rem, _mem(dst_device), peer.agent,
+                                            b"" if trailing else protocol.encode(job.header())))
+                if k == 0 and trailing:
+                    notif = protocol.encode(job.header())
+                while in_flight and (len(in_flight) >= DIRECT_BLOCKS_IN_FLIGHT or k == len(writes) - 1):
+                    self._wait(in_flight[0], peer, deadline)
+                    self._release(in_flight.popleft(), agent=peer.agent)
         finally:
+            while in_flight:  # an error with WRITEs on the wire: the fence counts on each settling
+                self._release(in_flight.popleft(), settle_s=RELEASE_SETTLE_S, agent=peer.agent)
             with self._lock:
                 self._sending -= 1
         if trailing:
