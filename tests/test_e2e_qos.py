@@ -5,6 +5,7 @@ met fail ``deadline`` on both sides with no byte landed, and the daemons go on s
 from __future__ import annotations
 
 import random
+import time
 import urllib.request
 
 import pytest
@@ -54,14 +55,15 @@ class Pages:
         return taken
 
 
-def _send(p, d, rid, n, pages: Pages, *, qos_class=None, budget_ms=None, source_address):
+def _send(p, d, rid, n, pages: Pages, *, qos_class=None, budget_ms=None, source_address, deadline_at=None):
     src = pages.take(p[0].instance, n)
     dst = pages.take(d[0].instance, n)
     for w in d:
         w.command(cmd="expect", request_id=rid, pages=dst, n=n, source_instance=p[0].instance,
                   source_address=source_address)
     for w in p:
-        w.command(cmd="send", request_id=rid, pages=src, n=n, qos_class=qos_class, budget_ms=budget_ms)
+        w.command(cmd="send", request_id=rid, pages=src, n=n, qos_class=qos_class, budget_ms=budget_ms,
+                  deadline_at=deadline_at)
     return dst
 
 
@@ -113,5 +115,29 @@ def test_a_deadline_that_cannot_be_met_fails_deadline_on_both_sides_and_nothing_
         src, dst2 = pages.take(p[0].instance, 16), pages.take(d[0].instance, 16)
         dec2, pre2 = transfer(p, d, "in-time", 16, src_pages=src, dst_pages=dst2, source_address=qa.address)
         assert_verified(dec2, pre2)
+    finally:
+        close(p + d)
+
+
+def test_a_wall_clock_deadline_already_past_fails_deadline_and_one_ahead_is_done(cluster):
+    """``deadline_at`` (the node's clock, Unix seconds): one already past fails ``deadline`` on both
+    sides with no byte landed; one an hour ahead holds nothing back (done, byte-exact)."""
+    qa = cluster.daemons["qa"]
+    pages = Pages(random.Random(4))
+    p, d = _pair(cluster, "chat-at-p", "chat-at-d")
+    try:
+        src, dst = pages.take(p[0].instance, 16), pages.take(d[0].instance, 16)
+        for w in d:
+            w.command(cmd="expect", request_id="past", pages=dst, n=16, source_instance=p[0].instance,
+                      source_address=qa.address)
+        for w in p:
+            w.command(cmd="send", request_id="past", pages=src, n=16, deadline_at=time.time() - 1.0)
+        pre, dec = finished(p[0], "past"), finished(d[0], "past")
+        assert (pre["state"], pre["code"]) == ("failed", "deadline"), pre
+        assert (dec["state"], dec["code"]) == ("failed", "deadline"), dec
+        assert untouched_bytes(d[0], dst) == 0
+        dst2 = _send(p, d, "ahead", 16, pages, source_address=qa.address, deadline_at=time.time() + 3600)
+        assert_verified([finished(w, "ahead") for w in d], [finished(w, "ahead") for w in p])
+        assert dst2
     finally:
         close(p + d)

@@ -203,6 +203,8 @@ class EngineFuzzer:
                 msg["qos_class"] = r.choice(("latency", "bulk", "urgent", "", 1, None, "l" * 17))
             if r.random() < 0.2:
                 msg["budget_ms"] = r.choice((0.5, 0.0, -1, 1e12, float("nan"), float("inf"), "5", True))
+            if r.random() < 0.2:  # wall-clock deadlines: past, now, far ahead, out of range, not numbers
+                msg["deadline_at"] = r.choice((0.0, time.time(), time.time() + 3600, 2.0**40, -1, float("nan"), "x"))
         elif op in ("poll", "abort"):
             msg.update(rank_id=r.choice((self.decode_rank, self.prefill_rank, *self.foreign, "x")), request_id=rid)
             if op == "abort" and r.random() < 0.3:
@@ -406,7 +408,7 @@ value = st.recursive(scalar, lambda children: st.one_of(st.lists(children, max_s
                      max_leaves=6)
 FIELDS = ("rank_id", "request_id", "pages", "start", "end", "last", "aux", "source_instance", "source_address",
           "num_tokens", "timeout_s", "instance", "role", "geometry", "regions", "reason", "seq", "v", "qos_class",
-          "budget_ms")
+          "budget_ms", "deadline_at")
 
 
 @st.composite

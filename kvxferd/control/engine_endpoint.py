@@ -30,6 +30,7 @@ from ..lifecycle.registry import ProcessRef, Rank, Registry
 from ..model import dp
 from ..model.geometry import RankGeometry, rank_id
 from ..model.group_requests import expect_tables, send_tables
+from ..model.qos import budget_s
 from ..model.segments import as_pages, check_whole_pages, unit_slots
 from ..ops.config import Config
 from ..ops.hops import TRACE
@@ -340,6 +341,6 @@ class EngineEndpoint:
         groups = (send_tables(rank.geometry, msg.groups, start, end, msg.last)
                   if rank.geometry.spec.groups or msg.groups else None)
         chunk = Chunk(start, end, msg.last, chunk_slots, msg.aux, groups)
-        budget = msg.budget_ms / 1000.0 if msg.budget_ms is not None else None
+        budget = budget_s(msg.budget_ms, msg.deadline_at, time.time())
         state = self.dispatch(events.SendCalled(rank, msg.request_id, chunk, msg.qos_class, budget))
         return messages.reply(state=state)

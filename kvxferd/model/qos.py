@@ -23,6 +23,18 @@ CLASSES = (LATENCY, BULK)  # highest first
 MAX_WEIGHT = 1000.0
 #: the longest budget a request may give itself, in ms (a day: anything longer is no deadline)
 MAX_BUDGET_MS = 86_400_000.0
+#: the latest wall-clock deadline a request may give (Unix seconds; 2**32 is in the year 2106)
+MAX_DEADLINE_AT = float(2**32)
+
+
+def budget_s(budget_ms: float | None, deadline_at: float | None, wall_now: float) -> float | None:
+    """Seconds from now to a request's deadline, from what its engine said: a budget in ms from
+    the call, a wall-clock time (the node's clock), or both (the earlier holds); None: no deadline.
+    A deadline already past is 0: the request fails ``deadline`` before a byte moves."""
+    left = [budget_ms / 1000.0] if budget_ms is not None else []
+    if deadline_at is not None:
+        left.append(max(deadline_at - wall_now, 0.0))
+    return min(left) if left else None
 
 
 @dataclass(frozen=True)

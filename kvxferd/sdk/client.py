@@ -94,7 +94,7 @@ class _Base:
         fields = {"rank_id": rank_id, "request_id": chunk["request_id"], "pages": _pages(chunk["pages"]),
                   "start": chunk["start"], "end": chunk["end"], "last": chunk.get("last", True),
                   "aux": chunk.get("aux"), "groups": _groups(chunk.get("groups"))}
-        for name in ("qos_class", "budget_ms"):  # sent only when asked: most requests take their instance's
+        for name in ("qos_class", "budget_ms", "deadline_at"):  # sent only when asked: most take their instance's
             if chunk.get(name) is not None:
                 fields[name] = chunk[name]
         return "send", fields
@@ -243,14 +243,16 @@ class EngineClient(_Base):
     def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
              last: bool = True, aux: bytes | None = None,
              groups: Mapping[str, Iterable[int] | int] | None = None,
-             qos_class: str | None = None, budget_ms: float | None = None) -> str:
+             qos_class: str | None = None, budget_ms: float | None = None,
+             deadline_at: float | None = None) -> str:
         """``groups``: the chunk's pages per KV group (as ``pages``), each state group's slot with
-        the last chunk. ``qos_class`` ("latency" or "bulk") and ``budget_ms`` (ms from this call by
-        which the KV must have landed, or the request fails ``deadline``): the first chunk's hold
-        for the request; None takes the instance's class (``qos.instances``) and no deadline."""
+        the last chunk. ``qos_class`` ("latency" or "bulk"), and ``budget_ms`` (ms from this call)
+        or ``deadline_at`` (``time.time()`` seconds) by which the KV must have landed, or the
+        request fails ``deadline`` (both: the earlier): the first chunk's hold for the request;
+        None takes the instance's class (``qos.instances``) and no deadline."""
         op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
                                                    last=last, aux=aux, groups=groups, qos_class=qos_class,
-                                                   budget_ms=budget_ms))
+                                                   budget_ms=budget_ms, deadline_at=deadline_at))
         return self.call(op, **fields)["state"]
 
     def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:
@@ -388,10 +390,11 @@ class AsyncEngineClient(_Base):
     async def send(self, rank_id: str, request_id: str, *, pages: Iterable[int], start: int, end: int,
                    last: bool = True, aux: bytes | None = None,
                    groups: Mapping[str, Iterable[int] | int] | None = None,
-                   qos_class: str | None = None, budget_ms: float | None = None) -> str:
+                   qos_class: str | None = None, budget_ms: float | None = None,
+                   deadline_at: float | None = None) -> str:
         op, fields = self._send_call(rank_id, dict(request_id=request_id, pages=pages, start=start, end=end,
                                                    last=last, aux=aux, groups=groups, qos_class=qos_class,
-                                                   budget_ms=budget_ms))
+                                                   budget_ms=budget_ms, deadline_at=deadline_at))
         return (await self.call(op, **fields))["state"]
 
     async def poll(self, rank_id: str, request_id: str) -> dict[str, Any]:

@@ -172,7 +172,8 @@ def _worker_command(client: Any, rid: str, cache: Any, geometry: RankGeometry, c
                             end=end, last=last, aux=bytes.fromhex(cmd["aux"]) if last and cmd.get("aux") else None,
                             groups=chunk_groups(geometry, cmd.get("groups"), start, end, last),
                             qos_class=cmd.get("qos_class") if i == 0 else None,
-                            budget_ms=cmd.get("budget_ms") if i == 0 else None)
+                            budget_ms=cmd.get("budget_ms") if i == 0 else None,
+                            deadline_at=cmd.get("deadline_at") if i == 0 else None)
         elif op == "expect_many":  # one batched call for many requests; refusals come back per request
             reqs = cmd["requests"]
             for r in reqs:

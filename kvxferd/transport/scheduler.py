@@ -51,7 +51,6 @@ class _Flow(Generic[T]):
     weight: float
     heap: list[_Job[T]] = field(default_factory=list)
     tag: float = 0.0  # its virtual start: the flow with the lowest is served next
-    nbytes: int = 0  # bytes queued
 
 
 @dataclass(frozen=True)
@@ -98,7 +97,6 @@ class Scheduler(Generic[T]):
             flow = c.flows[name] = _Flow(max(qos.weight, 1e-9), tag=c.clock)
         deadline = math.inf if self.fifo or qos.deadline is None else qos.deadline
         heapq.heappush(flow.heap, _Job(deadline, next(self._seq), nbytes, batch, item))
-        flow.nbytes += nbytes
         c.jobs += 1
         c.nbytes += nbytes
 
@@ -160,7 +158,6 @@ class Scheduler(Generic[T]):
                 total += nxt.nbytes
         c.clock = flow.tag
         flow.tag += total / flow.weight
-        flow.nbytes -= total
         c.jobs -= len(taken)
         c.nbytes -= total
         if not flow.heap:

@@ -27,7 +27,7 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar, Mapping
 
 from ..errors import ProtocolError
-from ..model.qos import CLASSES, MAX_BUDGET_MS
+from ..model.qos import CLASSES, MAX_BUDGET_MS, MAX_DEADLINE_AT
 from ..model.sampling import MAX_PERIOD, MODES
 from .protocol import (ADDRESS, BATCH_PARTS, EXPECT_TARGETS, INCARNATION, MAX_DP, MAX_INSTANCE_RANKS,
                        MAX_PLAN_ROWS, NAME, NIXL_OFFER, REQUEST_ID, TRANSPORT_CHOICE, Checker, Schema, asked_sample,
@@ -158,6 +158,10 @@ class Send(Message):
     #: ms from this call by which the request's KV must have landed; one that cannot, or did not,
     #: fails with code "deadline" (None: no deadline)
     budget_ms: float | None = wire(number(0.001, MAX_BUDGET_MS), None)
+    #: the wall-clock time (Unix seconds, the node's clock, which engine and daemon share) by which
+    #: the request's KV must have landed; with ``budget_ms`` too, the earlier holds. One already
+    #: past fails ``deadline`` before a byte moves
+    deadline_at: float | None = wire(number(0.0, MAX_DEADLINE_AT), None)
 
 
 @dataclass(frozen=True)

@@ -232,15 +232,22 @@ def _deadline_probe(probe: _Instance) -> dict[str, Any]:
                         pages=lay.sets[0], num_tokens=lay.n)
     drv.wait_known(req)
     p = drv.prefill[0]
-    t0 = time.perf_counter()
+    t0, sent_ns = time.perf_counter(), time.monotonic_ns()
     p.client.send(p.rid, req, pages=lay.src_pages, start=0, end=lay.n, last=True, budget_ms=1.0)
     call_ms = (time.perf_counter() - t0) * 1e3  # the send's own round trip to the daemon
     end = time.monotonic() + 60
     while time.monotonic() < end:
         for ev in drv.events(100):
             if ev.get("request_id") == req and ev.get("rank_id") == p.rid:
-                return {"ms": round((time.perf_counter() - t0) * 1e3, 3), "call_ms": round(call_ms, 3),
-                        "state": ev.get("state"), "code": ev.get("code"), "reason": (ev.get("reason") or "")[:300]}
+                out = {"ms": round((time.perf_counter() - t0) * 1e3, 3), "call_ms": round(call_ms, 3),
+                       "state": ev.get("state"), "code": ev.get("code"), "reason": (ev.get("reason") or "")[:300]}
+                # the daemon's own stamps (daemon.hop_trace): the call reaching its loop, and the failure
+                # leaving for the engine; the monotonic clock is the host's, one for every process
+                hops = p.client.status().get("hops", {}).get(req, {})
+                if "send_in" in hops and "told_prefill" in hops:
+                    out["reach_ms"] = round((hops["send_in"] - sent_ns) / 1e6, 3)
+                    out["decided_ms"] = round((hops["told_prefill"] - hops["send_in"]) / 1e6, 3)
+                return out
     return {"ms": None, "call_ms": round(call_ms, 3), "state": "no event", "code": None, "reason": ""}
 
 
@@ -273,9 +280,12 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
         out["bulk_alone_gbps"] = _gbps(bulk.stop(), t0, time.perf_counter())
         bulk.busy()
         time.sleep(0.2)  # the bulk window is full before the first chat request
+        chat.driver.stamping, chat.driver.stamps = True, {}  # where a chat request's time goes under bulk
         t0 = time.perf_counter()
         loaded = chat.paced(n, period)
         t1 = time.perf_counter()
+        chat.driver.stamping = False
+        out["under_bulk_hops_us"] = _hops(chat, cfg)
         out["under_bulk"] = _latencies(loaded)
         out["chat_rate"] = round(n / (t1 - t0), 1)  # requests/s the chat tenant got through under bulk
         out["deadline"] = _deadline_probe(insts["probe"])
@@ -322,6 +332,20 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _hops(chat: _Instance, cfg: dict[str, Any]) -> dict[str, Any]:
+    """The chat requests' per-hop medians under bulk, from the daemons' own stamps (``daemon.hop_trace``)."""
+    from ...sdk.client import EngineClient
+    from . import hops
+
+    def stamps_of(path: str) -> dict[str, Any]:
+        with EngineClient(path, timeout=30) as client:
+            return client.status().get("hops", {})
+
+    source = stamps_of(cfg["prefill_socket"])
+    decode = source if cfg["decode_socket"] == cfg["prefill_socket"] else stamps_of(cfg["decode_socket"])
+    return hops.breakdown(chat.driver.stamps, source, decode)
+
+
 def _latencies(values: list[float]) -> dict[str, Any]:
     return {"p50_ms": pct(values, 0.5) * 1e3, "p90_ms": pct(values, 0.9) * 1e3, "p99_ms": pct(values, 0.99) * 1e3,
             "slowest_ms": sorted(round(x * 1e3, 2) for x in values)[-5:]}
@@ -332,8 +356,10 @@ def _run_policy(transport: str, qos: bool, size: str, seed: int) -> dict[str, An
     from ..sim import Cluster
     toml = (f'[qos]\nenabled = {"true" if qos else "false"}\n'
             f'instances = {json.dumps(QOS_INSTANCES)}\n')
-    env = {"KVXFERD_PEER_TRANSPORT": "nixl", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"} \
-        if transport == "nixl" else None  # the bench's other NIXL rows' setup
+    # daemon.hop_trace: the chat requests' hops under bulk and the deadline probe's, from the daemons' stamps
+    env = {"KVXFERD_DAEMON_HOP_TRACE": "1024"}
+    if transport == "nixl":  # the bench's other NIXL rows' setup
+        env.update({"KVXFERD_PEER_TRANSPORT": "nixl", "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "NIXL_LOG_LEVEL": "WARN"})
     cluster = Cluster()
     try:
         a = cluster.daemon("qos-a", extra_toml=toml, env=env)
@@ -385,6 +411,7 @@ def qos_rows(size: str, seed: int = 1, transports: tuple[str, ...] | None = None
                                 "bulk_alone_gbps": alone, "bulk_during_gbps": during,
                                 "bulk_vs_alone": round(during / alone, 3) if alone and during else None,
                                 "deadline": res["deadline"], "bad_bytes": res.get("bad_bytes"),
+                                "hops_us": res.get("under_bulk_hops_us"),
                                 "failures": res.get("failures")}))
             if policy == "qos":
                 w, f = res.get("weights") or {}, res.get("flood") or {}

@@ -255,7 +255,9 @@ def _qos_cell(e: dict[str, Any]) -> str:
         d = e.get("deadline") or {}
         return (f"p99 {f(e.get('vs_idle_p99'), '.2f')}x idle (+{f(e.get('over_idle_p99_ms'), '.1f')} ms), bulk "
                 f"{f(e.get('bulk_vs_alone'), '.2f')}x alone, 1 ms budget: {d.get('code') or d.get('state')} in "
-                f"{f(d.get('ms'), '.2f')} ms (send {f(d.get('call_ms'), '.2f')} ms)")
+                f"{f(d.get('ms'), '.2f')} ms (send {f(d.get('call_ms'), '.2f')} ms; the call reached the daemon's "
+                f"loop in {f(d.get('reach_ms'), '.2f')} ms, which told the failure {f(d.get('decided_ms'), '.2f')} ms "
+                "after)")
     if e.get("kind") == "weights":
         return f"bytes {f(e.get('ratio'), '.2f')} : 1"
     if e.get("kind") == "flood":
