@@ -176,6 +176,30 @@ def test_a_deadline_that_cannot_be_met_given_the_queue_is_refused_at_once():
     assert "urgent" not in p.gate.order
 
 
+def test_a_deadline_counts_the_work_running_on_every_thread_that_could_take_it():
+    """Nothing queued, but the one shared thread is 1 GiB into a job at 1 GiB/s: a bulk job due in
+    0.1 s is refused at once (a thread frees in about a second); a latency job with the same
+    deadline is not, for the latency lane is free."""
+    p = Plane(latency_threads=1)
+
+    async def script(p: Plane) -> None:
+        p.plane._learn_rate("tcp", 1 << 30, 1.0)  # jobs of this transport have moved 1 GiB/s
+        p.start(_job("hold", 1 << 30))  # about a second's work, running
+        assert await asyncio.to_thread(p.gate.entered.wait, WAIT)
+        p.start(_job("urgent-bulk", 4096, deadline=time.monotonic() + 0.1))
+        p.start(_job("urgent-chat", 4096, LATENCY, "chat", deadline=time.monotonic() + WAIT))
+        await p.until(lambda: "urgent-chat" in p.gate.order)
+        p.gate.release.set()
+        await p.until(lambda: len(p.finished) == 3)
+
+    p.run(script)
+    bulk = p.outcome("urgent-bulk")
+    assert bulk.error.code == "deadline" and "cannot land by its deadline" in str(bulk.error)
+    assert "0 bytes of class bulk or higher queued ahead, a thread free for it in" in str(bulk.error)
+    assert "urgent-bulk" not in p.gate.order
+    assert p.outcome("urgent-chat").error is None
+
+
 def test_status_names_the_policy_and_what_each_instance_has_queued():
     p = Plane(latency_threads=0)
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from typing import Any, Callable
 
 import zmq
@@ -32,12 +32,13 @@ from ..transport.hub import Transports
 from ..wire import auth, linkwatch, messages, protocol
 from ..wire.coalesce import Coalescer, PartCounts
 from .advertised import Advertised
-from .zmq_loop import ignore_result
 
 log = logging.getLogger("kvxferd.upstream")
 
 MAX_UNANSWERED = 256  # numbered messages a link remembers the sending time of
 PING_BURST = 64  # links pinged at once; more are spread over the heartbeat interval
+#: messages a link holds for a peer whose socket takes no more (past SNDHWM), before it drops them
+MAX_BACKLOG = 1024
 
 
 class PeerLink:
@@ -45,7 +46,10 @@ class PeerLink:
 
     def __init__(self, links: "DecodeLinks", address: str) -> None:
         self.address = address
-        self.sock = links.ctx.socket(zmq.DEALER)
+        # a plain socket, driven from the loop by its descriptor (:meth:`_on_fd`): an asyncio socket
+        # builds a future and a poller per message, which at a thousand idle links (a pong each a
+        # second) was 40% of the loop's time
+        self.sock = zmq.Context.shadow(links.ctx.underlying).socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 10000)
         self.sock.setsockopt(zmq.RCVHWM, 10000)
@@ -63,7 +67,10 @@ class PeerLink:
             self.sock.curve_secretkey = links.keys.secret.encode()
             self.sock.curve_publickey = links.keys.public.encode()
             self.sock.curve_serverkey = server_key.encode()
-            self.monitor = self.sock.get_monitor_socket(linkwatch.EVENTS)
+            watch_at = f"inproc://kvxferd-linkwatch-{id(self)}"
+            self.sock.monitor(watch_at, linkwatch.EVENTS)
+            self.monitor = links.ctx.socket(zmq.PAIR)  # an asyncio socket: linkwatch awaits it
+            self.monitor.connect(watch_at)
         self.sock.connect(f"tcp://{host}:{port}")
         # ties our data connections to this authenticated link; sent inside the handshake, proven by
         # each data connection the source opens to this daemon (kvxferd.transport.tcp_proof)
@@ -85,7 +92,15 @@ class PeerLink:
         self.outgoing = Coalescer(lambda parts: self._send_parts(parts[1:]), max_parts=1)
         self.sent = links.sent
         self.metric_sent = links.metrics.peer_parts.labels("sent")
-        self.reader = asyncio.ensure_future(self._read(links))
+        #: parts of messages the socket would not take yet (the peer reads slower than we send),
+        #: in order; sent as it becomes writable. Bounded: a link past it is closed as stalled
+        self.backlog: deque[list[bytes]] = deque()
+        self.links = links
+        self.loop = asyncio.get_running_loop()
+        self.fd = self.sock.getsockopt(zmq.FD)
+        self.loop.add_reader(self.fd, self._on_fd)
+        self._check_due = False
+        self._check_soon()  # what came before the descriptor was watched
         self.watcher = None if self.monitor is None or links.keys is None else asyncio.ensure_future(
             linkwatch.watch(self.monitor, address, links.keys.public,
                             lambda message: links.auth_failed(self, message),
@@ -99,9 +114,47 @@ class PeerLink:
             return
         self.sent.add(len(parts))
         self.metric_sent.observe(len(parts))
-        fut = self.sock.send_multipart(parts)
-        if isinstance(fut, asyncio.Future):
-            fut.add_done_callback(ignore_result)
+        if not self.backlog:
+            try:
+                self.sock.send_multipart(parts, zmq.NOBLOCK)
+            except zmq.Again:
+                self.backlog.append(parts)
+            except zmq.ZMQError as exc:
+                log.info("event=peer_send_failed peer=%s error=%s", self.address, q(str(exc)))
+        elif len(self.backlog) < MAX_BACKLOG:
+            self.backlog.append(parts)
+        else:  # the peer has not read for SNDHWM messages and MAX_BACKLOG more: it answers no pings either
+            self.links.metrics.peer_send_dropped.inc()
+            log.warning("event=peer_send_dropped peer=%s backlog=%d note=%s", self.address, len(self.backlog),
+                        q("a peer link's outgoing messages past its bound: dropped; the peer's silence ends the link"))
+        # a send may take the descriptor's edge for a message that arrived meanwhile: look once more
+        self._check_soon()
+
+    def _check_soon(self) -> None:
+        if not self._check_due:
+            self._check_due = True
+            self.loop.call_soon(self._on_fd)
+
+    def _on_fd(self) -> None:
+        """The socket's descriptor is readable (ZeroMQ's edge: something changed), or a look was due:
+        send what waited, read what came (up to ``limits.max_peer_batch_parts`` parts a turn, then
+        the loop's other work goes first and this link is looked at again)."""
+        self._check_due = False
+        if self.sock.closed:
+            return
+        try:
+            events = self.sock.getsockopt(zmq.EVENTS)
+            while self.backlog and events & zmq.POLLOUT:
+                try:
+                    self.sock.send_multipart(self.backlog[0], zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                self.backlog.popleft()
+                events = self.sock.getsockopt(zmq.EVENTS)
+            if events & zmq.POLLIN and self._read_some(self.links):
+                self._check_soon()  # more is waiting: after the loop's other work
+        except zmq.ZMQError:
+            return  # closed under us
 
     def peer_reads(self, batch: Any) -> None:
         """The source named (or left out) how many parts of one message it reads: batch up to that."""
@@ -145,27 +198,22 @@ class PeerLink:
             self.waiting.pop(seq, None)
             self.sent_at.pop(seq, None)
 
-    async def _read(self, links: "DecodeLinks") -> None:
-        """What the source says, part by part: a source of any version sends one message, or the
-        parts of one (answers of one turn). Each part is handled as it is read, so none is kept;
-        a message past ``limits.max_batch_bytes`` or twice ``limits.max_peer_batch_parts`` (no
-        answers of one turn come to that) is dropped unread from there on, counted and logged."""
+    def _read_some(self, links: "DecodeLinks") -> bool:
+        """What the source says, part by part, until nothing waits or this turn's share is read
+        (True: more may wait). A source of any version sends one message, or the parts of one
+        (answers of one turn). Each part is handled as it is read, so none is kept; a message
+        past ``limits.max_batch_bytes`` or twice ``limits.max_peer_batch_parts`` (no answers of
+        one turn come to that) is dropped unread from there on, counted and logged."""
         received = links.metrics.peer_parts.labels("received")
         limits = links.cfg.limits
         hard_parts, budget = 2 * limits.max_peer_batch_parts, limits.max_batch_bytes
-        raw = zmq.Socket.shadow(self.sock.underlying)  # read without a future; awaited only when idle
+        raw = self.sock
         taken = 0
-        while True:
+        while taken < limits.max_peer_batch_parts:
             try:
                 data = raw.recv(zmq.NOBLOCK, copy=True)
             except zmq.Again:
-                try:
-                    await self.sock.poll(flags=zmq.POLLIN)
-                except (zmq.ZMQError, asyncio.CancelledError):
-                    return
-                continue
-            except zmq.ZMQError:
-                return
+                return False
             parts, nbytes, over = 1, len(data), ""
             self._one(links, data)
             while raw.getsockopt(zmq.RCVMORE):
@@ -188,9 +236,9 @@ class PeerLink:
                             over, parts, nbytes, q("a source daemon's message past limits.max_batch_bytes or twice "
                                                    "limits.max_peer_batch_parts: the rest of it was dropped unread"))
             taken += parts
-            if taken >= limits.max_peer_batch_parts:  # a long burst gives the loop a turn now and then, not
-                taken = 0  # after every message: what one turn hears is answered together
-                await asyncio.sleep(0)
+            if self.sock.closed:  # a message handled above closed this link
+                return False
+        return True
 
     def _one(self, links: "DecodeLinks", data: bytes) -> None:
         try:
@@ -214,7 +262,14 @@ class PeerLink:
 
     def close(self) -> None:
         self.outgoing.flush()  # what this turn queued (an abort) leaves before the socket closes
-        self.reader.cancel()
+        if self.sock.closed:
+            return
+        self.loop.remove_reader(self.fd)  # before the close: the descriptor may be reused at once
+        try:
+            while self.backlog:  # what waited for the peer, as far as it takes it now
+                self.sock.send_multipart(self.backlog.popleft(), zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass
         for fut in self.waiting.values():
             if not fut.done():
                 fut.cancel()

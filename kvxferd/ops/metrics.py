@@ -159,6 +159,10 @@ class Metrics:
         self.accept_errors = Counter(
             "kvxferd_accept_errors", "Errors of an accept loop (it pauses briefly and goes on), by endpoint.",
             ["endpoint"], registry=r)
+        self.peer_send_dropped = Counter(
+            "kvxferd_peer_send_dropped", "Messages to a source daemon dropped because its link held "
+            "decode_links.MAX_BACKLOG messages it would not take (past SNDHWM): a peer that reads nothing; "
+            "its silence then ends the link.", registry=r)
         self.oversized_messages = Counter(
             "kvxferd_oversized_messages", "ZeroMQ multipart messages dropped unread past their bound (reason bytes: "
             "limits.max_batch_bytes; parts: twice the endpoint's parts limit), their sender dropped for "

@@ -95,6 +95,10 @@ class DataPlane:
         #: bytes per second one job of each transport has been moving (None until one moved enough)
         self._rates: dict[str, float] = {}
         self._flows: dict[tuple[str, str], _Flow] = {}  # (class, instance) -> what it is doing
+        #: each data thread running a hand-off now: (the classes it may run, when it took it, its
+        #: transport, its bytes); what a deadline estimate counts as ahead of a job when every lane
+        #: that could take it is busy
+        self._busy: dict[int, tuple[tuple[str, ...], float, str, int]] = {}
         self._closed = False
         self._posted_lock = threading.Lock()
         self._posted: list[Any] = []  # events from threads the loop has not taken yet
@@ -188,13 +192,26 @@ class DataPlane:
             return None
         lanes = self.threads + (self.latency_threads if qos.cls == LATENCY else 0)
         ahead = self._sched.ahead_of(qos.cls)
-        need = (ahead / lanes + effect.job.nbytes) / rate
+        lane_free = self._lane_free_in(qos.cls, lanes, now)
+        need = lane_free + (ahead / lanes + effect.job.nbytes) / rate
         if now + need <= qos.deadline:
             return None
         return deadline_error(
             f"request {effect.job.request_id!r} cannot land by its deadline: it needs about {need * 1e3:.1f} ms "
-            f"({effect.job.nbytes} bytes, {ahead} bytes of class {qos.cls} or higher queued ahead, at "
-            f"{rate / 1e9:.2f} GB/s a {effect.kind} job) and {max(qos.deadline - now, 0.0) * 1e3:.1f} ms are left")
+            f"({effect.job.nbytes} bytes, {ahead} bytes of class {qos.cls} or higher queued ahead, a thread free "
+            f"for it in {lane_free * 1e3:.1f} ms, at {rate / 1e9:.2f} GB/s a {effect.kind} job) and "
+            f"{max(qos.deadline - now, 0.0) * 1e3:.1f} ms are left")
+
+    def _lane_free_in(self, cls: str, lanes: int, now: float) -> float:
+        """Seconds until a data thread that may run ``cls`` is free (0 if one is now): the soonest
+        end of the hand-offs running on such threads, each at its transport's rate (one whose rate
+        is not known yet counts as ending at once: the estimate never refuses on a guess)."""
+        running = [(started, kind, nbytes) for allowed, started, kind, nbytes in self._busy.values() if cls in allowed]
+        if len(running) < lanes:
+            return 0.0
+        ends = [max(nbytes / rate - (now - started), 0.0) if (rate := self._rates.get(kind)) else 0.0
+                for started, kind, nbytes in running]
+        return min(ends, default=0.0)
 
     def _flow(self, cls: str, instance: str) -> _Flow:
         flow = self._flows.get((cls, instance))
@@ -259,6 +276,9 @@ class DataPlane:
                     late.append(item)
                     if not (flow.running or flow.queued_jobs):
                         del self._flows[(qos.cls, qos.instance)]  # bounded by what is queued
+                if taken:
+                    self._busy[threading.get_ident()] = (allowed, now, taken[0].effect.kind,
+                                                         sum(item.effect.job.nbytes for item in taken))
             if late:
                 self.metrics.qos_deadline_failures.labels(pick.cls, "queue").inc(len(late))
                 self._post_all([self._outcome(item, deadline_error(
@@ -283,6 +303,7 @@ class DataPlane:
 
     def _finished(self, pick: Pick[_Queued], taken: list[_Queued], seconds: float) -> None:
         with self._cond:
+            self._busy.pop(threading.get_ident(), None)
             self._sched.ran(pick, seconds)
             for item in taken:
                 qos, nbytes = item.effect.job.qos, item.effect.job.nbytes
