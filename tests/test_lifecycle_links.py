@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvxferd.lifecycle import events
 from kvxferd.lifecycle.links import CONNECTING, DOWN, TRANSITIONS, UP, LinkError, Links
@@ -232,3 +233,28 @@ def test_the_backoff_is_capped():
     assert max(waits) <= 8.0
     book.move(link, "heard", 101.0)
     assert link.tries == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2), st.sampled_from(
+    ["opened", "heard", "silent", "retry", "idle", "closed", "named"]), st.integers(0, 2)), max_size=60))
+def test_other_links_of_a_daemon_are_what_a_scan_of_every_link_finds(steps):
+    """``others`` reads an index by daemon address (a ping asks it on every link): after any
+    sequence of happenings it answers what a scan of every link would, for every key."""
+    book = Links("decode")
+    for key, daemon, happened, inc in steps:
+        link = book.get(key)
+        if happened == "named":
+            if link is not None:
+                book.incarnation(link, f"inc{inc}")
+            continue
+        if link is None:
+            if happened in ("opened", "heard"):
+                getattr(book, "open" if happened == "opened" else "heard")(key, f"d{daemon}", 0.0)
+            continue
+        if (link.state, happened) in TRANSITIONS:
+            book.move(link, happened, 0.0)
+        for k, d, i in itertools.product(range(6), range(3), range(3)):
+            scan = sorted(x.key for x in book if x.key != k and x.daemon == f"d{d}" and x.incarnation
+                          and x.incarnation != f"inc{i}")
+            assert sorted(x.key for x in book.others(k, f"d{d}", f"inc{i}")) == scan

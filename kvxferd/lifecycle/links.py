@@ -79,6 +79,9 @@ class Links:
         self.backoff_max_s = backoff_max_s
         self.rng = rng or random.Random()  # jitter: links that went down together are not tried together
         self.book: dict[Hashable, Link] = {}
+        #: the keys of each daemon address's links: what :meth:`others` reads on every ping, which a
+        #: scan of the book made cost O(links) each (a thousand links: O(n^2) a heartbeat)
+        self._by_daemon: dict[str, set[Hashable]] = {}
 
     def __len__(self) -> int:
         return len(self.book)
@@ -109,9 +112,15 @@ class Links:
                             f"{happened!r}") from None
         link.state = state
         if state is None:
-            self.book.pop(link.key, None)
+            if self.book.pop(link.key, None) is not None:
+                keys = self._by_daemon.get(link.daemon)
+                if keys is not None:
+                    keys.discard(link.key)
+                    if not keys:
+                        del self._by_daemon[link.daemon]
         else:
             self.book[link.key] = link
+            self._by_daemon.setdefault(link.daemon, set()).add(link.key)
         if happened in ("opened", "heard", "retry"):
             link.last_seen = now
         if happened == "heard":
@@ -151,8 +160,8 @@ class Links:
     def others(self, key: Hashable, daemon: str, incarnation: str) -> list[Link]:
         """Other links to the same daemon address that know another incarnation of it: each may
         belong to a process that is gone (the shell asks the socket whether it is)."""
-        return [link for link in self.book.values()
-                if link.key != key and link.daemon == daemon and link.incarnation and link.incarnation != incarnation]
+        links = (self.book[k] for k in self._by_daemon.get(daemon, ()) if k != key)
+        return [link for link in links if link.incarnation and link.incarnation != incarnation]
 
     def due(self, now: float, timeout_s: float, waited_on: Callable[[Link], bool]) -> list[tuple[Link, str]]:
         """Links whose time came: (link, what happened) for each, not applied yet.
