@@ -73,3 +73,13 @@ def test_a_request_done_within_its_deadline_is_done():
     pn.send(p, "r", pages(4), 0, 16, True, budget_s=0.5)
     c.run()
     assert pn.outcome("r", p).state == "done" and dn.outcome("r", d).state == "done"
+
+
+def test_a_deadline_is_the_earlier_of_a_budget_and_a_wall_clock_time_and_one_past_is_zero():
+    from kvxferd.model.qos import budget_s
+    assert budget_s(None, None, 1000.0) is None
+    assert budget_s(250.0, None, 1000.0) == 0.25
+    assert budget_s(None, 1002.0, 1000.0) == 2.0
+    assert budget_s(250.0, 1002.0, 1000.0) == 0.25  # the budget ends first
+    assert budget_s(5000.0, 1002.0, 1000.0) == 2.0  # the wall-clock time comes first
+    assert budget_s(None, 999.0, 1000.0) == 0.0  # already past: fails before a byte moves

@@ -111,7 +111,7 @@ FULL: list[Message] = [
     messages.Register("pre", "prefill", {"num_layers": 2}, [REGION], 4321, "h:7", 1, 2, "sampled"),
     messages.Unregister("pre/0/0"),
     messages.Expect("dec/0/0", "r1", "pre", [1, 2], "h:1", 64, 16, 2.5, 1, {"kv": [1, 2], "ssm": [3]}),
-    messages.Send("pre/0/0", "r1", [1, 2], 0, 16, True, b"aux", {"kv": [1]}, "latency", 250.0),
+    messages.Send("pre/0/0", "r1", [1, 2], 0, 16, True, b"aux", {"kv": [1]}, "latency", 250.0, 1.8e9),
     messages.Poll("pre/0/0", "r1"),
     messages.Abort("pre/0/0", "r1", "engine gave up"),
     messages.Status(),

@@ -27,6 +27,7 @@ import os
 import queue
 import shutil
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -253,22 +254,36 @@ class Idle:
 
 
 def idle(daemon: DaemonProc, client: Any, links: int, seconds: float, state: str, status_calls: int = 50) -> Idle:
-    """The daemon's CPU over ``seconds`` with nobody calling it, then ``status_calls`` status calls."""
+    """The daemon's CPU over ``seconds`` with nobody calling it, then ``status_calls`` status calls,
+    made from a process of their own: this one runs the fake fleet, whose thread would hold the
+    interpreter lock while a call's answer waits to be read (what would be timed is this process)."""
     from .bench.machine import proc_cpu
     assert daemon.proc is not None
     pid = daemon.proc.pid
     cpu0, t0 = proc_cpu(pid), time.monotonic()
     time.sleep(seconds)
     cpu = (proc_cpu(pid) - cpu0) / (time.monotonic() - t0) * 100
-    took, listed = [], 0
-    for _ in range(status_calls):
-        t = time.perf_counter()
-        status = client.status()
-        took.append((time.perf_counter() - t) * 1000)
-        listed = sum(1 for p in status.get("peers", []) if p.get("state") == state)
-        time.sleep(0.02)
+    out = subprocess.run([sys.executable, "-m", "kvxferd.tools.fleet", "--status-calls", daemon.socket_path,
+                          str(status_calls), state], capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"fleet: status calls failed: {out.stderr[-300:]}")
+    took, listed = json.loads(out.stdout)
     return Idle(links, round(cpu, 2), round(pct(took, 0.5), 2), round(pct(took, 0.99), 2), open_fds(pid),
                 round(rss_kb(pid) / 1024, 1), listed)
+
+
+def status_calls(socket_path: str, calls: int, state: str) -> tuple[list[float], int]:
+    """``calls`` status calls, 20 ms apart: each one's ms, and the peers the last listed in ``state``."""
+    from ..sdk.client import EngineClient
+    took, listed = [], 0
+    with EngineClient(socket_path, timeout=60) as client:
+        for _ in range(calls):
+            t = time.perf_counter()
+            status = client.status()
+            took.append((time.perf_counter() - t) * 1000)
+            listed = sum(1 for p in status.get("peers", []) if p.get("state") == state)
+            time.sleep(0.02)
+    return took, listed
 
 
 @dataclass
@@ -402,7 +417,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvxferd.tools.fleet", description=__doc__.split("\n\n")[0])
     ap.add_argument("--links", type=int, default=100, help="fake peer daemons of each kind")
     ap.add_argument("--idle-s", type=float, default=10.0, help="seconds each idle CPU reading spans")
+    ap.add_argument("--status-calls", nargs=3, metavar=("SOCKET", "CALLS", "STATE"),
+                    help=argparse.SUPPRESS)  # the status calls of one idle reading, from a process of their own
     args = ap.parse_args(argv)
+    if args.status_calls:
+        path, calls, state = args.status_calls
+        print(json.dumps(status_calls(path, int(calls), state)))
+        return 0
     report = measure(args.links, args.idle_s, say=lambda m: print(m, file=sys.stderr, flush=True))
     print(json.dumps(report.to_dict(), indent=1))
     return 1 if report.errors else 0
