@@ -72,6 +72,13 @@ class Plane:
         return found
 
 
+async def _hold_the_shared_thread(p: Plane, nbytes: int) -> None:
+    """Jobs of this transport have moved 1 GiB/s, and the one shared thread now runs ``hold``."""
+    p.plane._learn_rate("tcp", 1 << 30, 1.0)
+    p.start(_job("hold", nbytes))
+    assert await asyncio.to_thread(p.gate.entered.wait, WAIT)
+
+
 def test_latency_work_goes_ahead_of_bulk_queued_before_it():
     p = Plane(latency_threads=0)
 
@@ -157,9 +164,7 @@ def test_a_deadline_that_cannot_be_met_given_the_queue_is_refused_at_once():
     p = Plane(latency_threads=0)
 
     async def script(p: Plane) -> None:
-        p.plane._learn_rate("tcp", 1 << 30, 1.0)  # jobs of this transport have moved 1 GiB/s
-        p.start(_job("hold", 1 << 20))
-        assert await asyncio.to_thread(p.gate.entered.wait, WAIT)
+        await _hold_the_shared_thread(p, 1 << 20)
         for i in range(4):
             p.start(_job(f"bulk{i}", 256 << 20))  # 1 GiB queued: about a second's work
         before = len(p.finished)
@@ -177,17 +182,16 @@ def test_a_deadline_that_cannot_be_met_given_the_queue_is_refused_at_once():
 
 
 def test_a_deadline_counts_the_work_running_on_every_thread_that_could_take_it():
-    """Nothing queued, but the one shared thread is 1 GiB into a job at 1 GiB/s: a bulk job due in
-    0.1 s is refused at once (a thread frees in about a second); a latency job with the same
-    deadline is not, for the latency lane is free."""
+    """Nothing queued, but the one shared thread runs a job of 256 GiB at 1 GiB/s: a bulk job due in
+    WAIT seconds is refused at once (a thread frees in about four minutes); a latency job with the
+    same deadline is not, for the latency lane is free."""
     p = Plane(latency_threads=1)
 
     async def script(p: Plane) -> None:
-        p.plane._learn_rate("tcp", 1 << 30, 1.0)  # jobs of this transport have moved 1 GiB/s
-        p.start(_job("hold", 1 << 30))  # about a second's work, running
-        assert await asyncio.to_thread(p.gate.entered.wait, WAIT)
-        p.start(_job("urgent-bulk", 4096, deadline=time.monotonic() + 0.1))
-        p.start(_job("urgent-chat", 4096, LATENCY, "chat", deadline=time.monotonic() + WAIT))
+        await _hold_the_shared_thread(p, 256 << 30)  # minutes of work, running
+        due = time.monotonic() + WAIT
+        p.start(_job("urgent-bulk", 4096, deadline=due))
+        p.start(_job("urgent-chat", 4096, LATENCY, "chat", deadline=due))
         await p.until(lambda: "urgent-chat" in p.gate.order)
         p.gate.release.set()
         await p.until(lambda: len(p.finished) == 3)

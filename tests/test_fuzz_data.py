@@ -123,7 +123,7 @@ class DataFuzzer:
         h = self.header(*unreceived)  # right in every field: each category breaks one
         kind = r.choice(("token", "request_id", "decode_instance", "dst", "src", "beyond_capacity", "beyond_request",
                          "overlap", "replayed_range", "reversed", "nbytes", "last_flag", "aux", "missing", "extra",
-                         "wrong_type", "length_bomb", "garbage", "not_a_map", "truncated_header", "op"))
+                         "wrong_type", "length_bomb", "garbage", "not_a_map", "truncated_header", "op", "lane"))
         if kind == "token":  # an otherwise perfect header naming another token than its connection proved
             # (a header without one is the proven link's: kvxferd's own sources leave it out)
             choice = r.choice(("random", "empty", "long", "text"))
@@ -192,6 +192,9 @@ class DataFuzzer:
             data = LENGTH.pack(len(body)) + body
             self.sent.append(data)
             return kind, data
+        elif kind == "lane":  # a QoS lane that names no class: the header's one fault (a valid lane is a
+            # sender's say over its own connection's receiving thread's nice, and nothing more)
+            h["lane"] = r.choice(("urgent", "", "LATENCY", "l" * 9, 0, b"bulk", ["bulk"]))  # (nil: no lane at all)
         elif kind == "op":  # a data header carries op "data"; anything else is refused with it
             h["op"] = r.choice(("ack", "handshake", 5))
             h["nbytes"] = -1

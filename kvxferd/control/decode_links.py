@@ -93,7 +93,8 @@ class PeerLink:
         self.sent = links.sent
         self.metric_sent = links.metrics.peer_parts.labels("sent")
         #: parts of messages the socket would not take yet (the peer reads slower than we send),
-        #: in order; sent as it becomes writable. Bounded: a link past it is closed as stalled
+        #: in order; sent as it becomes writable. Bounded (MAX_BACKLOG): past it a message is
+        #: dropped, counted and logged, and the silent peer's link ends on the heartbeat timeout
         self.backlog: deque[list[bytes]] = deque()
         self.links = links
         self.loop = asyncio.get_running_loop()

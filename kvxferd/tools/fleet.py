@@ -253,7 +253,7 @@ class Idle:
     peers_listed: int  # links ``status`` lists in the state asked for
 
 
-def idle(daemon: DaemonProc, client: Any, links: int, seconds: float, state: str, status_calls: int = 50) -> Idle:
+def idle(daemon: DaemonProc, links: int, seconds: float, state: str, status_calls: int = 50) -> Idle:
     """The daemon's CPU over ``seconds`` with nobody calling it, then ``status_calls`` status calls,
     made from a process of their own: this one runs the fake fleet, whose thread would hold the
     interpreter lock while a call's answer waits to be read (what would be timed is this process)."""
@@ -364,7 +364,7 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
             clients.append(c)
             rank_id, cache = _register(c, role, instance)
             caches.append(cache)
-            report.baseline[name.removeprefix("fleet-")] = idle(d, c, 0, idle_s, state)
+            report.baseline[name.removeprefix("fleet-")] = idle(d, 0, idle_s, state)
             return d, c, rank_id
 
         if "live_sources" in kinds:
@@ -375,18 +375,18 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
                                                "live", 60 + links * 0.1)
             _wait_until(lambda: sum(1 for p in client.status().get("peers", []) if p.get("state") == "up")
                         >= links, 30, f"{links} source links up")
-            report.live_sources = idle(dec, client, links, idle_s, "up")
+            report.live_sources = idle(dec, links, idle_s, "up")
         if "dead_sources" in kinds:  # a daemon of its own: its figures are the dead links' alone
             say(f"fleet: {links} dead source daemons")
             gone, gclient, grid = daemon_with_rank("fleet-decode-dead", "decode", "fleet-dst-dead", "down")
             dead = [(f"fleet-gone{i}", f"127.0.0.1:{_unheld_port()}") for i in range(links)]
             _, dead_ends = _dial(gclient, grid, dead, "dead", 60 + timeout_s * 4 + links * 0.1)
             report.ends.update({f"dead:{k}": v for k, v in dead_ends.items()})
-            report.dead_sources = idle(gone, gclient, links, idle_s, "down")
+            report.dead_sources = idle(gone, links, idle_s, "down")
         if "live_decodes" in kinds:
             # the fake decode daemons dial out and listen nowhere, so the prefill daemon's call back to the
             # addresses they claim (peer.confirm_claims) could never be answered: it is off for this one
-            pre, pclient, _ = daemon_with_rank("fleet-prefill", "prefill", "fleet-src", "up",
+            pre, _, _ = daemon_with_rank("fleet-prefill", "prefill", "fleet-src", "up",
                                                env={"KVXFERD_PEER_CONFIRM_CLAIMS": "false"})
             say(f"fleet: {links} live decode daemons, their handshakes at once")
             decodes = fleet.add_decodes(links, pre.address, "fleet-src")
@@ -397,7 +397,7 @@ def measure(links: int, idle_s: float = 10.0, heartbeat_s: float = 1.0, timeout_
             report.storm_s = round(max(d.answered_at for d in decodes) - t0, 3)
             for d in decodes:
                 report.storm_answers[str(d.answer)] = report.storm_answers.get(str(d.answer), 0) + 1
-            report.live_decodes = idle(pre, pclient, links, idle_s, "up")
+            report.live_decodes = idle(pre, links, idle_s, "up")
     finally:
         report.errors = list(fleet.errors)
         for c in clients:

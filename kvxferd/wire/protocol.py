@@ -24,6 +24,7 @@ import msgpack
 from .. import PROTOCOL_VERSION
 from ..errors import ProtocolError, RequestError
 from ..model.groups import MAX_GROUPS
+from ..model.qos import CLASSES
 from ..model.sampling import MAX_PERIOD
 
 MAX_ID_LEN = 256
@@ -409,7 +410,7 @@ DATA_HEADER = Schema(
               "header_digest": integer(0, 2**64 - 1),
               # over tcp, the QoS lane of the connection the chunk travels on (kvxferd.transport.tcp): a
               # receiver runs a bulk connection's thread at its qos.bulk_nice
-              "lane": text(8, ("latency", "bulk"))},
+              "lane": text(8, CLASSES)},
 )
 
 #: the frame after a data payload whose header said ``trailer``: the source's digests

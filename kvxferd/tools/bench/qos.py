@@ -36,6 +36,7 @@ from typing import Any
 from ..oracle import check_rank, untouched
 from .engine_layout import Layout
 from .model import Row, Workload, pct, say
+from .scenarios import hops_from_daemons
 
 #: the chat tenant's pace: one request every 20 ms (50/s), under every policy
 CHAT_PERIOD_S = 0.02
@@ -285,7 +286,7 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
         loaded = chat.paced(n, period)
         t1 = time.perf_counter()
         chat.driver.stamping = False
-        out["under_bulk_hops_us"] = _hops(chat, cfg)
+        out["under_bulk_hops_us"] = hops_from_daemons(chat.driver.stamps, cfg["prefill_socket"], cfg["decode_socket"])
         out["under_bulk"] = _latencies(loaded)
         out["chat_rate"] = round(n / (t1 - t0), 1)  # requests/s the chat tenant got through under bulk
         out["deadline"] = _deadline_probe(insts["probe"])
@@ -330,20 +331,6 @@ def engine_main(cfg: dict[str, Any]) -> dict[str, Any]:
         for inst in insts.values():
             inst.close()
     return out
-
-
-def _hops(chat: _Instance, cfg: dict[str, Any]) -> dict[str, Any]:
-    """The chat requests' per-hop medians under bulk, from the daemons' own stamps (``daemon.hop_trace``)."""
-    from ...sdk.client import EngineClient
-    from . import hops
-
-    def stamps_of(path: str) -> dict[str, Any]:
-        with EngineClient(path, timeout=30) as client:
-            return client.status().get("hops", {})
-
-    source = stamps_of(cfg["prefill_socket"])
-    decode = source if cfg["decode_socket"] == cfg["prefill_socket"] else stamps_of(cfg["decode_socket"])
-    return hops.breakdown(chat.driver.stamps, source, decode)
 
 
 def _latencies(values: list[float]) -> dict[str, Any]:

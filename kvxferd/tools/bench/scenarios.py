@@ -313,18 +313,21 @@ def run_scenario(sc: Scenario, pool: DaemonPool, seed: int, timeout: float, quie
 
 def _hops(engine_ns: dict[str, list[int]], pd: Any, dd: Any) -> dict[str, Any]:
     """The latency row's per-hop medians: the engine's stamps against both daemons' (``status``)."""
+    return hops_from_daemons({rid: (ns[0], ns[1]) for rid, ns in engine_ns.items()}, pd.socket_path, dd.socket_path)
+
+
+def hops_from_daemons(engine: dict[str, tuple[int, int]], prefill_socket: str, decode_socket: str) -> dict[str, Any]:
+    """Per-hop medians of the engine's (send, done) stamps against both daemons' own (``status``;
+    one socket for both sides: a local row's one daemon holds both)."""
     from ...sdk.client import EngineClient
 
-    def stamps_of(d: Any) -> dict[str, Any]:
-        client = EngineClient(d.socket_path, timeout=30)
-        try:
+    def stamps_of(path: str) -> dict[str, Any]:
+        with EngineClient(path, timeout=30) as client:
             return client.status().get("hops", {})
-        finally:
-            client.close()
 
-    source = stamps_of(pd)
-    decode = source if dd is pd else stamps_of(dd)  # a local row: one daemon holds both sides
-    return hops.breakdown({rid: (ns[0], ns[1]) for rid, ns in engine_ns.items()}, source, decode)
+    source = stamps_of(prefill_socket)
+    decode = source if decode_socket == prefill_socket else stamps_of(decode_socket)
+    return hops.breakdown(engine, source, decode)
 
 
 def _record_moved(row: Row, before: dict[str, float], after: dict[str, float]) -> None:
